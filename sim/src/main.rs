@@ -1,0 +1,587 @@
+//! inferlb-sim: one simulated vLLM replica, for developing and measuring inferlb without a GPU.
+//!
+//! Serves vLLM's OpenAI endpoints with timing from `engine`, plus a fault switch:
+//! `POST /sim/fault {"fault": "...", "seconds": s, "count": n}` (see `Fault`).
+
+mod engine;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use engine::{token_text, tokens, Engine, EngineConf};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "A simulated vLLM replica: OpenAI endpoints, prefix cache, prefill/decode timing, faults")]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8001")]
+    listen: SocketAddr,
+    /// This replica's name, returned in the `x-sim-replica` header.
+    #[arg(long, default_value = "sim")]
+    id: String,
+    /// Model name served (comma-separated for several).
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// Prefill throughput in tokens/s (a 90k-token cold prompt takes 90000/this seconds).
+    #[arg(long, default_value_t = 30000.0)]
+    prefill_tokens_per_s: f64,
+    /// Milliseconds between generated tokens of one request.
+    #[arg(long, default_value_t = 20.0)]
+    decode_interval_ms: f64,
+    /// Requests decoding at once; the rest wait.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Tokens per prefix-cache block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: usize,
+    /// Prefix-cache capacity in tokens.
+    #[arg(long, default_value_t = 1_000_000)]
+    cache_tokens: usize,
+    /// Divides every duration (10 = ten times faster than the modelled engine).
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+    /// Tokens generated when a request sets no max_tokens.
+    #[arg(long, default_value_t = 16)]
+    default_max_tokens: usize,
+    /// Slow start: refuse connections for this many seconds (a vLLM process loading).
+    #[arg(long, default_value_t = 0.0)]
+    refuse_for: f64,
+    /// Slow start: then answer /health (and requests) with 503 for this many seconds.
+    #[arg(long, default_value_t = 0.0)]
+    unhealthy_for: f64,
+    /// A YAML file with any of these keys (flags given on the command line win).
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+}
+
+/// A fault a test can switch on with `POST /sim/fault`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+enum Fault {
+    #[default]
+    None,
+    /// Close the listening socket for `seconds`: connections are refused.
+    Refuse,
+    /// Accept the request and never answer.
+    Hang,
+    /// Drop the connection after reading the request, before any byte of a response.
+    Reset,
+    /// Answer 500 / 503 with an OpenAI-format error.
+    Error500,
+    Error503,
+    /// Stream a few tokens, then cut the connection.
+    CutStream,
+    /// Slow start from now: refuse for `seconds`, then /health fails for `unhealthy_seconds`.
+    Restart,
+}
+
+#[derive(Debug, Deserialize)]
+struct FaultRequest {
+    fault: Fault,
+    /// How many requests it applies to (omitted: all until switched off).
+    count: Option<u64>,
+    #[serde(default)]
+    seconds: f64,
+    #[serde(default)]
+    unhealthy_seconds: f64,
+}
+
+struct FaultState {
+    fault: Fault,
+    remaining: Option<u64>,
+}
+
+struct Sim {
+    args: Args,
+    engine: Engine,
+    fault: Mutex<FaultState>,
+    unhealthy_until: Mutex<Instant>,
+    listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
+}
+
+type App = Arc<Sim>;
+
+impl Sim {
+    /// The fault for this request, consuming one use of a counted fault.
+    fn take_fault(&self) -> Fault {
+        let Ok(mut f) = self.fault.lock() else { return Fault::None };
+        match f.remaining {
+            Some(0) => Fault::None,
+            Some(n) => {
+                f.remaining = Some(n - 1);
+                f.fault
+            }
+            None => f.fault,
+        }
+    }
+
+    fn unhealthy(&self) -> bool {
+        self.unhealthy_until.lock().map(|u| Instant::now() < *u).unwrap_or(false)
+    }
+
+    fn models(&self) -> Vec<String> {
+        self.args.model.split(',').map(|m| m.trim().to_owned()).collect()
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let kind = if status.is_client_error() { "BadRequestError" } else { "InternalServerError" };
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}});
+    (status, Json(body)).into_response()
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A parsed completion request, chat or not.
+struct Job {
+    chat: bool,
+    model: String,
+    prompt: String,
+    max_tokens: usize,
+    stream: bool,
+    include_usage: bool,
+    seed: u64,
+}
+
+/// Renders chat messages so that a conversation's next turn starts with this turn's text.
+fn render_message(role: &str, content: &str) -> String {
+    format!("<|{role}|>\n{content}\n")
+}
+
+fn content_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
+    let obj = v.as_object().ok_or("the body must be a JSON object")?;
+    let model = obj.get("model").and_then(Value::as_str).unwrap_or("").to_owned();
+    let prompt = if chat {
+        let msgs = obj
+            .get("messages")
+            .and_then(Value::as_array)
+            .ok_or("`messages` must be a list")?;
+        if msgs.is_empty() {
+            return Err("`messages` must not be empty".into());
+        }
+        let mut text = String::new();
+        for m in msgs {
+            let m = m.as_object().ok_or("each message must be an object")?;
+            let role = m.get("role").and_then(Value::as_str).ok_or("each message needs a `role`")?;
+            text.push_str(&render_message(role, &content_text(m.get("content").unwrap_or(&Value::Null))));
+        }
+        text.push_str("<|assistant|>\n");
+        text
+    } else {
+        match obj.get("prompt") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(a)) => a.iter().map(content_text).collect::<Vec<_>>().join(""),
+            _ => return Err("`prompt` must be a string or a list".into()),
+        }
+    };
+    let max_tokens = obj
+        .get("max_completion_tokens")
+        .or_else(|| obj.get("max_tokens"))
+        .and_then(Value::as_u64)
+        .map(|n| n as usize)
+        .unwrap_or(default_max)
+        .min(100_000);
+    let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = obj
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let seed = xxhash_rust::xxh3::xxh3_64(prompt.as_bytes());
+    Ok(Job { chat, model, prompt, max_tokens, stream, include_usage, seed })
+}
+
+async fn chat_completions(State(sim): State<App>, body: Bytes) -> Response {
+    complete(sim, body, true).await
+}
+
+async fn completions(State(sim): State<App>, body: Bytes) -> Response {
+    complete(sim, body, false).await
+}
+
+async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
+    if sim.unhealthy() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the engine is starting");
+    }
+    let job = match parse_job(&body, chat, sim.args.default_max_tokens) {
+        Ok(j) => j,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &e),
+    };
+    if !job.model.is_empty() && !sim.models().contains(&job.model) {
+        return error(StatusCode::NOT_FOUND, &format!("The model `{}` does not exist.", job.model));
+    }
+    let fault = sim.take_fault();
+    match fault {
+        Fault::Hang => std::future::pending::<()>().await,
+        Fault::Reset => {
+            // Dropping the connection task: the client sees the connection close with no response.
+            std::panic::panic_any(ResetFault)
+        }
+        Fault::Error500 => return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated engine error"),
+        Fault::Error503 => return error(StatusCode::SERVICE_UNAVAILABLE, "simulated overload"),
+        _ => {}
+    }
+    sim.engine.counters.requests.fetch_add(1, Ordering::Relaxed);
+    let cut_after = (fault == Fault::CutStream).then_some(3usize);
+    let mut resp = if job.stream {
+        stream_response(sim.clone(), job, cut_after).await
+    } else {
+        whole_response(sim.clone(), job).await
+    };
+    if let Ok(v) = HeaderValue::from_str(&sim.args.id) {
+        resp.headers_mut().insert("x-sim-replica", v);
+    }
+    resp
+}
+
+/// Marks the panic a `Reset` fault uses to drop a connection (not a bug).
+struct ResetFault;
+
+struct Usage {
+    prompt: usize,
+    cached: usize,
+}
+
+/// Prefill: admit to the batch, find the cached prefix, pay for the rest.
+async fn prefill<'a>(sim: &'a Sim, job: &Job) -> (engine::Running<'a>, Usage) {
+    let running = sim.engine.admit().await;
+    let prompt = tokens(job.prompt.as_bytes());
+    let cached = sim.engine.lookup(job.prompt.as_bytes()).min(prompt.saturating_sub(1));
+    let done = sim.engine.book_prefill(prompt - cached);
+    tokio::time::sleep_until(done).await;
+    sim.engine.insert(job.prompt.as_bytes());
+    let c = &sim.engine.counters;
+    c.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
+    c.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+    (running, Usage { prompt, cached })
+}
+
+/// After generation the reply enters the cache, as the next turn's history will contain it.
+fn finish(sim: &Sim, job: &Job, reply: &str) {
+    let mut text = job.prompt.clone();
+    text.push_str(reply);
+    if job.chat {
+        text.push('\n');
+    }
+    sim.engine.insert(text.as_bytes());
+}
+
+fn usage_json(u: &Usage, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": u.prompt,
+        "completion_tokens": completion,
+        "total_tokens": u.prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": u.cached},
+    })
+}
+
+async fn whole_response(sim: App, job: Job) -> Response {
+    let (running, usage) = prefill(&sim, &job).await;
+    let mut reply = String::new();
+    let mut next = Instant::now();
+    for i in 0..job.max_tokens {
+        next += sim.engine.decode_interval();
+        tokio::time::sleep_until(next).await;
+        reply.push_str(token_text(job.seed, i));
+    }
+    drop(running);
+    sim.engine.counters.generation_tokens.fetch_add(job.max_tokens as u64, Ordering::Relaxed);
+    finish(&sim, &job, &reply);
+    let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
+    let choice = if job.chat {
+        json!({"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "length"})
+    } else {
+        json!({"index": 0, "text": reply, "finish_reason": "length"})
+    };
+    Json(json!({
+        "id": id,
+        "object": if job.chat { "chat.completion" } else { "text_completion" },
+        "created": now_secs(),
+        "model": job.model,
+        "choices": [choice],
+        "usage": usage_json(&usage, job.max_tokens),
+    }))
+    .into_response()
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    tokio::spawn(async move {
+        // The generation stops as soon as the client is gone: `tx.send` fails.
+        let (running, usage) = prefill(&sim, &job).await;
+        let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
+        let created = now_secs();
+        let chunk = |delta: Value, finish: Value| {
+            let choice = if job.chat {
+                json!({"index": 0, "delta": delta, "finish_reason": finish})
+            } else {
+                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish})
+            };
+            json!({
+                "id": id, "created": created, "model": job.model,
+                "object": if job.chat { "chat.completion.chunk" } else { "text_completion" },
+                "choices": [choice],
+            })
+        };
+        if job.chat && tx.send(Ok(sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null)))).await.is_err() {
+            return;
+        }
+        let mut reply = String::new();
+        let mut next = Instant::now();
+        for i in 0..job.max_tokens {
+            if i > 0 {
+                next += sim.engine.decode_interval();
+                tokio::time::sleep_until(next).await;
+            }
+            if cut_after == Some(i) {
+                let _ = tx.send(Err(std::io::Error::other("simulated stream cut"))).await;
+                return;
+            }
+            let t = token_text(job.seed, i);
+            reply.push_str(t);
+            sim.engine.counters.generation_tokens.fetch_add(1, Ordering::Relaxed);
+            if tx.send(Ok(sse(&chunk(json!({"content": t}), Value::Null)))).await.is_err() {
+                return;
+            }
+        }
+        drop(running);
+        finish(&sim, &job, &reply);
+        let _ = tx.send(Ok(sse(&chunk(json!({}), json!("length"))))).await;
+        if job.include_usage {
+            let mut last = chunk(json!({}), Value::Null);
+            last["choices"] = json!([]);
+            last["usage"] = usage_json(&usage, job.max_tokens);
+            let _ = tx.send(Ok(sse(&last))).await;
+        }
+        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+    });
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response build failed"))
+}
+
+async fn models(State(sim): State<App>) -> Response {
+    let data: Vec<Value> = sim
+        .models()
+        .iter()
+        .map(|m| json!({"id": m, "object": "model", "created": now_secs(), "owned_by": "inferlb-sim", "max_model_len": 131072}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health(State(sim): State<App>) -> Response {
+    if sim.unhealthy() {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn metrics(State(sim): State<App>) -> Response {
+    let c = &sim.engine.counters;
+    let model = sim.models().first().cloned().unwrap_or_default();
+    let l = format!("model_name=\"{model}\"");
+    let body = format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{l}}} {}\n\
+         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{l}}} {}\n\
+         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{l}}} {}\n\
+         # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n\
+         # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{{l}}} {}\n\
+         # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
+         # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{{l}}} {}\n\
+         # HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n\
+         # TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{{{l}}} {}\n\
+         # HELP vllm:generation_tokens_total Number of generation tokens processed.\n\
+         # TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{{l}}} {}\n\
+         # HELP vllm:request_success_total Count of successfully processed requests.\n\
+         # TYPE vllm:request_success_total counter\nvllm:request_success_total{{{l}}} {}\n",
+        c.running.load(Ordering::Relaxed),
+        c.waiting.load(Ordering::Relaxed),
+        sim.engine.cache_usage(),
+        c.prompt_tokens.load(Ordering::Relaxed),
+        c.cached_tokens.load(Ordering::Relaxed),
+        c.prompt_tokens.load(Ordering::Relaxed),
+        c.generation_tokens.load(Ordering::Relaxed),
+        c.requests.load(Ordering::Relaxed),
+    );
+    ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// The simulator's own counters as JSON, for tests and the bench.
+async fn stats(State(sim): State<App>) -> Response {
+    let c = &sim.engine.counters;
+    Json(json!({
+        "id": sim.args.id,
+        "requests": c.requests.load(Ordering::Relaxed),
+        "running": c.running.load(Ordering::Relaxed),
+        "waiting": c.waiting.load(Ordering::Relaxed),
+        "prompt_tokens": c.prompt_tokens.load(Ordering::Relaxed),
+        "cached_tokens": c.cached_tokens.load(Ordering::Relaxed),
+        "generation_tokens": c.generation_tokens.load(Ordering::Relaxed),
+    }))
+    .into_response()
+}
+
+async fn set_fault(State(sim): State<App>, Json(req): Json<FaultRequest>) -> Response {
+    match req.fault {
+        Fault::Refuse => {
+            let _ = sim.listener_ctl.send(Duration::from_secs_f64(req.seconds.max(0.0)));
+        }
+        Fault::Restart => {
+            if let Ok(mut u) = sim.unhealthy_until.lock() {
+                *u = Instant::now() + Duration::from_secs_f64((req.seconds + req.unhealthy_seconds).max(0.0));
+            }
+            let _ = sim.listener_ctl.send(Duration::from_secs_f64(req.seconds.max(0.0)));
+        }
+        _ => {
+            if let Ok(mut f) = sim.fault.lock() {
+                *f = FaultState { fault: req.fault, remaining: req.count };
+            }
+        }
+    }
+    Json(json!({"ok": true})).into_response()
+}
+
+fn load_args() -> Result<Args, String> {
+    let args = Args::parse();
+    let Some(path) = args.config.clone() else { return Ok(args) };
+    // Keys of the YAML file become flags placed before the real ones, so the command line wins.
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let map: serde_yaml::Mapping = serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut argv: Vec<String> = vec!["inferlb-sim".into()];
+    for (k, v) in map {
+        let key = k.as_str().ok_or("keys must be strings")?.replace('_', "-");
+        let val = match v {
+            serde_yaml::Value::String(s) => s,
+            other => serde_yaml::to_string(&other).map_err(|e| e.to_string())?.trim().to_owned(),
+        };
+        argv.push(format!("--{key}={val}"));
+    }
+    argv.extend(std::env::args().skip(1));
+    Args::try_parse_from(argv).map_err(|e| e.to_string())
+}
+
+#[tokio::main]
+async fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let args = match load_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("inferlb-sim: {e}");
+            std::process::exit(2);
+        }
+    };
+    // The Reset fault panics on purpose to drop its connection; keep that quiet.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<ResetFault>().is_none() {
+            default_hook(info);
+        }
+    }));
+    let engine = Engine::new(EngineConf {
+        prefill_tokens_per_s: args.prefill_tokens_per_s,
+        decode_interval: Duration::from_secs_f64(args.decode_interval_ms / 1000.0),
+        max_batch: args.max_batch,
+        block_tokens: args.block_tokens.max(1),
+        cache_tokens: args.cache_tokens,
+        speed: if args.speed > 0.0 { args.speed } else { 1.0 },
+    });
+    let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
+    let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
+    let sim = Arc::new(Sim {
+        engine,
+        fault: Mutex::new(FaultState { fault: Fault::None, remaining: None }),
+        unhealthy_until: Mutex::new(Instant::now() + refuse_for + Duration::from_secs_f64(args.unhealthy_for.max(0.0))),
+        listener_ctl: ctl_tx,
+        args: args.clone(),
+    });
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/sim/stats", get(stats))
+        .route("/sim/fault", post(set_fault))
+        .with_state(sim);
+
+    // The listener loop: closing it is how "refuse connections" is simulated.
+    let mut pause = refuse_for;
+    loop {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        let listener = match bind(args.listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("inferlb-sim: cannot listen on {}: {e}", args.listen);
+                std::process::exit(1);
+            }
+        };
+        eprintln!("inferlb-sim {} listening on {}", args.id, args.listen);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let serve = axum::serve(listener, app.clone()).with_graceful_shutdown(async {
+            let _ = stop_rx.await;
+        });
+        let server = tokio::spawn(async move { serve.await });
+        match ctl_rx.recv().await {
+            Some(d) => {
+                // Give the control request's own response a moment to leave.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let _ = stop_tx.send(());
+                // Closing the socket is what matters; in-flight connections are left to finish.
+                drop(server);
+                pause = d;
+            }
+            None => {
+                let _ = server.await;
+                return;
+            }
+        }
+    }
+}
+
+async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    // Rebinding right after closing must not fail on TIME_WAIT.
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}

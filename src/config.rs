@@ -1,0 +1,350 @@
+//! The conf file: Pingora's own server keys at the top level, inferlb's in an `inferlb:` section.
+//!
+//! Parsed and validated once, at start (and by `-t`); the rest of the program receives a
+//! [`Config`] it can trust. Unknown or bad keys are refused with the key named: Pingora alone
+//! would silently ignore a misspelt key.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pingora_core::server::configuration::ServerConf;
+use serde::Deserialize;
+use serde_yaml::{Mapping, Value};
+
+use crate::routing::Mode;
+
+/// Everything inferlb reads from its conf, validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: String,
+    pub admin_listen: String,
+    pub replicas: Vec<ReplicaConf>,
+    pub routing: Mode,
+    pub health: HealthConf,
+    pub upstream: UpstreamConf,
+    pub max_body_bytes: usize,
+    pub body_read_timeout: Duration,
+    pub affinity_capacity: usize,
+    pub spill_margin: Option<usize>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConf {
+    /// A stable name: metrics, logs, headers and the affinity table use it.
+    pub id: String,
+    /// host:port of the replica's OpenAI-compatible server.
+    pub address: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct HealthConf {
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failures: usize,
+    pub successes: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpstreamConf {
+    pub connect_timeout: Duration,
+    /// Longest silence while reading a response: it bounds time to first token (a cold
+    /// prefill of a long prompt) and the gap between streamed tokens.
+    pub read_timeout: Duration,
+    pub write_timeout: Duration,
+    /// Below uvicorn's 5 s keep-alive, so a pooled connection is never used after vLLM closed it.
+    pub idle_timeout: Duration,
+}
+
+/// The `inferlb:` section as written; see the README for each key.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawSection {
+    listen: String,
+    admin_listen: String,
+    replicas: Vec<ReplicaConf>,
+    routing: Mode,
+    health: RawHealth,
+    upstream: RawUpstream,
+    max_body_bytes: usize,
+    body_read_timeout_seconds: f64,
+    affinity_capacity: usize,
+    spill_margin: usize,
+}
+
+impl Default for RawSection {
+    fn default() -> Self {
+        RawSection {
+            listen: "0.0.0.0:7770".into(),
+            admin_listen: "127.0.0.1:7771".into(),
+            replicas: vec![],
+            routing: Mode::Adaptive,
+            health: RawHealth::default(),
+            upstream: RawUpstream::default(),
+            max_body_bytes: 32 * 1024 * 1024,
+            body_read_timeout_seconds: 30.0,
+            affinity_capacity: 100_000,
+            spill_margin: 8,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawHealth {
+    path: String,
+    interval_seconds: f64,
+    timeout_seconds: f64,
+    failures: usize,
+    successes: usize,
+}
+
+impl Default for RawHealth {
+    fn default() -> Self {
+        RawHealth {
+            path: "/health".into(),
+            interval_seconds: 1.0,
+            timeout_seconds: 1.0,
+            failures: 2,
+            successes: 1,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawUpstream {
+    connect_timeout_seconds: f64,
+    read_timeout_seconds: f64,
+    write_timeout_seconds: f64,
+    idle_timeout_seconds: f64,
+}
+
+impl Default for RawUpstream {
+    fn default() -> Self {
+        RawUpstream {
+            connect_timeout_seconds: 2.0,
+            read_timeout_seconds: 300.0,
+            write_timeout_seconds: 30.0,
+            idle_timeout_seconds: 4.0,
+        }
+    }
+}
+
+/// The conf file, split into Pingora's part and inferlb's.
+pub struct Loaded {
+    pub server: ServerConf,
+    pub inferlb: Config,
+}
+
+/// Reads and validates a conf file. `routing_env` is `$ROUTING`, which overrides the file.
+pub fn load(path: &str, routing_env: Option<&str>) -> Result<Loaded, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    parse(&text, routing_env).map_err(|e| format!("{path}: {e}"))
+}
+
+pub fn parse(text: &str, routing_env: Option<&str>) -> Result<Loaded, String> {
+    let mut top: Mapping = match serde_yaml::from_str(text).map_err(|e| e.to_string())? {
+        Value::Mapping(m) => m,
+        Value::Null => Mapping::new(),
+        _ => return Err("the conf must be a YAML mapping".into()),
+    };
+    let section = top.remove("inferlb").unwrap_or(Value::Null);
+
+    let known = pingora_keys();
+    for key in top.keys() {
+        let name = key.as_str().unwrap_or("<non-string key>");
+        if !known.contains(name) {
+            return Err(format!(
+                "unknown key `{name}` (Pingora server keys and an `inferlb:` section are allowed)"
+            ));
+        }
+    }
+    let mut server: ServerConf = serde_path_to_error::deserialize(Value::Mapping(top))
+        .map_err(|e| format!("{}: {}", e.path(), e.inner()))?;
+    if server.version == 0 {
+        server.version = 1;
+    }
+    if server.max_retries == 0 {
+        return Err("`max_retries` must be at least 1: it is the number of attempts".into());
+    }
+    // Pingora's defaults are 300 s of grace and 5 s of shutdown; LLM streams need their own.
+    server.grace_period_seconds.get_or_insert(120);
+    server.graceful_shutdown_timeout_seconds.get_or_insert(10);
+
+    let raw: RawSection = if section.is_null() {
+        RawSection::default()
+    } else {
+        serde_path_to_error::deserialize(section).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path == "." {
+                format!("inferlb: {inner}")
+            } else {
+                format!("inferlb.{path}: {inner}")
+            }
+        })?
+    };
+    let mut inferlb = validate(raw)?;
+    if let Some(mode) = routing_env.filter(|s| !s.is_empty()) {
+        inferlb.routing = mode.parse().map_err(|e| format!("ROUTING: {e}"))?;
+    }
+    Ok(Loaded { server, inferlb })
+}
+
+/// The top-level keys Pingora's ServerConf understands, read off its own serialisation.
+fn pingora_keys() -> BTreeSet<String> {
+    match serde_yaml::to_value(ServerConf::default()) {
+        Ok(Value::Mapping(m)) => m
+            .keys()
+            .filter_map(|k| k.as_str().map(str::to_owned))
+            .collect(),
+        _ => BTreeSet::new(),
+    }
+}
+
+fn seconds(key: &str, v: f64) -> Result<Duration, String> {
+    if v.is_finite() && v > 0.0 && v < 1e7 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(format!("inferlb.{key} must be a positive number of seconds, got {v}"))
+    }
+}
+
+fn validate(raw: RawSection) -> Result<Config, String> {
+    for (key, addr) in [("listen", &raw.listen), ("admin_listen", &raw.admin_listen)] {
+        addr.parse::<SocketAddr>()
+            .map_err(|e| format!("inferlb.{key}: {addr:?} is not an ip:port ({e})"))?;
+    }
+    if raw.replicas.is_empty() {
+        return Err("inferlb.replicas: at least one replica (id and address) is needed".into());
+    }
+    let mut ids = BTreeSet::new();
+    for (i, r) in raw.replicas.iter().enumerate() {
+        let valid_id = !r.id.is_empty()
+            && r.id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !valid_id {
+            return Err(format!(
+                "inferlb.replicas[{i}].id: {:?} must be non-empty letters, digits, '-', '_' or '.'",
+                r.id
+            ));
+        }
+        if !ids.insert(r.id.as_str()) {
+            return Err(format!("inferlb.replicas[{i}].id: {:?} is used twice", r.id));
+        }
+        use std::net::ToSocketAddrs;
+        let resolved = r.address.to_socket_addrs().map(|mut a| a.next());
+        if !matches!(resolved, Ok(Some(_))) {
+            return Err(format!(
+                "inferlb.replicas[{i}].address: {:?} is not a reachable host:port",
+                r.address
+            ));
+        }
+    }
+    let h = &raw.health;
+    if !h.path.starts_with('/') {
+        return Err(format!("inferlb.health.path: {:?} must start with '/'", h.path));
+    }
+    let health = HealthConf {
+        path: h.path.clone(),
+        interval: seconds("health.interval_seconds", h.interval_seconds)?,
+        timeout: seconds("health.timeout_seconds", h.timeout_seconds)?,
+        failures: h.failures.max(1),
+        successes: h.successes.max(1),
+    };
+    if health.interval > Duration::from_secs(2) {
+        return Err("inferlb.health.interval_seconds: at most 2 (a dead replica must be noticed quickly)".into());
+    }
+    let u = &raw.upstream;
+    let upstream = UpstreamConf {
+        connect_timeout: seconds("upstream.connect_timeout_seconds", u.connect_timeout_seconds)?,
+        read_timeout: seconds("upstream.read_timeout_seconds", u.read_timeout_seconds)?,
+        write_timeout: seconds("upstream.write_timeout_seconds", u.write_timeout_seconds)?,
+        idle_timeout: seconds("upstream.idle_timeout_seconds", u.idle_timeout_seconds)?,
+    };
+    if raw.max_body_bytes == 0 {
+        return Err("inferlb.max_body_bytes must be positive".into());
+    }
+    if raw.affinity_capacity == 0 {
+        return Err("inferlb.affinity_capacity must be positive".into());
+    }
+    Ok(Config {
+        listen: raw.listen,
+        admin_listen: raw.admin_listen,
+        replicas: raw.replicas,
+        routing: raw.routing,
+        health,
+        upstream,
+        max_body_bytes: raw.max_body_bytes,
+        body_read_timeout: seconds("body_read_timeout_seconds", raw.body_read_timeout_seconds)?,
+        affinity_capacity: raw.affinity_capacity,
+        spill_margin: (raw.spill_margin > 0).then_some(raw.spill_margin),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "
+threads: 2
+grace_period_seconds: 30
+inferlb:
+  listen: 127.0.0.1:7770
+  replicas:
+    - {id: gpu0, address: 127.0.0.1:8001}
+    - {id: gpu1, address: 127.0.0.1:8002}
+  routing: affinity
+  health: {interval_seconds: 0.5}
+";
+
+    #[test]
+    fn a_good_conf_loads_with_defaults_filled_in() {
+        let l = parse(GOOD, None).unwrap();
+        assert_eq!(l.server.threads, 2);
+        assert_eq!(l.server.grace_period_seconds, Some(30));
+        assert_eq!(l.server.graceful_shutdown_timeout_seconds, Some(10));
+        assert_eq!(l.inferlb.routing, Mode::Affinity);
+        assert_eq!(l.inferlb.replicas[1].id, "gpu1");
+        assert_eq!(l.inferlb.health.interval, Duration::from_millis(500));
+        assert_eq!(l.inferlb.health.path, "/health");
+    }
+
+    #[test]
+    fn routing_env_overrides_the_file() {
+        let l = parse(GOOD, Some("roundrobin")).unwrap();
+        assert_eq!(l.inferlb.routing, Mode::RoundRobin);
+        let e = parse(GOOD, Some("fastest")).err().unwrap();
+        assert!(e.contains("ROUTING") && e.contains("fastest"), "{e}");
+    }
+
+    #[test]
+    fn bad_keys_are_named() {
+        let cases = [
+            (GOOD.replace("threads", "thread"), "`thread`"),
+            (GOOD.replace("routing: affinity", "routng: affinity"), "routng"),
+            (GOOD.replace("routing: affinity", "routing: fastest"), "fastest"),
+            (GOOD.replace("interval_seconds: 0.5", "interval_seconds: 5"), "interval_seconds"),
+            (GOOD.replace("{id: gpu1,", "{id: gpu0,"), "replicas[1].id"),
+            (GOOD.replace("127.0.0.1:8002", "nowhere"), "replicas[1].address"),
+            (GOOD.replace("address: 127.0.0.1:8001", "addr: 127.0.0.1:8001"), "addr"),
+            (GOOD.replace("listen: 127.0.0.1:7770", "listen: 7770"), "inferlb.listen"),
+            (format!("{GOOD}  max_body_bytes: lots\n"), "max_body_bytes"),
+            (format!("max_retries: 0\n{GOOD}"), "max_retries"),
+        ];
+        for (text, needle) in cases {
+            let e = parse(&text, None).err().unwrap_or_else(|| panic!("accepted: {text}"));
+            assert!(e.contains(needle), "{needle:?} not in {e:?}");
+        }
+    }
+
+    #[test]
+    fn replicas_are_required() {
+        let e = parse("inferlb: {}", None).err().unwrap();
+        assert!(e.contains("inferlb.replicas"), "{e}");
+    }
+}

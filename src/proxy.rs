@@ -1,0 +1,505 @@
+//! The `ProxyHttp` impl: plumbing only, in the order a request lives.
+//!
+//! It reads and bounds the body, asks `shape` and `routing` where the request goes, and tells
+//! `replicas` and `metrics` what happened. It holds no policy.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_core::{Error, ErrorSource, ErrorType, Result};
+use pingora_http::ResponseHeader;
+use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
+
+use crate::config::Config;
+use crate::metrics::{code_class, METRICS};
+use crate::replicas::{InFlight, Replica, Replicas};
+use crate::routing::{Policy, Route};
+use crate::shape::{classify, RequestInfo, Shape};
+
+/// Pingora replays at most this much of a request body from its retry buffer
+/// (`BODY_BUF_LIMIT` in pingora-core); see `read_body`.
+const RETRY_BUFFER_LIMIT: usize = 64 * 1024;
+
+pub struct Balancer {
+    replicas: Arc<Replicas>,
+    policy: Policy,
+    conf: Arc<Config>,
+    peers: HashMap<String, HttpPeer>,
+}
+
+impl Balancer {
+    pub fn new(replicas: Arc<Replicas>, conf: Arc<Config>) -> Balancer {
+        let peers = replicas
+            .all()
+            .iter()
+            .map(|r| {
+                let mut peer = HttpPeer::new(r.backend.addr.clone(), false, String::new());
+                let o = &mut peer.options;
+                o.connection_timeout = Some(conf.upstream.connect_timeout);
+                o.total_connection_timeout = Some(conf.upstream.connect_timeout);
+                o.read_timeout = Some(conf.upstream.read_timeout);
+                o.write_timeout = Some(conf.upstream.write_timeout);
+                o.idle_timeout = Some(conf.upstream.idle_timeout);
+                (r.id.clone(), peer)
+            })
+            .collect();
+        Balancer {
+            policy: Policy {
+                mode: conf.routing,
+                spill_margin: conf.spill_margin,
+            },
+            replicas,
+            conf,
+            peers,
+        }
+    }
+}
+
+/// One request's life.
+pub struct Ctx {
+    arrived: Instant,
+    /// The whole request body, sent again on every attempt.
+    body: Bytes,
+    info: Option<RequestInfo>,
+    /// Replicas this request already tried, in order; the last one is the current attempt.
+    tried: Vec<Arc<Replica>>,
+    in_flight: Option<InFlight>,
+    route: Option<Route>,
+    /// Attempt number whose body was already handed to Pingora.
+    attempts: u32,
+    body_sent_for: u32,
+    /// Set once the first response byte went to the client: nothing is retried after it.
+    first_byte_at: Option<Instant>,
+    failovers: u32,
+}
+
+impl Ctx {
+    fn current(&self) -> Option<&Arc<Replica>> {
+        self.in_flight.as_ref().map(InFlight::replica)
+    }
+}
+
+/// An error answer in OpenAI's JSON shape.
+pub fn openai_error(status: u16, message: &str) -> Bytes {
+    let kind = match status {
+        400..=499 => "invalid_request_error",
+        503 => "service_unavailable",
+        _ => "server_error",
+    };
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "param": null, "code": status}
+    });
+    Bytes::from(body.to_string())
+}
+
+async fn respond_error(session: &mut Session, status: u16, message: &str) -> Result<()> {
+    let body = openai_error(status, message);
+    let mut resp = ResponseHeader::build(status, Some(3))?;
+    resp.insert_header("content-type", "application/json")?;
+    resp.insert_header("content-length", body.len().to_string())?;
+    session.write_response_header(Box::new(resp), false).await?;
+    session.write_response_body(Some(body), true).await
+}
+
+/// Why a request was refused before any replica saw it.
+struct Refusal(u16, &'static str, String);
+
+impl Balancer {
+    /// Reads the whole body, bounded in size and total time.
+    ///
+    /// Pingora forwards a body it has already read only from its retry buffer, which holds at
+    /// most 64 KiB and is dropped whole past that. So buffering is switched on only when at most
+    /// 64 KiB remain: the buffer then holds just the tail, is never truncated, and its presence
+    /// makes Pingora call `request_body_filter`, where the full body is substituted.
+    async fn read_body(&self, session: &mut Session, ctx: &mut Ctx) -> Result<(), Refusal> {
+        let limit = self.conf.max_body_bytes;
+        let headers = &session.req_header().headers;
+        let length = headers
+            .get("content-length")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        let chunked = headers
+            .get("transfer-encoding")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+        let expects_continue = headers
+            .get("expect")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+        if length.is_some_and(|n| n > limit) {
+            return Err(too_large(limit));
+        }
+        if expects_continue {
+            // The client waits for this before sending the body; the replica must not see it.
+            session.req_header_mut().remove_header("expect");
+            if let Err(e) = session.write_continue_response().await {
+                return Err(Refusal(400, "invalid_request_error", format!("{e}")));
+            }
+        }
+        if session.is_body_empty() {
+            return Ok(());
+        }
+        let deadline = tokio::time::Instant::now() + self.conf.body_read_timeout;
+        let mut body = BytesMut::with_capacity(length.unwrap_or(0).min(limit));
+        loop {
+            let remaining_known = length.map(|n| n.saturating_sub(body.len()));
+            if remaining_known.is_some_and(|r| r <= RETRY_BUFFER_LIMIT) || chunked && body.is_empty() {
+                session.enable_retry_buffering();
+            }
+            let read = tokio::time::timeout_at(deadline, session.read_request_body()).await;
+            match read {
+                Err(_) => {
+                    return Err(Refusal(
+                        408,
+                        "timeout",
+                        format!(
+                            "the request body did not arrive within {:?}",
+                            self.conf.body_read_timeout
+                        ),
+                    ))
+                }
+                Ok(Err(e)) => {
+                    return Err(Refusal(400, "bad_body", format!("reading the request body: {e}")))
+                }
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(chunk))) => {
+                    if body.len() + chunk.len() > limit {
+                        return Err(too_large(limit));
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+            }
+        }
+        if session.as_ref().retry_buffer_truncated() {
+            // A chunked body over 64 KiB: Pingora cannot replay it (see the README).
+            return Err(Refusal(
+                411,
+                "chunked_too_large",
+                format!(
+                    "chunked request bodies over {RETRY_BUFFER_LIMIT} bytes are not supported: send Content-Length"
+                ),
+            ));
+        }
+        ctx.body = body.freeze();
+        Ok(())
+    }
+
+    fn log_failover(&self, session: &Session, ctx: &mut Ctx, replica: &Replica, reason: &str) {
+        ctx.failovers += 1;
+        METRICS
+            .failovers
+            .with_label_values(&[&replica.id, reason])
+            .inc();
+        log::warn!(
+            "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica",
+            replica.id,
+            reason,
+            session.req_header().uri.path(),
+            ctx.attempts
+        );
+    }
+}
+
+fn too_large(limit: usize) -> Refusal {
+    Refusal(
+        413,
+        "too_large",
+        format!("the request body is larger than the limit of {limit} bytes"),
+    )
+}
+
+/// A short name for why an upstream attempt failed, for logs and metric labels.
+fn reason(e: &Error) -> &'static str {
+    match e.etype() {
+        ErrorType::ConnectRefused => "connect_refused",
+        ErrorType::ConnectTimedout => "connect_timeout",
+        ErrorType::ConnectNoRoute => "connect_no_route",
+        ErrorType::TLSHandshakeFailure | ErrorType::ConnectError | ErrorType::SocketError => {
+            "connect_error"
+        }
+        ErrorType::ReadTimedout => "read_timeout",
+        ErrorType::WriteTimedout => "write_timeout",
+        ErrorType::ConnectionClosed => "connection_closed",
+        ErrorType::ReadError | ErrorType::WriteError => "reset",
+        ErrorType::HTTPStatus(_) => "http_status",
+        _ => "upstream_error",
+    }
+}
+
+static NOT_CHAT: Shape = Shape::Other { key: 0 };
+
+#[async_trait]
+impl ProxyHttp for Balancer {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx {
+            arrived: Instant::now(),
+            body: Bytes::new(),
+            info: None,
+            tried: Vec::new(),
+            in_flight: None,
+            route: None,
+            attempts: 0,
+            body_sent_for: 0,
+            first_byte_at: None,
+            failovers: 0,
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        ctx.arrived = Instant::now();
+        if let Err(Refusal(status, why, message)) = self.read_body(session, ctx).await {
+            METRICS.rejected.with_label_values(&[why]).inc();
+            // The rest of an unread body is still on the wire: do not reuse the connection.
+            session.set_keepalive(None);
+            respond_error(session, status, &message).await?;
+            return Ok(true);
+        }
+        if !ctx.body.is_empty() {
+            ctx.info = Some(classify(&ctx.body));
+        }
+        Ok(false)
+    }
+
+    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let shape = ctx.info.as_ref().map_or(&NOT_CHAT, |i| &i.shape);
+        let candidates = self.replicas.candidates(&ctx.tried);
+        let decision = self.policy.decide(
+            shape,
+            &candidates,
+            |h| self.replicas.served_by(h),
+            self.replicas.tick(),
+        );
+        let Some(decision) = decision else {
+            let tried = ctx.tried.len();
+            log::warn!(
+                "no live replica for {} (tried {tried})",
+                session.req_header().uri.path()
+            );
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(503),
+                "no live replica",
+            ));
+        };
+        let replica = self
+            .replicas
+            .get(decision.replica)
+            .cloned()
+            .ok_or_else(|| Error::explain(ErrorType::InternalError, "routing chose an unknown id"))?;
+        let peer = self
+            .peers
+            .get(&replica.id)
+            .cloned()
+            .ok_or_else(|| Error::explain(ErrorType::InternalError, "no peer for replica"))?;
+        ctx.attempts += 1;
+        ctx.route = Some(decision.route);
+        // Replacing the guard releases the previous attempt's in-flight count.
+        ctx.in_flight = Some(self.replicas.start(&replica));
+        ctx.tried.push(replica);
+        Ok(Box::new(peer))
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if ctx.body.is_empty() {
+            return Ok(());
+        }
+        // Pingora hands over only the retry buffer's tail; send the whole body, once per attempt.
+        if ctx.body_sent_for == ctx.attempts {
+            *body = None;
+        } else {
+            ctx.body_sent_for = ctx.attempts;
+            *body = Some(ctx.body.clone());
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(r) = ctx.current() {
+            resp.insert_header("x-inferlb-replica", r.id.as_str())?;
+        }
+        if let Some(route) = ctx.route {
+            resp.insert_header("x-inferlb-route", route.as_str())?;
+        }
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        _body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Duration>> {
+        if ctx.first_byte_at.is_none() {
+            let now = Instant::now();
+            ctx.first_byte_at = Some(now);
+            let route = ctx.route.map_or("none", Route::as_str);
+            METRICS
+                .ttfb
+                .with_label_values(&[route])
+                .observe((now - ctx.arrived).as_secs_f64());
+        }
+        Ok(None)
+    }
+
+    fn fail_to_connect(
+        &self,
+        session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Ctx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        // Nothing reached the replica: demote it now and let upstream_peer pick another.
+        if let Some(r) = ctx.current().cloned() {
+            self.replicas.demote(&r);
+            self.log_failover(session, ctx, &r, reason(&e));
+        }
+        e.set_retry(true);
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut Ctx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("peer: {peer}"));
+        let client_got_bytes = session.response_written().is_some() || ctx.first_byte_at.is_some();
+        if client_got_bytes || e.esource() == &ErrorSource::Downstream {
+            e.set_retry(false);
+            return e;
+        }
+        if client_reused && e.retry.retry() {
+            // A pooled connection the replica had already closed: not the replica's fault.
+            if let Some(r) = ctx.tried.pop() {
+                log::debug!("stale pooled connection to {}, retrying", r.id);
+            }
+            return e;
+        }
+        match e.etype() {
+            // A replica that is slow to answer is still working: re-sending would double its load.
+            ErrorType::ReadTimedout => e.set_retry(false),
+            _ => {
+                if let Some(r) = ctx.current().cloned() {
+                    self.replicas.demote(&r);
+                    self.log_failover(session, ctx, &r, reason(&e));
+                }
+                e.set_retry(true);
+            }
+        }
+        e
+    }
+
+    fn suppress_proxy_warn_log(
+        &self,
+        _session: &Session,
+        _ctx: &Ctx,
+        _error: &Error,
+        context: ProxyWarnLogContext,
+    ) -> bool {
+        // Every retry already wrote its own failover line.
+        matches!(context, ProxyWarnLogContext::UpstreamRetry)
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        let code = match e.etype() {
+            ErrorType::HTTPStatus(code) => *code,
+            ErrorType::ReadTimedout if e.esource() == &ErrorSource::Upstream => 504,
+            _ => match e.esource() {
+                ErrorSource::Upstream => 502,
+                ErrorSource::Downstream => match e.etype() {
+                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => 0,
+                    _ => 400,
+                },
+                ErrorSource::Internal | ErrorSource::Unset => 500,
+            },
+        };
+        if session.response_written().is_some() {
+            // The stream already began: end it with an error event the client can see, never a
+            // silent truncation that looks like success.
+            METRICS.stream_errors.inc();
+            if ctx.info.as_ref().is_some_and(|i| i.stream) {
+                let event = format!("data: {}\n\n", String::from_utf8_lossy(&openai_error(502, &format!("the replica's stream broke: {e}"))));
+                let _ = session.write_response_body(Some(Bytes::from(event)), true).await;
+            }
+            return FailToProxy {
+                error_code: 0,
+                can_reuse_downstream: false,
+            };
+        }
+        if code > 0 {
+            let message = match code {
+                503 => "no live replica can serve this request".to_string(),
+                504 => format!("the replica did not answer in time: {e}"),
+                _ => format!("{e}"),
+            };
+            let _ = respond_error(session, code, &message).await;
+        }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        let status = session
+            .response_written()
+            .map_or(0, |r| r.status.as_u16());
+        let replica = ctx.current().map_or("none", |r| r.id.as_str()).to_string();
+        let route = ctx.route.map_or("none", Route::as_str);
+        if ctx.route.is_some() {
+            METRICS
+                .requests
+                .with_label_values(&[&replica, route, code_class(status)])
+                .inc();
+        }
+        let served_whole = e.is_none() && (200..300).contains(&status);
+        if served_whole {
+            if let (Some(key), Some(r)) = (
+                ctx.info.as_ref().and_then(|i| i.shape.served_key()),
+                ctx.current(),
+            ) {
+                self.replicas.record_served(key, r);
+            }
+        }
+        let ttfb = ctx
+            .first_byte_at
+            .map_or(-1.0, |t| (t - ctx.arrived).as_secs_f64() * 1e3);
+        log::info!(
+            target: "access",
+            "method={} path={} model={} route={} replica={} attempts={} failovers={} status={} ttfb_ms={:.1} duration_ms={:.1} bytes_in={}",
+            session.req_header().method,
+            session.req_header().uri.path(),
+            ctx.info.as_ref().and_then(|i| i.model.as_deref()).unwrap_or("-"),
+            route,
+            replica,
+            ctx.attempts,
+            ctx.failovers,
+            status,
+            ttfb,
+            ctx.arrived.elapsed().as_secs_f64() * 1e3,
+            ctx.body.len(),
+        );
+        // Release the in-flight count now rather than when Pingora drops the ctx.
+        ctx.in_flight = None;
+    }
+}
