@@ -209,7 +209,9 @@ fn seconds(key: &str, v: f64) -> Result<Duration, String> {
     if v.is_finite() && v > 0.0 && v < 1e7 {
         Ok(Duration::from_secs_f64(v))
     } else {
-        Err(format!("inferlb.{key} must be a positive number of seconds, got {v}"))
+        Err(format!(
+            "inferlb.{key} must be a positive number of seconds, got {v}"
+        ))
     }
 }
 
@@ -234,7 +236,10 @@ fn validate(raw: RawSection) -> Result<Config, String> {
             ));
         }
         if !ids.insert(r.id.as_str()) {
-            return Err(format!("inferlb.replicas[{i}].id: {:?} is used twice", r.id));
+            return Err(format!(
+                "inferlb.replicas[{i}].id: {:?} is used twice",
+                r.id
+            ));
         }
         use std::net::ToSocketAddrs;
         let resolved = r.address.to_socket_addrs().map(|mut a| a.next());
@@ -247,7 +252,10 @@ fn validate(raw: RawSection) -> Result<Config, String> {
     }
     let h = &raw.health;
     if !h.path.starts_with('/') {
-        return Err(format!("inferlb.health.path: {:?} must start with '/'", h.path));
+        return Err(format!(
+            "inferlb.health.path: {:?} must start with '/'",
+            h.path
+        ));
     }
     let health = HealthConf {
         path: h.path.clone(),
@@ -257,11 +265,17 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         successes: h.successes.max(1),
     };
     if health.interval > Duration::from_secs(2) {
-        return Err("inferlb.health.interval_seconds: at most 2 (a dead replica must be noticed quickly)".into());
+        return Err(
+            "inferlb.health.interval_seconds: at most 2 (a dead replica must be noticed quickly)"
+                .into(),
+        );
     }
     let u = &raw.upstream;
     let upstream = UpstreamConf {
-        connect_timeout: seconds("upstream.connect_timeout_seconds", u.connect_timeout_seconds)?,
+        connect_timeout: seconds(
+            "upstream.connect_timeout_seconds",
+            u.connect_timeout_seconds,
+        )?,
         read_timeout: seconds("upstream.read_timeout_seconds", u.read_timeout_seconds)?,
         write_timeout: seconds("upstream.write_timeout_seconds", u.write_timeout_seconds)?,
         idle_timeout: seconds("upstream.idle_timeout_seconds", u.idle_timeout_seconds)?,
@@ -326,18 +340,38 @@ inferlb:
     fn bad_keys_are_named() {
         let cases = [
             (GOOD.replace("threads", "thread"), "`thread`"),
-            (GOOD.replace("routing: affinity", "routng: affinity"), "routng"),
-            (GOOD.replace("routing: affinity", "routing: fastest"), "fastest"),
-            (GOOD.replace("interval_seconds: 0.5", "interval_seconds: 5"), "interval_seconds"),
+            (
+                GOOD.replace("routing: affinity", "routng: affinity"),
+                "routng",
+            ),
+            (
+                GOOD.replace("routing: affinity", "routing: fastest"),
+                "fastest",
+            ),
+            (
+                GOOD.replace("interval_seconds: 0.5", "interval_seconds: 5"),
+                "interval_seconds",
+            ),
             (GOOD.replace("{id: gpu1,", "{id: gpu0,"), "replicas[1].id"),
-            (GOOD.replace("127.0.0.1:8002", "nowhere"), "replicas[1].address"),
-            (GOOD.replace("address: 127.0.0.1:8001", "addr: 127.0.0.1:8001"), "addr"),
-            (GOOD.replace("listen: 127.0.0.1:7770", "listen: 7770"), "inferlb.listen"),
+            (
+                GOOD.replace("127.0.0.1:8002", "nowhere"),
+                "replicas[1].address",
+            ),
+            (
+                GOOD.replace("address: 127.0.0.1:8001", "addr: 127.0.0.1:8001"),
+                "addr",
+            ),
+            (
+                GOOD.replace("listen: 127.0.0.1:7770", "listen: 7770"),
+                "inferlb.listen",
+            ),
             (format!("{GOOD}  max_body_bytes: lots\n"), "max_body_bytes"),
             (format!("max_retries: 0\n{GOOD}"), "max_retries"),
         ];
         for (text, needle) in cases {
-            let e = parse(&text, None).err().unwrap_or_else(|| panic!("accepted: {text}"));
+            let e = parse(&text, None)
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {text}"));
             assert!(e.contains(needle), "{needle:?} not in {e:?}");
         }
     }

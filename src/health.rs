@@ -49,12 +49,24 @@ impl HealthCheck for ReplicaHealthCheck {
     }
 
     async fn health_status_change(&self, target: &Backend, healthy: bool) {
-        let Some(rs) = self.replicas.get() else { return };
-        let Some(r) = rs.by_backend(target) else { return };
+        let Some(rs) = self.replicas.get() else {
+            return;
+        };
+        let Some(r) = rs.by_backend(target) else {
+            return;
+        };
         if healthy {
-            log::warn!("replica {} ({}) is up: health check passed", r.id, r.address);
+            log::warn!(
+                "replica {} ({}) is up: health check passed",
+                r.id,
+                r.address
+            );
         } else {
-            log::warn!("replica {} ({}) is down: health check failed", r.id, r.address);
+            log::warn!(
+                "replica {} ({}) is down: health check failed",
+                r.id,
+                r.address
+            );
         }
         crate::metrics::METRICS
             .up

@@ -19,7 +19,10 @@ use inferlb::replicas::{backend_for, Replicas};
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let mut opt = Opt::parse_args();
-    let path = opt.conf.take().unwrap_or_else(|| "conf/inferlb.yaml".into());
+    let path = opt
+        .conf
+        .take()
+        .unwrap_or_else(|| "conf/inferlb.yaml".into());
     let routing_env = std::env::var("ROUTING").ok();
     let loaded = match config::load(&path, routing_env.as_deref()) {
         Ok(l) => l,
@@ -70,10 +73,7 @@ fn main() {
     );
     proxy.add_tcp(&conf.listen);
 
-    let mut admin = Service::new(
-        "admin".to_string(),
-        HttpServer::new_app(Admin { replicas }),
-    );
+    let mut admin = Service::new("admin".to_string(), HttpServer::new_app(Admin { replicas }));
     admin.add_tcp(&conf.admin_listen);
 
     log::info!(

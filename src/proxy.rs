@@ -147,7 +147,9 @@ impl Balancer {
         let mut body = BytesMut::with_capacity(length.unwrap_or(0).min(limit));
         loop {
             let remaining_known = length.map(|n| n.saturating_sub(body.len()));
-            if remaining_known.is_some_and(|r| r <= RETRY_BUFFER_LIMIT) || chunked && body.is_empty() {
+            if remaining_known.is_some_and(|r| r <= RETRY_BUFFER_LIMIT)
+                || chunked && body.is_empty()
+            {
                 session.enable_retry_buffering();
             }
             let read = tokio::time::timeout_at(deadline, session.read_request_body()).await;
@@ -163,7 +165,11 @@ impl Balancer {
                     ))
                 }
                 Ok(Err(e)) => {
-                    return Err(Refusal(400, "bad_body", format!("reading the request body: {e}")))
+                    return Err(Refusal(
+                        400,
+                        "bad_body",
+                        format!("reading the request body: {e}"),
+                    ))
                 }
                 Ok(Ok(None)) => break,
                 Ok(Ok(Some(chunk))) => {
@@ -290,7 +296,9 @@ impl ProxyHttp for Balancer {
             .replicas
             .get(decision.replica)
             .cloned()
-            .ok_or_else(|| Error::explain(ErrorType::InternalError, "routing chose an unknown id"))?;
+            .ok_or_else(|| {
+                Error::explain(ErrorType::InternalError, "routing chose an unknown id")
+            })?;
         let peer = self
             .peers
             .get(&replica.id)
@@ -438,8 +446,16 @@ impl ProxyHttp for Balancer {
             // silent truncation that looks like success.
             METRICS.stream_errors.inc();
             if ctx.info.as_ref().is_some_and(|i| i.stream) {
-                let event = format!("data: {}\n\n", String::from_utf8_lossy(&openai_error(502, &format!("the replica's stream broke: {e}"))));
-                let _ = session.write_response_body(Some(Bytes::from(event)), true).await;
+                let event = format!(
+                    "data: {}\n\n",
+                    String::from_utf8_lossy(&openai_error(
+                        502,
+                        &format!("the replica's stream broke: {e}")
+                    ))
+                );
+                let _ = session
+                    .write_response_body(Some(Bytes::from(event)), true)
+                    .await;
             }
             return FailToProxy {
                 error_code: 0,
@@ -461,9 +477,7 @@ impl ProxyHttp for Balancer {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        let status = session
-            .response_written()
-            .map_or(0, |r| r.status.as_u16());
+        let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let replica = ctx.current().map_or("none", |r| r.id.as_str()).to_string();
         let route = ctx.route.map_or("none", Route::as_str);
         if ctx.route.is_some() {

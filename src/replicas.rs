@@ -51,7 +51,10 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         let n = self.0.in_flight.fetch_sub(1, Ordering::Relaxed) - 1;
-        METRICS.in_flight.with_label_values(&[&self.0.id]).set(n as i64);
+        METRICS
+            .in_flight
+            .with_label_values(&[&self.0.id])
+            .set(n as i64);
     }
 }
 
@@ -162,7 +165,8 @@ impl Replicas {
 
     /// A health check that started at demotion count `before` passed.
     pub fn check_passed(&self, r: &Replica, before: u64) {
-        if r.demotions.load(Ordering::Relaxed) == before && r.demoted.swap(false, Ordering::Relaxed) {
+        if r.demotions.load(Ordering::Relaxed) == before && r.demoted.swap(false, Ordering::Relaxed)
+        {
             log::info!("replica {} re-admitted: health check passed", r.id);
         }
         self.publish_up(r);
@@ -183,7 +187,10 @@ impl Replicas {
                 if draining { "draining" } else { "undrained" }
             );
         }
-        METRICS.draining.with_label_values(&[&r.id]).set(draining as i64);
+        METRICS
+            .draining
+            .with_label_values(&[&r.id])
+            .set(draining as i64);
     }
 
     pub fn by_backend(&self, b: &Backend) -> Option<&Arc<Replica>> {

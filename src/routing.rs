@@ -281,7 +281,11 @@ mod tests {
             b.route(&chat(&[&format!("noise {turn}")])).unwrap();
             let refs: Vec<&str> = history.iter().map(|s| s.as_str()).collect();
             let (r, route) = b.route(&chat(&refs)).unwrap();
-            assert_eq!((r.as_str(), route), (first.as_str(), Route::Pinned), "turn {turn}");
+            assert_eq!(
+                (r.as_str(), route),
+                (first.as_str(), Route::Pinned),
+                "turn {turn}"
+            );
         }
     }
 
@@ -317,12 +321,19 @@ mod tests {
             let refs: Vec<&str> = history.iter().map(|s| s.as_str()).collect();
             let before = b.served.clone();
             let (r, route) = b.route(&chat(&refs)).unwrap();
-            assert!(!b.down.contains(&r), "turn {turn}: routed to a down replica");
+            assert!(
+                !b.down.contains(&r),
+                "turn {turn}: routed to a down replica"
+            );
             let expected_home = chat_home(&before, &refs);
             if b.down.contains(&expected_home) {
                 assert_eq!(route, Route::Repinned, "turn {turn}");
             } else {
-                assert_eq!((r.clone(), route), (expected_home, Route::Pinned), "turn {turn}");
+                assert_eq!(
+                    (r.clone(), route),
+                    (expected_home, Route::Pinned),
+                    "turn {turn}"
+                );
             }
             b.finish_all();
         }
@@ -364,7 +375,9 @@ mod tests {
         assert_ne!(r, home);
         // The table followed: the next turn is pinned to the new home.
         b.finish_all();
-        let (r2, route) = b.route(&chat(&["t0", "a", "t1", "b", "t2", "c", "t3"])).unwrap();
+        let (r2, route) = b
+            .route(&chat(&["t0", "a", "t1", "b", "t2", "c", "t3"]))
+            .unwrap();
         assert_eq!((r2, route), (r, Route::Pinned));
     }
 

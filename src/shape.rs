@@ -184,7 +184,8 @@ mod tests {
     #[test]
     fn formatting_and_key_order_do_not_change_the_hash() {
         let a = br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
-        let b = b"{ \"messages\" : [ {\"content\": \"x\", \"role\": \"user\"} ], \"model\": \"m\" }";
+        let b =
+            b"{ \"messages\" : [ {\"content\": \"x\", \"role\": \"user\"} ], \"model\": \"m\" }";
         assert_eq!(classify(a).shape, classify(b).shape);
     }
 

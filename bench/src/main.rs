@@ -1,1 +1,890 @@
-fn main() {}
+//! inferlb-bench: re-measures the seed's table for every routing policy, side by side, in one
+//! run, against simulated replicas (`inferlb-sim`) on loopback.
+//!
+//! For each target (inferlb in roundrobin, affinity and adaptive mode, and a direct connection
+//! to one replica) it starts fresh replicas, so every target begins with cold caches, and runs
+//! the scenarios: agent loop, cold burst, mixed, failover. A separate pass measures the
+//! proxy's own overhead against a direct connection and nginx. Ratios measured in the same run
+//! are the result; absolute times on a shared 2-core machine are noise.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "inferlb's routing benchmark")]
+struct Args {
+    /// Where the markdown table, the JSON and the plot go.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+    /// Tiny sizes: checks every scenario runs (part of `make test`), measures nothing.
+    #[arg(long)]
+    smoke: bool,
+    /// The simulator's speed factor (a 90k-token cold prefill takes 3 s / speed).
+    #[arg(long, default_value_t = 10.0)]
+    speed: f64,
+    /// Only these targets (comma-separated: roundrobin,affinity,adaptive,direct).
+    #[arg(long, default_value = "roundrobin,affinity,adaptive,direct")]
+    targets: String,
+    /// Skip the proxy-overhead pass.
+    #[arg(long)]
+    no_overhead: bool,
+}
+
+/// Scenario sizes; `smoke` shrinks them.
+#[derive(Debug, Clone, Serialize)]
+struct Sizes {
+    context_tokens: usize,
+    conversations: usize,
+    turns: usize,
+    turn_tokens: usize,
+    burst: usize,
+    reply_tokens: usize,
+    cache_tokens: usize,
+    failover_seconds: f64,
+    overhead_seconds: f64,
+}
+
+impl Sizes {
+    fn new(smoke: bool) -> Sizes {
+        if smoke {
+            Sizes {
+                context_tokens: 2_000,
+                conversations: 2,
+                turns: 3,
+                turn_tokens: 100,
+                burst: 4,
+                reply_tokens: 4,
+                cache_tokens: 100_000,
+                failover_seconds: 1.5,
+                overhead_seconds: 0.5,
+            }
+        } else {
+            Sizes {
+                context_tokens: 90_000,
+                conversations: 4,
+                turns: 8,
+                turn_tokens: 2_000,
+                burst: 16,
+                reply_tokens: 32,
+                // A card's prefix cache holds about four such contexts.
+                cache_tokens: 400_000,
+                failover_seconds: 6.0,
+                overhead_seconds: 5.0,
+            }
+        }
+    }
+}
+
+fn bin_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| PathBuf::from("target/release"))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A child process killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Cluster {
+    sims: Vec<(u16, Option<Proc>)>,
+    lb: Option<(u16, u16, Proc)>,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    fn target(&self) -> String {
+        match &self.lb {
+            Some((port, _, _)) => format!("http://127.0.0.1:{port}"),
+            None => format!("http://127.0.0.1:{}", self.sims[0].0),
+        }
+    }
+    fn stop_sim(&mut self, i: usize) {
+        self.sims[i].1 = None;
+    }
+}
+
+async fn wait_http(client: &reqwest::Client, url: &str) -> bool {
+    for _ in 0..250 {
+        if client
+            .get(url)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    false
+}
+
+fn spawn_sim(port: u16, id: &str, speed: f64, cache_tokens: usize, extra: &[&str]) -> Proc {
+    Proc(
+        Command::new(bin_dir().join("inferlb-sim"))
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--id", id])
+            .args([
+                "--speed",
+                &speed.to_string(),
+                "--cache-tokens",
+                &cache_tokens.to_string(),
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn inferlb-sim (build the workspace first)"),
+    )
+}
+
+/// Fresh replicas (cold caches) and, unless `mode` is None, inferlb in front of them.
+async fn start_cluster(
+    client: &reqwest::Client,
+    mode: Option<&str>,
+    speed: f64,
+    cache: usize,
+    sim_extra: &[&str],
+) -> Cluster {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut sims = vec![];
+    for i in 0..2 {
+        let port = free_port();
+        sims.push((
+            port,
+            Some(spawn_sim(port, &format!("gpu{i}"), speed, cache, sim_extra)),
+        ));
+    }
+    for (port, _) in &sims {
+        assert!(
+            wait_http(client, &format!("http://127.0.0.1:{port}/health")).await,
+            "sim did not start"
+        );
+    }
+    let lb = match mode {
+        None => None,
+        Some(mode) => {
+            let (port, admin) = (free_port(), free_port());
+            let conf = dir.path().join("inferlb.yaml");
+            let replicas: String = sims
+                .iter()
+                .enumerate()
+                .map(|(i, (p, _))| format!("    - {{id: gpu{i}, address: \"127.0.0.1:{p}\"}}\n"))
+                .collect();
+            let text = format!(
+                "threads: 2\npid_file: {d}/lb.pid\nupgrade_sock: {d}/lb.sock\nmax_retries: 4\n\
+                 inferlb:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin}\n  routing: {mode}\n\
+                 \x20 health: {{interval_seconds: 1}}\n  replicas:\n{replicas}",
+                d = dir.path().display()
+            );
+            std::fs::write(&conf, text).expect("write conf");
+            let child = Command::new(bin_dir().join("inferlb"))
+                .arg("-c")
+                .arg(&conf)
+                .env("RUST_LOG", "warn")
+                .env_remove("ROUTING")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn inferlb");
+            let proc = Proc(child);
+            assert!(
+                wait_http(client, &format!("http://127.0.0.1:{admin}/metrics")).await,
+                "inferlb did not start"
+            );
+            Some((port, admin, proc))
+        }
+    };
+    Cluster {
+        sims,
+        lb,
+        _dir: dir,
+    }
+}
+
+/// Text of about `tokens` simulator tokens (4 bytes each), distinct per `seed`.
+fn filler(seed: &str, tokens: usize) -> String {
+    let mut s = format!("[{seed}] ");
+    let words = ["alpha ", "beta ", "gamma ", "delta ", "omega "];
+    let mut i = 0;
+    while s.len() < tokens * 4 {
+        s.push_str(words[i % words.len()]);
+        s.push_str(&format!("{i} "));
+        i += 1;
+    }
+    s
+}
+
+/// One streamed chat request: (time to first token, reply text, cached tokens, ok).
+struct Outcome {
+    ttft: Option<Duration>,
+    total: Duration,
+    reply: String,
+    status: u16,
+    /// Bytes of a 200 response arrived, then the stream broke.
+    cut_after_start: bool,
+    failed: bool,
+}
+
+async fn stream_chat(
+    client: &reqwest::Client,
+    base: &str,
+    messages: &[Value],
+    max_tokens: usize,
+) -> Outcome {
+    let started = Instant::now();
+    let body = json!({"model": "sim-model", "messages": messages, "stream": true, "max_tokens": max_tokens});
+    let mut out = Outcome {
+        ttft: None,
+        total: Duration::ZERO,
+        reply: String::new(),
+        status: 0,
+        cut_after_start: false,
+        failed: true,
+    };
+    let resp = match client
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(_) => {
+            out.total = started.elapsed();
+            return out;
+        }
+    };
+    out.status = resp.status().as_u16();
+    if out.status != 200 {
+        out.total = started.elapsed();
+        return out;
+    }
+    let mut stream = resp.bytes_stream();
+    let mut buf = Vec::new();
+    let mut done = false;
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else { break };
+        buf.extend_from_slice(&chunk);
+        while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..pos + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            let Some(data) = text.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            if v.get("error").is_some() {
+                continue;
+            }
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                if !c.is_empty() && out.ttft.is_none() {
+                    out.ttft = Some(started.elapsed());
+                }
+                out.reply.push_str(c);
+            }
+        }
+    }
+    out.total = started.elapsed();
+    out.failed = !done;
+    out.cut_after_start = !done;
+    out
+}
+
+async fn sim_stats(client: &reqwest::Client, c: &Cluster) -> (u64, u64) {
+    let mut total = (0, 0);
+    for (port, p) in &c.sims {
+        if p.is_none() {
+            continue;
+        }
+        if let Ok(r) = client
+            .get(format!("http://127.0.0.1:{port}/sim/stats"))
+            .send()
+            .await
+        {
+            if let Ok(v) = r.json::<Value>().await {
+                total.0 += v["prompt_tokens"].as_u64().unwrap_or(0);
+                total.1 += v["cached_tokens"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    total
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+struct AgentResult {
+    warm_ttft_ms: Vec<f64>,
+    first_turn_ttft_ms: Vec<f64>,
+    errors: usize,
+}
+
+/// Several conversations at once, each many turns over its own long context.
+async fn agent_loops(client: &reqwest::Client, base: &str, s: &Sizes, tag: &str) -> AgentResult {
+    let tasks: Vec<_> = (0..s.conversations)
+        .map(|c| {
+            let (client, base, s) = (client.clone(), base.to_string(), s.clone());
+            let tag = tag.to_string();
+            tokio::spawn(async move {
+                let mut r = AgentResult::default();
+                let mut messages = vec![json!({"role": "system", "content": filler(&format!("{tag} conversation {c} context"), s.context_tokens)})];
+                for turn in 0..s.turns {
+                    messages.push(json!({"role": "user", "content": filler(&format!("{tag} c{c} tool output {turn}"), s.turn_tokens)}));
+                    let o = stream_chat(&client, &base, &messages, s.reply_tokens).await;
+                    if o.failed {
+                        r.errors += 1;
+                        messages.pop();
+                        continue;
+                    }
+                    let ms = o.ttft.unwrap_or(o.total).as_secs_f64() * 1e3;
+                    if turn == 0 { r.first_turn_ttft_ms.push(ms) } else { r.warm_ttft_ms.push(ms) }
+                    messages.push(json!({"role": "assistant", "content": o.reply}));
+                }
+                r
+            })
+        })
+        .collect();
+    let mut all = AgentResult::default();
+    for t in tasks {
+        if let Ok(r) = t.await {
+            all.warm_ttft_ms.extend(r.warm_ttft_ms);
+            all.first_turn_ttft_ms.extend(r.first_turn_ttft_ms);
+            all.errors += r.errors;
+        }
+    }
+    all
+}
+
+/// `n` parallel fresh requests sharing one long prefix; returns the makespan and errors.
+async fn cold_burst(client: &reqwest::Client, base: &str, s: &Sizes, tag: &str) -> (f64, usize) {
+    let prefix = filler(&format!("{tag} burst shared prefix"), s.context_tokens);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..s.burst)
+        .map(|i| {
+            let (client, base) = (client.clone(), base.to_string());
+            let messages = vec![
+                json!({"role": "system", "content": prefix.clone()}),
+                json!({"role": "user", "content": format!("subtask {i}: do your part")}),
+            ];
+            let reply = s.reply_tokens * 2;
+            tokio::spawn(async move { stream_chat(&client, &base, &messages, reply).await.failed })
+        })
+        .collect();
+    let mut errors = 0;
+    for t in tasks {
+        if t.await.unwrap_or(true) {
+            errors += 1;
+        }
+    }
+    (started.elapsed().as_secs_f64(), errors)
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+struct FailoverResult {
+    requests: u64,
+    /// Failed before any byte of a 200 reached the client: what failover must prevent.
+    errors_before_streaming: u64,
+    /// Streams that began and were then cut (never retried, by design).
+    streams_cut: u64,
+    failovers: f64,
+}
+
+/// Steady traffic; one replica is stopped halfway.
+async fn failover(client: &reqwest::Client, c: &mut Cluster, s: &Sizes) -> FailoverResult {
+    let base = c.target();
+    let stop_at = Instant::now() + Duration::from_secs_f64(s.failover_seconds / 2.0);
+    let end = Instant::now() + Duration::from_secs_f64(s.failover_seconds);
+    let counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let workers: Vec<_> = (0..6)
+        .map(|w| {
+            let (client, base, counts) = (client.clone(), base.clone(), counts.clone());
+            tokio::spawn(async move {
+                let mut i = 0;
+                while Instant::now() < end && i < 10_000 {
+                    let messages =
+                        vec![json!({"role": "user", "content": format!("worker {w} request {i}")})];
+                    let o = stream_chat(&client, &base, &messages, 8).await;
+                    counts[0].fetch_add(1, Ordering::Relaxed);
+                    if o.status != 200 {
+                        counts[1].fetch_add(1, Ordering::Relaxed);
+                    } else if o.cut_after_start {
+                        counts[2].fetch_add(1, Ordering::Relaxed);
+                    }
+                    i += 1;
+                    if o.status != 200 {
+                        // Do not spin on a dead target.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(stop_at.into()).await;
+    c.stop_sim(0);
+    for w in workers {
+        let _ = w.await;
+    }
+    let failovers = match &c.lb {
+        Some((_, admin, _)) => scrape_sum(client, *admin, "inferlb_failovers_total").await,
+        None => 0.0,
+    };
+    FailoverResult {
+        requests: counts[0].load(Ordering::Relaxed),
+        errors_before_streaming: counts[1].load(Ordering::Relaxed),
+        streams_cut: counts[2].load(Ordering::Relaxed),
+        failovers,
+    }
+}
+
+async fn scrape_sum(client: &reqwest::Client, admin: u16, name: &str) -> f64 {
+    let Ok(r) = client
+        .get(format!("http://127.0.0.1:{admin}/metrics"))
+        .send()
+        .await
+    else {
+        return 0.0;
+    };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let idx = ((s.len() - 1) as f64 * p).round() as usize;
+    s[idx]
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+struct TargetResult {
+    target: String,
+    agent: AgentResult,
+    agent_hit_rate: f64,
+    burst_makespan_s: f64,
+    burst_errors: usize,
+    mixed_agent: AgentResult,
+    mixed_burst_makespan_s: f64,
+    failover: FailoverResult,
+}
+
+async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes) -> TargetResult {
+    let mode = (target != "direct").then_some(target);
+    let mut r = TargetResult {
+        target: target.into(),
+        ..Default::default()
+    };
+    eprintln!("[{target}] agent loop");
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    let before = sim_stats(client, &c).await;
+    r.agent = agent_loops(client, &c.target(), s, "a").await;
+    let after = sim_stats(client, &c).await;
+    r.agent_hit_rate = (after.1 - before.1) as f64 / ((after.0 - before.0).max(1)) as f64;
+    drop(c);
+    eprintln!("[{target}] cold burst");
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    (r.burst_makespan_s, r.burst_errors) = cold_burst(client, &c.target(), s, "b").await;
+    drop(c);
+    eprintln!("[{target}] mixed");
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    let base = c.target();
+    let (agent, burst) = tokio::join!(agent_loops(client, &base, s, "m"), async {
+        // The burst lands while the loops are under way.
+        tokio::time::sleep(Duration::from_secs_f64(3.0 / a.speed)).await;
+        cold_burst(client, &base, s, "mb").await
+    });
+    r.mixed_agent = agent;
+    r.mixed_burst_makespan_s = burst.0;
+    drop(c);
+    eprintln!("[{target}] failover");
+    let mut c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    r.failover = failover(client, &mut c, s).await;
+    r
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+struct Latency {
+    target: String,
+    fixed_rate_rps: f64,
+    fixed_p50_ms: f64,
+    fixed_p99_ms: f64,
+    saturation_rps: f64,
+    saturation_p50_ms: f64,
+    saturation_p99_ms: f64,
+    errors: u64,
+    sse_gap_p50_ms: f64,
+    sse_gap_p99_ms: f64,
+}
+
+async fn small_request(client: &reqwest::Client, base: &str) -> Option<f64> {
+    let started = Instant::now();
+    let body = json!({"model": "sim-model", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1});
+    let r = client
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .ok()?;
+    if r.status() != 200 {
+        return None;
+    }
+    r.bytes().await.ok()?;
+    Some(started.elapsed().as_secs_f64() * 1e3)
+}
+
+async fn overhead_target(client: &reqwest::Client, name: &str, base: &str, s: &Sizes) -> Latency {
+    let mut l = Latency {
+        target: name.into(),
+        ..Default::default()
+    };
+    // Fixed rate: 200 requests/s, open loop.
+    let rate = 200.0;
+    let n = (rate * s.overhead_seconds) as usize;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (client, base) = (client.clone(), base.to_string());
+            let at = started + Duration::from_secs_f64(i as f64 / rate);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at.into()).await;
+                small_request(&client, &base).await
+            })
+        })
+        .collect();
+    let mut lat = vec![];
+    for t in tasks {
+        match t.await.ok().flatten() {
+            Some(ms) => lat.push(ms),
+            None => l.errors += 1,
+        }
+    }
+    l.fixed_rate_rps = rate;
+    (l.fixed_p50_ms, l.fixed_p99_ms) = (pct(&lat, 0.5), pct(&lat, 0.99));
+    // Saturation: 32 closed-loop clients.
+    let end = Instant::now() + Duration::from_secs_f64(s.overhead_seconds);
+    let sat_started = Instant::now();
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let (client, base) = (client.clone(), base.to_string());
+            tokio::spawn(async move {
+                let mut v = vec![];
+                let mut errors = 0;
+                while Instant::now() < end && v.len() < 100_000 {
+                    match small_request(&client, &base).await {
+                        Some(ms) => v.push(ms),
+                        None => errors += 1,
+                    }
+                }
+                (v, errors)
+            })
+        })
+        .collect();
+    let mut lat = vec![];
+    for t in tasks {
+        if let Ok((v, e)) = t.await {
+            lat.extend(v);
+            l.errors += e;
+        }
+    }
+    l.saturation_rps = lat.len() as f64 / sat_started.elapsed().as_secs_f64();
+    (l.saturation_p50_ms, l.saturation_p99_ms) = (pct(&lat, 0.5), pct(&lat, 0.99));
+    // SSE: gaps between events of streams with a steady 5 ms token interval.
+    let mut gaps = vec![];
+    for i in 0..10 {
+        let body = json!({"model": "sim-model", "messages": [{"role": "user", "content": format!("sse {i}")}], "max_tokens": 60, "stream": true});
+        let Ok(r) = client
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+        else {
+            continue;
+        };
+        let mut stream = r.bytes_stream();
+        let mut last: Option<Instant> = None;
+        while let Some(Ok(_)) = stream.next().await {
+            let now = Instant::now();
+            if let Some(prev) = last {
+                gaps.push((now - prev).as_secs_f64() * 1e3);
+            }
+            last = Some(now);
+        }
+    }
+    (l.sse_gap_p50_ms, l.sse_gap_p99_ms) = (pct(&gaps, 0.5), pct(&gaps, 0.99));
+    l
+}
+
+fn nginx_conf(dir: &Path, port: u16, sims: &[u16]) -> PathBuf {
+    let servers: String = sims
+        .iter()
+        .map(|p| format!("    server 127.0.0.1:{p};\n"))
+        .collect();
+    let d = dir.display();
+    let text = format!(
+        "worker_processes 2;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log;\nevents {{ worker_connections 4096; }}\n\
+         http {{\n  access_log off;\n  client_body_temp_path {d};\n  proxy_temp_path {d};\n  fastcgi_temp_path {d};\n  uwsgi_temp_path {d};\n  scgi_temp_path {d};\n\
+         \x20 upstream replicas {{\n{servers}    keepalive 64;\n  }}\n\
+         \x20 server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://replicas;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n"
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, text).expect("nginx conf");
+    path
+}
+
+async fn overhead(client: &reqwest::Client, s: &Sizes) -> Vec<Latency> {
+    // Replicas that answer at once: what is left is the proxy's own cost.
+    let c = start_cluster(
+        client,
+        Some("adaptive"),
+        1.0,
+        100_000,
+        &["--prefill-tokens-per-s", "1e9", "--decode-interval-ms", "5"],
+    )
+    .await;
+    let lb = c.target();
+    let direct = format!("http://127.0.0.1:{}", c.sims[0].0);
+    let mut out = vec![];
+    eprintln!("[overhead] direct");
+    out.push(overhead_target(client, "direct", &direct, s).await);
+    eprintln!("[overhead] inferlb");
+    out.push(overhead_target(client, "inferlb", &lb, s).await);
+    let nginx_bin = ["/usr/sbin/nginx", "/usr/bin/nginx"]
+        .into_iter()
+        .find(|p| Path::new(p).exists());
+    if let Some(bin) = nginx_bin {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let conf = nginx_conf(dir.path(), port, &[c.sims[0].0, c.sims[1].0]);
+        let nginx = Command::new(bin)
+            .args(["-e", "stderr", "-p"])
+            .arg(dir.path())
+            .arg("-c")
+            .arg(&conf)
+            .args(["-g", "daemon off;"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        if let Ok(child) = nginx {
+            let _nginx = Proc(child);
+            if wait_http(client, &format!("http://127.0.0.1:{port}/health")).await {
+                eprintln!("[overhead] nginx");
+                out.push(
+                    overhead_target(client, "nginx", &format!("http://127.0.0.1:{port}"), s).await,
+                );
+            }
+        }
+    } else {
+        eprintln!("[overhead] nginx not installed: skipped (make deps installs it)");
+    }
+    out
+}
+
+fn table(results: &[TargetResult], lat: &[Latency], s: &Sizes, a: &Args) -> String {
+    let mut md = String::new();
+    md.push_str(&format!(
+        "Simulated replicas: 2; context {} tokens; {} conversations x {} turns (+{} tokens a turn); burst {}; cache {} tokens a replica; speed x{}.\n\n",
+        s.context_tokens, s.conversations, s.turns, s.turn_tokens, s.burst, s.cache_tokens, a.speed
+    ));
+    md.push_str("| target | warm-turn TTFT p50 (ms) | p90 (ms) | prefix-cache hit rate | burst makespan (s) | mixed: warm TTFT p50 (ms) | mixed: burst makespan (s) | failover: requests | errors before streaming | streams cut | failovers counted |\n");
+    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for r in results {
+        md.push_str(&format!(
+            "| {} | {:.0} | {:.0} | {:.1}% | {:.2} | {:.0} | {:.2} | {} | {} | {} | {} |\n",
+            r.target,
+            pct(&r.agent.warm_ttft_ms, 0.5),
+            pct(&r.agent.warm_ttft_ms, 0.9),
+            r.agent_hit_rate * 100.0,
+            r.burst_makespan_s,
+            pct(&r.mixed_agent.warm_ttft_ms, 0.5),
+            r.mixed_burst_makespan_s,
+            r.failover.requests,
+            r.failover.errors_before_streaming,
+            r.failover.streams_cut,
+            r.failover.failovers,
+        ));
+    }
+    let get = |t: &str| results.iter().find(|r| r.target == t);
+    if let (Some(ad), Some(af), Some(rr)) = (get("adaptive"), get("affinity"), get("roundrobin")) {
+        let (a50, f50, r50) = (
+            pct(&ad.agent.warm_ttft_ms, 0.5),
+            pct(&af.agent.warm_ttft_ms, 0.5),
+            pct(&rr.agent.warm_ttft_ms, 0.5),
+        );
+        md.push_str(&format!(
+            "\nRatios (same run): adaptive/affinity warm TTFT = {:.3} (target <= 1.05); adaptive/roundrobin warm TTFT = {:.3} (target < 0.5); adaptive/roundrobin burst makespan = {:.3} (target <= 1.03); adaptive/affinity burst makespan = {:.3}.\n",
+            a50 / f50, a50 / r50, ad.burst_makespan_s / rr.burst_makespan_s, ad.burst_makespan_s / af.burst_makespan_s
+        ));
+    }
+    if !lat.is_empty() {
+        md.push_str("\nProxy overhead (replicas answer at once; 200 req/s open loop, then 32 closed-loop clients; SSE at a 5 ms token interval):\n\n");
+        md.push_str("| target | p50 at 200 rps (ms) | p99 at 200 rps (ms) | saturation (req/s) | p50 at saturation (ms) | p99 at saturation (ms) | errors | SSE gap p50 (ms) | SSE gap p99 (ms) |\n|---|---|---|---|---|---|---|---|---|\n");
+        for l in lat {
+            md.push_str(&format!(
+                "| {} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} |\n",
+                l.target,
+                l.fixed_p50_ms,
+                l.fixed_p99_ms,
+                l.saturation_rps,
+                l.saturation_p50_ms,
+                l.saturation_p99_ms,
+                l.errors,
+                l.sse_gap_p50_ms,
+                l.sse_gap_p99_ms
+            ));
+        }
+        if let (Some(d), Some(i)) = (
+            lat.iter().find(|l| l.target == "direct"),
+            lat.iter().find(|l| l.target == "inferlb"),
+        ) {
+            md.push_str(&format!(
+                "\ninferlb adds {:.2} ms at p50 and {:.2} ms at p99 at 200 rps; saturation throughput inferlb/direct = {:.2}.\n",
+                i.fixed_p50_ms - d.fixed_p50_ms, i.fixed_p99_ms - d.fixed_p99_ms, i.saturation_rps / d.saturation_rps
+            ));
+        }
+    }
+    md
+}
+
+/// TTFT distributions per target as an SVG (and a PNG when rsvg-convert is installed).
+fn plot(results: &[TargetResult], out: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    let svg = out.join("ttft.svg");
+    {
+        let root = SVGBackend::new(&svg, (900, 520)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let max = results
+            .iter()
+            .flat_map(|r| r.agent.warm_ttft_ms.iter().copied())
+            .fold(1.0f64, f64::max)
+            * 1.1;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Warm-turn time to first token, CDF per routing target",
+                ("sans-serif", 22),
+            )
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(55)
+            .build_cartesian_2d(0f64..max, 0f64..1f64)?;
+        chart
+            .configure_mesh()
+            .x_desc("TTFT (ms)")
+            .y_desc("fraction of turns")
+            .draw()?;
+        let colors = [RED, BLUE, GREEN, BLACK, MAGENTA];
+        for (i, r) in results.iter().enumerate() {
+            let mut v = r.agent.warm_ttft_ms.clone();
+            v.sort_by(|a, b| a.total_cmp(b));
+            let n = v.len().max(1) as f64;
+            let color = colors[i % colors.len()];
+            chart
+                .draw_series(LineSeries::new(
+                    v.iter().enumerate().map(|(k, x)| (*x, (k + 1) as f64 / n)),
+                    color.stroke_width(2),
+                ))?
+                .label(r.target.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()?;
+        root.present()?;
+    }
+    let png = out.join("ttft.png");
+    let converted = Command::new("rsvg-convert")
+        .arg("-o")
+        .arg(&png)
+        .arg(&svg)
+        .status();
+    if !converted.is_ok_and(|s| s.success()) {
+        eprintln!("rsvg-convert not available: the plot is {}", svg.display());
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() {
+    let a = Args::parse();
+    let s = Sizes::new(a.smoke);
+    std::fs::create_dir_all(&a.out).expect("create the output directory");
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(256)
+        .timeout(Duration::from_secs(600))
+        .build()
+        .expect("client");
+    let mut results = vec![];
+    for target in a
+        .targets
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
+        results.push(run_target(&client, target, &a, &s).await);
+    }
+    let lat = if a.no_overhead {
+        vec![]
+    } else {
+        overhead(&client, &s).await
+    };
+    let md = table(&results, &lat, &s, &a);
+    let command = format!(
+        "inferlb-bench {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    let report = format!("Command: `{}`\n\n{md}", command.trim());
+    std::fs::write(a.out.join("results.md"), &report).expect("write results.md");
+    let raw = json!({"command": command.trim(), "sizes": s, "targets": results, "overhead": lat});
+    std::fs::write(
+        a.out.join("results.json"),
+        serde_json::to_vec_pretty(&raw).unwrap_or_default(),
+    )
+    .expect("write results.json");
+    if let Err(e) = plot(&results, &a.out) {
+        eprintln!("plot failed: {e}");
+    }
+    println!("{report}");
+    // The smoke run is a test: every scenario must have produced numbers.
+    if a.smoke {
+        let broken = results.iter().any(|r| {
+            r.agent.warm_ttft_ms.is_empty() || r.burst_makespan_s <= 0.0 || r.failover.requests == 0
+        });
+        if broken {
+            eprintln!("smoke run: a scenario produced no measurement");
+            std::process::exit(1);
+        }
+    }
+}

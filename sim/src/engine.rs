@@ -89,7 +89,9 @@ impl Engine {
     pub fn new(conf: EngineConf) -> Engine {
         let blocks = (conf.cache_tokens / conf.block_tokens).max(1);
         Engine {
-            cache: Mutex::new(LruCache::new(NonZeroUsize::new(blocks).unwrap_or(NonZeroUsize::MIN))),
+            cache: Mutex::new(LruCache::new(
+                NonZeroUsize::new(blocks).unwrap_or(NonZeroUsize::MIN),
+            )),
             prefill_free_at: Mutex::new(Instant::now()),
             batch: std::sync::Arc::new(Semaphore::new(conf.max_batch.max(1))),
             counters: Counters::default(),
@@ -117,8 +119,13 @@ impl Engine {
     /// How many leading tokens of `prompt` are in the cache; refreshes their LRU position.
     pub fn lookup(&self, prompt: &[u8]) -> usize {
         let hashes = block_hashes(prompt, self.conf.block_tokens);
-        let Ok(mut cache) = self.cache.lock() else { return 0 };
-        let hit = hashes.iter().take_while(|h| cache.get(*h).is_some()).count();
+        let Ok(mut cache) = self.cache.lock() else {
+            return 0;
+        };
+        let hit = hashes
+            .iter()
+            .take_while(|h| cache.get(*h).is_some())
+            .count();
         hit * self.conf.block_tokens
     }
 
@@ -145,7 +152,9 @@ impl Engine {
             uncached as f64 / self.conf.prefill_tokens_per_s,
         ));
         let now = Instant::now();
-        let Ok(mut free_at) = self.prefill_free_at.lock() else { return now + cost };
+        let Ok(mut free_at) = self.prefill_free_at.lock() else {
+            return now + cost;
+        };
         let start = (*free_at).max(now);
         *free_at = start + cost;
         *free_at

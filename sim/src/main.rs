@@ -23,7 +23,9 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "A simulated vLLM replica: OpenAI endpoints, prefix cache, prefill/decode timing, faults")]
+#[command(
+    about = "A simulated vLLM replica: OpenAI endpoints, prefix cache, prefill/decode timing, faults"
+)]
 struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8001")]
@@ -116,7 +118,9 @@ type App = Arc<Sim>;
 impl Sim {
     /// The fault for this request, consuming one use of a counted fault.
     fn take_fault(&self) -> Fault {
-        let Ok(mut f) = self.fault.lock() else { return Fault::None };
+        let Ok(mut f) = self.fault.lock() else {
+            return Fault::None;
+        };
         match f.remaining {
             Some(0) => Fault::None,
             Some(n) => {
@@ -128,22 +132,36 @@ impl Sim {
     }
 
     fn unhealthy(&self) -> bool {
-        self.unhealthy_until.lock().map(|u| Instant::now() < *u).unwrap_or(false)
+        self.unhealthy_until
+            .lock()
+            .map(|u| Instant::now() < *u)
+            .unwrap_or(false)
     }
 
     fn models(&self) -> Vec<String> {
-        self.args.model.split(',').map(|m| m.trim().to_owned()).collect()
+        self.args
+            .model
+            .split(',')
+            .map(|m| m.trim().to_owned())
+            .collect()
     }
 }
 
 fn error(status: StatusCode, message: &str) -> Response {
-    let kind = if status.is_client_error() { "BadRequestError" } else { "InternalServerError" };
+    let kind = if status.is_client_error() {
+        "BadRequestError"
+    } else {
+        "InternalServerError"
+    };
     let body = json!({"error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}});
     (status, Json(body)).into_response()
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// A parsed completion request, chat or not.
@@ -178,7 +196,11 @@ fn content_text(v: &Value) -> String {
 fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let obj = v.as_object().ok_or("the body must be a JSON object")?;
-    let model = obj.get("model").and_then(Value::as_str).unwrap_or("").to_owned();
+    let model = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
     let prompt = if chat {
         let msgs = obj
             .get("messages")
@@ -190,8 +212,14 @@ fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String>
         let mut text = String::new();
         for m in msgs {
             let m = m.as_object().ok_or("each message must be an object")?;
-            let role = m.get("role").and_then(Value::as_str).ok_or("each message needs a `role`")?;
-            text.push_str(&render_message(role, &content_text(m.get("content").unwrap_or(&Value::Null))));
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or("each message needs a `role`")?;
+            text.push_str(&render_message(
+                role,
+                &content_text(m.get("content").unwrap_or(&Value::Null)),
+            ));
         }
         text.push_str("<|assistant|>\n");
         text
@@ -216,7 +244,15 @@ fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String>
         .and_then(Value::as_bool)
         .unwrap_or(false);
     let seed = xxhash_rust::xxh3::xxh3_64(prompt.as_bytes());
-    Ok(Job { chat, model, prompt, max_tokens, stream, include_usage, seed })
+    Ok(Job {
+        chat,
+        model,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+        seed,
+    })
 }
 
 async fn chat_completions(State(sim): State<App>, body: Bytes) -> Response {
@@ -236,7 +272,10 @@ async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
     };
     if !job.model.is_empty() && !sim.models().contains(&job.model) {
-        return error(StatusCode::NOT_FOUND, &format!("The model `{}` does not exist.", job.model));
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!("The model `{}` does not exist.", job.model),
+        );
     }
     let fault = sim.take_fault();
     match fault {
@@ -245,7 +284,9 @@ async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
             // Dropping the connection task: the client sees the connection close with no response.
             std::panic::panic_any(ResetFault)
         }
-        Fault::Error500 => return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated engine error"),
+        Fault::Error500 => {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated engine error")
+        }
         Fault::Error503 => return error(StatusCode::SERVICE_UNAVAILABLE, "simulated overload"),
         _ => {}
     }
@@ -256,8 +297,14 @@ async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
     } else {
         whole_response(sim.clone(), job).await
     };
+    let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&sim.args.id) {
-        resp.headers_mut().insert("x-sim-replica", v);
+        h.insert("x-sim-replica", v);
+    }
+    // Lets a test check that the body arrived intact, whatever the balancer did with it.
+    h.insert("x-sim-body-bytes", HeaderValue::from(body.len()));
+    if let Ok(v) = HeaderValue::from_str(&format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body))) {
+        h.insert("x-sim-body-hash", v);
     }
     resp
 }
@@ -274,7 +321,10 @@ struct Usage {
 async fn prefill<'a>(sim: &'a Sim, job: &Job) -> (engine::Running<'a>, Usage) {
     let running = sim.engine.admit().await;
     let prompt = tokens(job.prompt.as_bytes());
-    let cached = sim.engine.lookup(job.prompt.as_bytes()).min(prompt.saturating_sub(1));
+    let cached = sim
+        .engine
+        .lookup(job.prompt.as_bytes())
+        .min(prompt.saturating_sub(1));
     let done = sim.engine.book_prefill(prompt - cached);
     tokio::time::sleep_until(done).await;
     sim.engine.insert(job.prompt.as_bytes());
@@ -313,7 +363,10 @@ async fn whole_response(sim: App, job: Job) -> Response {
         reply.push_str(token_text(job.seed, i));
     }
     drop(running);
-    sim.engine.counters.generation_tokens.fetch_add(job.max_tokens as u64, Ordering::Relaxed);
+    sim.engine
+        .counters
+        .generation_tokens
+        .fetch_add(job.max_tokens as u64, Ordering::Relaxed);
     finish(&sim, &job, &reply);
     let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
     let choice = if job.chat {
@@ -355,7 +408,15 @@ async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Respon
                 "choices": [choice],
             })
         };
-        if job.chat && tx.send(Ok(sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null)))).await.is_err() {
+        if job.chat
+            && tx
+                .send(Ok(sse(&chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                ))))
+                .await
+                .is_err()
+        {
             return;
         }
         let mut reply = String::new();
@@ -366,13 +427,22 @@ async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Respon
                 tokio::time::sleep_until(next).await;
             }
             if cut_after == Some(i) {
-                let _ = tx.send(Err(std::io::Error::other("simulated stream cut"))).await;
+                let _ = tx
+                    .send(Err(std::io::Error::other("simulated stream cut")))
+                    .await;
                 return;
             }
             let t = token_text(job.seed, i);
             reply.push_str(t);
-            sim.engine.counters.generation_tokens.fetch_add(1, Ordering::Relaxed);
-            if tx.send(Ok(sse(&chunk(json!({"content": t}), Value::Null)))).await.is_err() {
+            sim.engine
+                .counters
+                .generation_tokens
+                .fetch_add(1, Ordering::Relaxed);
+            if tx
+                .send(Ok(sse(&chunk(json!({"content": t}), Value::Null))))
+                .await
+                .is_err()
+            {
                 return;
             }
         }
@@ -462,17 +532,25 @@ async fn stats(State(sim): State<App>) -> Response {
 async fn set_fault(State(sim): State<App>, Json(req): Json<FaultRequest>) -> Response {
     match req.fault {
         Fault::Refuse => {
-            let _ = sim.listener_ctl.send(Duration::from_secs_f64(req.seconds.max(0.0)));
+            let _ = sim
+                .listener_ctl
+                .send(Duration::from_secs_f64(req.seconds.max(0.0)));
         }
         Fault::Restart => {
             if let Ok(mut u) = sim.unhealthy_until.lock() {
-                *u = Instant::now() + Duration::from_secs_f64((req.seconds + req.unhealthy_seconds).max(0.0));
+                *u = Instant::now()
+                    + Duration::from_secs_f64((req.seconds + req.unhealthy_seconds).max(0.0));
             }
-            let _ = sim.listener_ctl.send(Duration::from_secs_f64(req.seconds.max(0.0)));
+            let _ = sim
+                .listener_ctl
+                .send(Duration::from_secs_f64(req.seconds.max(0.0)));
         }
         _ => {
             if let Ok(mut f) = sim.fault.lock() {
-                *f = FaultState { fault: req.fault, remaining: req.count };
+                *f = FaultState {
+                    fault: req.fault,
+                    remaining: req.count,
+                };
             }
         }
     }
@@ -481,16 +559,22 @@ async fn set_fault(State(sim): State<App>, Json(req): Json<FaultRequest>) -> Res
 
 fn load_args() -> Result<Args, String> {
     let args = Args::parse();
-    let Some(path) = args.config.clone() else { return Ok(args) };
+    let Some(path) = args.config.clone() else {
+        return Ok(args);
+    };
     // Keys of the YAML file become flags placed before the real ones, so the command line wins.
     let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let map: serde_yaml::Mapping = serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let map: serde_yaml::Mapping =
+        serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut argv: Vec<String> = vec!["inferlb-sim".into()];
     for (k, v) in map {
         let key = k.as_str().ok_or("keys must be strings")?.replace('_', "-");
         let val = match v {
             serde_yaml::Value::String(s) => s,
-            other => serde_yaml::to_string(&other).map_err(|e| e.to_string())?.trim().to_owned(),
+            other => serde_yaml::to_string(&other)
+                .map_err(|e| e.to_string())?
+                .trim()
+                .to_owned(),
         };
         argv.push(format!("--{key}={val}"));
     }
@@ -527,8 +611,13 @@ async fn main() {
     let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
     let sim = Arc::new(Sim {
         engine,
-        fault: Mutex::new(FaultState { fault: Fault::None, remaining: None }),
-        unhealthy_until: Mutex::new(Instant::now() + refuse_for + Duration::from_secs_f64(args.unhealthy_for.max(0.0))),
+        fault: Mutex::new(FaultState {
+            fault: Fault::None,
+            remaining: None,
+        }),
+        unhealthy_until: Mutex::new(
+            Instant::now() + refuse_for + Duration::from_secs_f64(args.unhealthy_for.max(0.0)),
+        ),
         listener_ctl: ctl_tx,
         args: args.clone(),
     });

@@ -1,0 +1,46 @@
+# inferlb: `make run` starts the balancer with two simulated replicas; `make test` runs every test.
+SHELL := /bin/bash
+CARGO ?= cargo
+PROFILE := release
+BIN := target/$(PROFILE)
+
+.PHONY: all deps build run test lint bench bench-smoke fuzz clean
+
+all: build
+
+# What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), nginx (bench).
+deps:
+	@missing=""; \
+	command -v cmake >/dev/null || missing="$$missing cmake"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+build: deps
+	$(CARGO) build --$(PROFILE) --workspace --bins
+
+# Two simulated replicas on :8001/:8002 and the balancer on :7770 (admin/metrics on :7771).
+# Ctrl-C stops all three.
+run: build
+	@scripts/run.sh $(BIN)
+
+test: build
+	$(CARGO) test --$(PROFILE) --workspace -- --test-threads=4
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# The routing benchmark: every policy side by side against the same simulated replicas.
+bench: build
+	$(BIN)/inferlb-bench --out bench/results
+
+bench-smoke: build
+	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,594 @@
+//! End to end: the real binary in front of real simulated replicas, on loopback.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+fn two_sims(dir: &std::path::Path, extra: &[&str]) -> (Sim, Sim) {
+    (
+        Sim::start(dir, "gpu0", extra),
+        Sim::start(dir, "gpu1", extra),
+    )
+}
+
+fn post(lb: &Lb, path: &str, body: &Value) -> reqwest::blocking::Response {
+    http()
+        .post(lb.url(path))
+        .json(body)
+        .send()
+        .expect("request")
+}
+
+fn header(r: &reqwest::blocking::Response, name: &str) -> String {
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
+}
+
+fn failover_lines(lb: &Lb) -> usize {
+    lb.proc
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("failover: replica="))
+        .count()
+}
+
+#[test]
+fn the_seed_failover_scene_six_requests_six_200s_one_failover() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, b) = two_sims(dir.path(), &["--speed", "20"]);
+    // Health checks every 2 s: the data path, not the checker, must notice the dead card.
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            health_interval: 2.0,
+            ..Default::default()
+        },
+    );
+    let mut codes = vec![];
+    for i in 0..6 {
+        if i == 2 {
+            a.stop(); // card gpu0 stopped mid-flight
+        }
+        let r = post(
+            &lb,
+            "/v1/chat/completions",
+            &chat_body(&[("user", &format!("q{i}"))], false, 2),
+        );
+        codes.push(r.status().as_u16());
+    }
+    assert_eq!(codes, vec![200; 6]);
+    assert_eq!(failover_lines(&lb), 1, "{}", lb.proc.log_text());
+    assert_eq!(
+        lb.metric(r#"inferlb_failovers_total{reason="connect_refused",replica="gpu0"}"#),
+        1.0
+    );
+    assert_eq!(lb.replica_state("gpu0")["live"], false);
+}
+
+#[test]
+fn a_1mb_body_fails_over_intact_with_content_length_and_expect_continue() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, mut b) = two_sims(dir.path(), &["--speed", "50"]);
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            health_interval: 2.0,
+            ..Default::default()
+        },
+    );
+
+    // Turn 1 pins the conversation; then its replica dies and turn 2 (1 MB) must move, whole.
+    let context = "c".repeat(1_100_000);
+    let turn1 = chat_body(&[("system", &context), ("user", "t1")], false, 2);
+    let r = post(&lb, "/v1/chat/completions", &turn1);
+    assert_eq!(r.status(), 200);
+    let home = header(&r, "x-inferlb-replica");
+    let (dead, alive) = if home == "gpu0" {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    dead.stop();
+
+    let turn2 = chat_body(
+        &[
+            ("system", &context),
+            ("user", "t1"),
+            ("assistant", "x"),
+            ("user", "t2"),
+        ],
+        false,
+        2,
+    );
+    let bytes = serde_json::to_vec(&turn2).unwrap();
+    assert!(bytes.len() > 1_000_000);
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(bytes.clone())
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-inferlb-replica"), alive.id);
+    assert_eq!(header(&r, "x-inferlb-route"), "repinned");
+    assert_eq!(header(&r, "x-sim-body-bytes"), bytes.len().to_string());
+    assert_eq!(
+        header(&r, "x-sim-body-hash"),
+        format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes))
+    );
+    assert_eq!(failover_lines(&lb), 1);
+
+    // Expect: 100-continue: the balancer answers 100 itself and the replica never sees `expect`.
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n",
+        bytes.len()
+    );
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", lb.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    use std::io::{Read, Write};
+    s.write_all(head.as_bytes()).unwrap();
+    let mut first = [0u8; 25];
+    s.read_exact(&mut first).unwrap();
+    assert!(
+        String::from_utf8_lossy(&first).starts_with("HTTP/1.1 100"),
+        "{:?}",
+        String::from_utf8_lossy(&first)
+    );
+    s.write_all(&bytes).unwrap();
+    let mut rest = String::new();
+    let _ = s.read_to_string(&mut rest);
+    assert!(rest.contains("200 OK"), "{rest}");
+    assert!(
+        rest.contains(&format!("x-sim-body-bytes: {}", bytes.len())),
+        "{rest}"
+    );
+}
+
+#[test]
+fn chunked_bodies_are_replayed_up_to_64k_and_refused_clearly_above() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &["--speed", "50"]);
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let small = serde_json::to_vec(&chat_body(&[("user", &"s".repeat(50_000))], false, 1)).unwrap();
+    let chunked = |data: &[u8]| {
+        let mut out = Vec::new();
+        for c in data.chunks(7000) {
+            out.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+            out.extend_from_slice(c);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"0\r\n\r\n");
+        out
+    };
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let resp = raw_exchange(lb.port, head, &chunked(&small), Duration::from_secs(20));
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(
+        resp.contains(&format!(
+            "x-sim-body-hash: {:016x}",
+            xxhash_rust::xxh3::xxh3_64(&small)
+        )),
+        "{resp}"
+    );
+
+    let big =
+        serde_json::to_vec(&chat_body(&[("user", &"b".repeat(1_000_000))], false, 1)).unwrap();
+    let resp = raw_exchange(lb.port, head, &chunked(&big), Duration::from_secs(20));
+    assert!(resp.starts_with("HTTP/1.1 411"), "{resp}");
+    assert!(
+        resp.contains("\"error\"") && resp.contains("Content-Length"),
+        "{resp}"
+    );
+}
+
+#[test]
+fn body_limits_and_stalls_get_openai_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &[]);
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            extra: "  max_body_bytes: 100000\n  body_read_timeout_seconds: 1\n",
+            ..Default::default()
+        },
+    );
+    let r = http()
+        .post(lb.url("/v1/completions"))
+        .body(vec![b'x'; 200_000])
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["error"]["code"], 413);
+    assert!(v["error"]["message"].as_str().unwrap().contains("100000"));
+
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let mut body = Vec::new();
+    for _ in 0..30 {
+        body.extend_from_slice(format!("{:x}\r\n", 5000).as_bytes());
+        body.extend_from_slice(&[b'y'; 5000]);
+        body.extend_from_slice(b"\r\n");
+    }
+    let resp = raw_exchange(lb.port, head, &body, Duration::from_secs(10));
+    assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+
+    // A client that stalls mid-body is cut off by the total deadline, not held forever.
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n";
+    let started = Instant::now();
+    let resp = raw_exchange(
+        lb.port,
+        head,
+        b"{\"prompt\": \"only part",
+        Duration::from_secs(15),
+    );
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
+    assert!(started.elapsed() < Duration::from_secs(14));
+    // And the balancer still serves the next request.
+    let r = post(
+        &lb,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 1}),
+    );
+    assert_eq!(r.status(), 200);
+}
+
+#[test]
+fn a_stream_cut_after_its_first_bytes_is_not_retried_and_ends_for_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &[]);
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    for s in [&a, &b] {
+        s.fault(json!({"fault": "cut_stream"}));
+    }
+    let r = post(
+        &lb,
+        "/v1/chat/completions",
+        &chat_body(&[("user", "cut me")], true, 50),
+    );
+    assert_eq!(r.status(), 200);
+    let (events, _err) = sse_events(r);
+    let datas: Vec<&str> = events.iter().map(|(_, d)| d.as_str()).collect();
+    assert!(datas.len() >= 2, "the first bytes arrived: {datas:?}");
+    assert!(
+        !datas.contains(&"[DONE]"),
+        "a cut stream must not look complete: {datas:?}"
+    );
+    let last: Value = serde_json::from_str(datas.last().unwrap()).unwrap();
+    assert!(
+        last["error"]["message"].is_string(),
+        "ends with an error event: {datas:?}"
+    );
+    let served: u64 = [&a, &b]
+        .iter()
+        .map(|s| s.stats()["requests"].as_u64().unwrap())
+        .sum();
+    assert_eq!(served, 1, "never retried once streaming began");
+    assert_eq!(lb.metric("inferlb_stream_errors_total"), 1.0);
+    assert_eq!(failover_lines(&lb), 0);
+}
+
+#[test]
+fn sse_is_relayed_event_by_event() {
+    let dir = tempfile::tempdir().unwrap();
+    // 100 ms between tokens: a buffering proxy would deliver all 12 events at once.
+    let (a, b) = two_sims(dir.path(), &["--decode-interval-ms", "100"]);
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let r = post(
+        &lb,
+        "/v1/chat/completions",
+        &chat_body(&[("user", "stream")], true, 12),
+    );
+    assert_eq!(header(&r, "content-type"), "text/event-stream");
+    let (events, err) = sse_events(r);
+    assert!(err.is_none());
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let first = events[1].0; // the first token
+    let last = events.last().unwrap().0;
+    assert!(
+        last.duration_since(first) >= Duration::from_millis(500),
+        "events arrived together"
+    );
+}
+
+#[test]
+fn a_burst_spreads_8_8_and_an_agent_loop_stays_pinned() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &["--speed", "20"]);
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let prefix = "shared context ".repeat(2000);
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let url = lb.url("/v1/chat/completions");
+            let body = chat_body(
+                &[("system", &prefix), ("user", &format!("task {i}"))],
+                false,
+                8,
+            );
+            std::thread::spawn(move || {
+                let r = http().post(url).json(&body).send().unwrap();
+                assert_eq!(r.status(), 200);
+                (
+                    header(&r, "x-inferlb-replica"),
+                    header(&r, "x-inferlb-route"),
+                )
+            })
+        })
+        .collect();
+    let mut split: HashMap<String, usize> = HashMap::new();
+    for h in handles {
+        let (replica, route) = h.join().unwrap();
+        assert_eq!(route, "spread");
+        *split.entry(replica).or_default() += 1;
+    }
+    assert_eq!(split.get("gpu0"), Some(&8), "{split:?}");
+    assert_eq!(split.get("gpu1"), Some(&8), "{split:?}");
+
+    let mut history: Vec<(String, String)> = vec![("system".into(), prefix.clone())];
+    let mut seen = vec![];
+    for turn in 0..5 {
+        history.push(("user".into(), format!("turn {turn}")));
+        let refs: Vec<(&str, &str)> = history
+            .iter()
+            .map(|(r, c)| (r.as_str(), c.as_str()))
+            .collect();
+        let r = post(&lb, "/v1/chat/completions", &chat_body(&refs, false, 4));
+        let (replica, route) = (
+            header(&r, "x-inferlb-replica"),
+            header(&r, "x-inferlb-route"),
+        );
+        let v: Value = r.json().unwrap();
+        history.push((
+            "assistant".into(),
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        ));
+        seen.push((
+            replica,
+            route,
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        ));
+    }
+    eprintln!("agent loop: {seen:?}");
+    assert_eq!(seen[0].1, "spread");
+    for (replica, route, cached) in &seen[1..] {
+        assert_eq!((replica, route.as_str()), (&seen[0].0, "pinned"));
+        assert!(*cached > 7000, "the history was warm: {cached}");
+    }
+}
+
+#[test]
+fn no_live_replica_is_an_immediate_503_in_openai_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, mut b) = two_sims(dir.path(), &[]);
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    a.stop();
+    b.stop();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let r = post(
+            &lb,
+            "/v1/chat/completions",
+            &chat_body(&[("user", "x")], false, 1),
+        );
+        assert_eq!(r.status(), 503);
+        let v: Value = r.json().unwrap();
+        assert_eq!(v["error"]["code"], 503);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+}
+
+#[test]
+fn health_checks_log_each_transition_once_and_readmit_a_demoted_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, b) = two_sims(dir.path(), &[]);
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            health_interval: 0.3,
+            ..Default::default()
+        },
+    );
+    a.stop();
+    assert!(wait_until(Duration::from_secs(10), || lb
+        .proc
+        .log_text()
+        .contains("replica gpu0 (")
+        && lb.proc.log_text().contains("is down")));
+    std::thread::sleep(Duration::from_secs(1)); // more failed checks: still one line
+    a.restart(&[]);
+    assert!(wait_until(Duration::from_secs(10), || lb
+        .replica_state("gpu0")["live"]
+        == true));
+    std::thread::sleep(Duration::from_secs(1));
+    let log = lb.proc.log_text();
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("replica gpu0") && l.contains("is down"))
+            .count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("replica gpu0") && l.contains("is up"))
+            .count(),
+        1,
+        "{log}"
+    );
+    // Back in rotation: fresh requests reach it again.
+    let replicas: Vec<String> = (0..4)
+        .map(|i| {
+            header(
+                &post(
+                    &lb,
+                    "/v1/completions",
+                    &json!({"prompt": format!("p{i}"), "max_tokens": 1}),
+                ),
+                "x-inferlb-replica",
+            )
+        })
+        .collect();
+    assert!(replicas.contains(&"gpu0".to_string()), "{replicas:?}");
+    assert_eq!(lb.metric(r#"inferlb_replica_up{replica="gpu0"}"#), 1.0);
+}
+
+#[test]
+fn the_api_is_proxied_models_and_other_paths_included() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &["--speed", "20"]);
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let v: Value = http()
+        .get(lb.url("/v1/models"))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(v["data"][0]["id"], "sim-model");
+    let r = post(
+        &lb,
+        "/v1/completions",
+        &json!({"model": "sim-model", "prompt": "once upon", "max_tokens": 3}),
+    );
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let r = post(
+        &lb,
+        "/v1/completions",
+        &json!({"prompt": "s", "max_tokens": 3, "stream": true}),
+    );
+    let (events, _) = sse_events(r);
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    // Any other path goes through: the replica's own answer comes back.
+    let r = http().get(lb.url("/metrics")).send().unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().unwrap().contains("vllm:num_requests_running"));
+    // A body that is not JSON is routed as fresh; the replica's 400 comes back.
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .body("not json")
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "x-inferlb-route"), "spread");
+}
+
+#[test]
+fn a_scrape_passes_promtool() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &["--speed", "20"]);
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    post(
+        &lb,
+        "/v1/chat/completions",
+        &chat_body(&[("user", "x")], false, 1),
+    );
+    let text = lb.metrics();
+    for name in [
+        "inferlb_requests_total",
+        "inferlb_failovers_total",
+        "inferlb_replica_up",
+        "inferlb_replica_in_flight",
+        "inferlb_affinity_entries",
+        "inferlb_time_to_first_byte_seconds_bucket",
+    ] {
+        assert!(
+            text.contains(name) || name == "inferlb_failovers_total",
+            "{name} missing:\n{text}"
+        );
+    }
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool is installed by `make deps`");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn bad_conf_is_refused_with_the_key_named_and_dash_t_checks_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = env!("CARGO_BIN_EXE_inferlb");
+    let good =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/conf/inferlb.yaml")).unwrap();
+    let ok = std::process::Command::new(bin)
+        .args([
+            "-t",
+            "-c",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/conf/inferlb.yaml"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    for (bad, key) in [
+        (
+            good.replace("  routing: adaptive", "  routing: fastest"),
+            "fastest",
+        ),
+        (
+            good.replace("  affinity_capacity:", "  affinity_capacty:"),
+            "affinity_capacty",
+        ),
+        (good.replace("max_retries:", "max_retry:"), "max_retry"),
+    ] {
+        let path = dir.path().join("bad.yaml");
+        std::fs::write(&path, bad).unwrap();
+        for flags in [&["-t", "-c"][..], &["-c"][..]] {
+            let out = std::process::Command::new(bin)
+                .args(flags)
+                .arg(&path)
+                .output()
+                .unwrap();
+            assert!(!out.status.success());
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains(key), "{key} not named in: {err}");
+        }
+    }
+    let out = std::process::Command::new(bin)
+        .args([
+            "-t",
+            "-c",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/conf/inferlb.yaml"),
+        ])
+        .env("ROUTING", "random")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ROUTING"));
+}
