@@ -3,6 +3,7 @@
 //! Data flows one way: body → [`shape`] → [`routing`] decision → peer → outcome → [`replicas`].
 
 pub mod admin;
+pub mod body;
 pub mod config;
 pub mod health;
 pub mod metrics;

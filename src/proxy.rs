@@ -14,6 +14,7 @@ use pingora_core::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 
+use crate::body::JsonEnd;
 use crate::config::Config;
 use crate::metrics::{code_class, METRICS};
 use crate::replicas::{InFlight, Replica, Replicas};
@@ -75,6 +76,8 @@ pub struct Ctx {
     /// Set once the first response byte went to the client: nothing is retried after it.
     first_byte_at: Option<Instant>,
     failovers: u32,
+    /// A chunked body was read up to its JSON end; Pingora reads the terminator.
+    chunked_tail_pending: bool,
 }
 
 impl Ctx {
@@ -145,11 +148,18 @@ impl Balancer {
         }
         let deadline = tokio::time::Instant::now() + self.conf.body_read_timeout;
         let mut body = BytesMut::with_capacity(length.unwrap_or(0).min(limit));
+        let mut json_end = JsonEnd::default();
+        if chunked {
+            // Covers chunked bodies up to 64 KiB on every retry; larger ones are replayed by
+            // leaving their terminator to Pingora (see `body`).
+            session.enable_retry_buffering();
+        }
         loop {
-            let remaining_known = length.map(|n| n.saturating_sub(body.len()));
-            if remaining_known.is_some_and(|r| r <= RETRY_BUFFER_LIMIT)
-                || chunked && body.is_empty()
-            {
+            if chunked && json_end.complete() {
+                ctx.chunked_tail_pending = true;
+                break;
+            }
+            if length.is_some_and(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER_LIMIT) {
                 session.enable_retry_buffering();
             }
             let read = tokio::time::timeout_at(deadline, session.read_request_body()).await;
@@ -176,17 +186,20 @@ impl Balancer {
                     if body.len() + chunk.len() > limit {
                         return Err(too_large(limit));
                     }
+                    if chunked {
+                        json_end.feed(&chunk);
+                    }
                     body.extend_from_slice(&chunk);
                 }
             }
         }
-        if session.as_ref().retry_buffer_truncated() {
-            // A chunked body over 64 KiB: Pingora cannot replay it (see the README).
+        if session.as_ref().retry_buffer_truncated() && !ctx.chunked_tail_pending {
+            // A chunked body over 64 KiB that is not JSON: its end cannot be seen early.
             return Err(Refusal(
                 411,
                 "chunked_too_large",
                 format!(
-                    "chunked request bodies over {RETRY_BUFFER_LIMIT} bytes are not supported: send Content-Length"
+                    "chunked request bodies over {RETRY_BUFFER_LIMIT} bytes must be JSON: send Content-Length"
                 ),
             ));
         }
@@ -254,6 +267,7 @@ impl ProxyHttp for Balancer {
             body_sent_for: 0,
             first_byte_at: None,
             failovers: 0,
+            chunked_tail_pending: false,
         }
     }
 
@@ -393,6 +407,14 @@ impl ProxyHttp for Balancer {
         let mut e = e.more_context(format!("peer: {peer}"));
         let client_got_bytes = session.response_written().is_some() || ctx.first_byte_at.is_some();
         if client_got_bytes || e.esource() == &ErrorSource::Downstream {
+            e.set_retry(false);
+            return e;
+        }
+        if ctx.chunked_tail_pending
+            && session.as_ref().retry_buffer_truncated()
+            && session.as_downstream_mut().is_body_done()
+        {
+            // A large chunked body whose end Pingora already consumed cannot be sent again.
             e.set_retry(false);
             return e;
         }

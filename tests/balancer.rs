@@ -154,24 +154,39 @@ fn a_1mb_body_fails_over_intact_with_content_length_and_expect_continue() {
     );
 }
 
+fn chunked(data: &[u8], piece: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in data.chunks(piece) {
+        out.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+        out.extend_from_slice(c);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}
+
+const CHUNKED_HEAD: &str =
+    "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+
 #[test]
-fn chunked_bodies_are_replayed_up_to_64k_and_refused_clearly_above() {
+fn chunked_bodies_of_1mb_fail_over_intact() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &["--speed", "50"]);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (mut a, b) = two_sims(dir.path(), &["--speed", "50"]);
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            health_interval: 2.0,
+            ..Default::default()
+        },
+    );
     let small = serde_json::to_vec(&chat_body(&[("user", &"s".repeat(50_000))], false, 1)).unwrap();
-    let chunked = |data: &[u8]| {
-        let mut out = Vec::new();
-        for c in data.chunks(7000) {
-            out.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
-            out.extend_from_slice(c);
-            out.extend_from_slice(b"\r\n");
-        }
-        out.extend_from_slice(b"0\r\n\r\n");
-        out
-    };
-    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
-    let resp = raw_exchange(lb.port, head, &chunked(&small), Duration::from_secs(20));
+    let resp = raw_exchange(
+        lb.port,
+        CHUNKED_HEAD,
+        &chunked(&small, 7000),
+        Duration::from_secs(20),
+    );
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     assert!(
         resp.contains(&format!(
@@ -181,9 +196,40 @@ fn chunked_bodies_are_replayed_up_to_64k_and_refused_clearly_above() {
         "{resp}"
     );
 
-    let big =
-        serde_json::to_vec(&chat_body(&[("user", &"b".repeat(1_000_000))], false, 1)).unwrap();
-    let resp = raw_exchange(lb.port, head, &chunked(&big), Duration::from_secs(20));
+    // gpu0 dies; requests alternate, so within two of them one is refused and fails over.
+    a.stop();
+    for i in 0..2 {
+        let big = serde_json::to_vec(&chat_body(
+            &[("user", &format!("{i}{}", "b".repeat(1_000_000)))],
+            false,
+            1,
+        ))
+        .unwrap();
+        let resp = raw_exchange(
+            lb.port,
+            CHUNKED_HEAD,
+            &chunked(&big, 16_000),
+            Duration::from_secs(20),
+        );
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(resp.contains("x-inferlb-replica: gpu1"), "{resp}");
+        assert!(
+            resp.contains(&format!(
+                "x-sim-body-hash: {:016x}",
+                xxhash_rust::xxh3::xxh3_64(&big)
+            )),
+            "{resp}"
+        );
+    }
+    assert_eq!(failover_lines(&lb), 1, "{}", lb.proc.log_text());
+
+    // A chunked body over 64 KiB that is not JSON cannot be replayed: a clear 411.
+    let resp = raw_exchange(
+        lb.port,
+        CHUNKED_HEAD,
+        &chunked(&vec![b'z'; 200_000], 9000),
+        Duration::from_secs(20),
+    );
     assert!(resp.starts_with("HTTP/1.1 411"), "{resp}");
     assert!(
         resp.contains("\"error\"") && resp.contains("Content-Length"),

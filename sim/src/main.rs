@@ -15,6 +15,7 @@ use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use engine::{token_text, tokens, Engine, EngineConf};
@@ -357,9 +358,12 @@ async fn whole_response(sim: App, job: Job) -> Response {
     let (running, usage) = prefill(&sim, &job).await;
     let mut reply = String::new();
     let mut next = Instant::now();
+    // The first token comes out of the prefill itself; the rest at the decode interval.
     for i in 0..job.max_tokens {
-        next += sim.engine.decode_interval();
-        tokio::time::sleep_until(next).await;
+        if i > 0 {
+            next += sim.engine.decode_interval();
+            tokio::time::sleep_until(next).await;
+        }
         reply.push_str(token_text(job.seed, i));
     }
     drop(running);
@@ -646,6 +650,10 @@ async fn main() {
         };
         eprintln!("inferlb-sim {} listening on {}", args.id, args.listen);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        // Token events are small writes: without TCP_NODELAY each waits for a delayed ACK.
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let serve = axum::serve(listener, app.clone()).with_graceful_shutdown(async {
             let _ = stop_rx.await;
         });
