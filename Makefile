@@ -8,12 +8,14 @@ BIN := target/$(PROFILE)
 
 all: build
 
-# What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), nginx (bench).
+# What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), nginx and
+# rsvg-convert (bench).
 deps:
 	@missing=""; \
 	command -v cmake >/dev/null || missing="$$missing cmake"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
+	command -v rsvg-convert >/dev/null || missing="$$missing librsvg2-bin"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -30,6 +32,7 @@ run: build
 
 test: build
 	$(CARGO) test --$(PROFILE) --workspace -- --test-threads=4
+	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
 
 lint:
 	$(CARGO) fmt --all -- --check

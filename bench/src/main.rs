@@ -33,6 +33,10 @@ struct Args {
     /// Only these targets (comma-separated: roundrobin,affinity,adaptive,direct).
     #[arg(long, default_value = "roundrobin,affinity,adaptive,direct")]
     targets: String,
+    /// Prefix-cache capacity of each simulated replica, in tokens (default: about two and a
+    /// half 90k-token contexts, as on a card whose KV memory is the scarce resource).
+    #[arg(long)]
+    cache_tokens: Option<usize>,
     /// Skip the proxy-overhead pass.
     #[arg(long)]
     no_overhead: bool,
@@ -74,8 +78,7 @@ impl Sizes {
                 turn_tokens: 2_000,
                 burst: 16,
                 reply_tokens: 32,
-                // A card's prefix cache holds about four such contexts.
-                cache_tokens: 400_000,
+                cache_tokens: 250_000,
                 failover_seconds: 6.0,
                 overhead_seconds: 5.0,
             }
@@ -343,7 +346,13 @@ struct AgentResult {
 }
 
 /// Several conversations at once, each many turns over its own long context.
-async fn agent_loops(client: &reqwest::Client, base: &str, s: &Sizes, tag: &str) -> AgentResult {
+async fn agent_loops(
+    client: &reqwest::Client,
+    base: &str,
+    s: &Sizes,
+    tag: &str,
+    speed: f64,
+) -> AgentResult {
     let tasks: Vec<_> = (0..s.conversations)
         .map(|c| {
             let (client, base, s) = (client.clone(), base.to_string(), s.clone());
@@ -352,6 +361,10 @@ async fn agent_loops(client: &reqwest::Client, base: &str, s: &Sizes, tag: &str)
                 let mut r = AgentResult::default();
                 let mut messages = vec![json!({"role": "system", "content": filler(&format!("{tag} conversation {c} context"), s.context_tokens)})];
                 for turn in 0..s.turns {
+                    // Tool time between turns varies, so conversations do not run in lockstep
+                    // (in lockstep, a plain counter would hand each one the same card every turn).
+                    let think = (c as u64 * 7919 + turn as u64 * 104_729) % 1000;
+                    tokio::time::sleep(Duration::from_secs_f64(think as f64 / 1000.0 / speed)).await;
                     messages.push(json!({"role": "user", "content": filler(&format!("{tag} c{c} tool output {turn}"), s.turn_tokens)}));
                     let o = stream_chat(&client, &base, &messages, s.reply_tokens).await;
                     if o.failed {
@@ -410,6 +423,8 @@ struct FailoverResult {
     /// Streams that began and were then cut (never retried, by design).
     streams_cut: u64,
     failovers: f64,
+    /// Status codes of the failed requests (0: no response at all).
+    error_statuses: std::collections::BTreeMap<u16, u64>,
 }
 
 /// Steady traffic; one replica is stopped halfway.
@@ -418,9 +433,15 @@ async fn failover(client: &reqwest::Client, c: &mut Cluster, s: &Sizes) -> Failo
     let stop_at = Instant::now() + Duration::from_secs_f64(s.failover_seconds / 2.0);
     let end = Instant::now() + Duration::from_secs_f64(s.failover_seconds);
     let counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let statuses = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
     let workers: Vec<_> = (0..6)
         .map(|w| {
-            let (client, base, counts) = (client.clone(), base.clone(), counts.clone());
+            let (client, base, counts, statuses) = (
+                client.clone(),
+                base.clone(),
+                counts.clone(),
+                statuses.clone(),
+            );
             tokio::spawn(async move {
                 let mut i = 0;
                 while Instant::now() < end && i < 10_000 {
@@ -430,6 +451,9 @@ async fn failover(client: &reqwest::Client, c: &mut Cluster, s: &Sizes) -> Failo
                     counts[0].fetch_add(1, Ordering::Relaxed);
                     if o.status != 200 {
                         counts[1].fetch_add(1, Ordering::Relaxed);
+                        if let Ok(mut m) = statuses.lock() {
+                            *m.entry(o.status).or_insert(0) += 1;
+                        }
                     } else if o.cut_after_start {
                         counts[2].fetch_add(1, Ordering::Relaxed);
                     }
@@ -456,6 +480,7 @@ async fn failover(client: &reqwest::Client, c: &mut Cluster, s: &Sizes) -> Failo
         errors_before_streaming: counts[1].load(Ordering::Relaxed),
         streams_cut: counts[2].load(Ordering::Relaxed),
         failovers,
+        error_statuses: statuses.lock().map(|m| m.clone()).unwrap_or_default(),
     }
 }
 
@@ -505,7 +530,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     eprintln!("[{target}] agent loop");
     let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
     let before = sim_stats(client, &c).await;
-    r.agent = agent_loops(client, &c.target(), s, "a").await;
+    r.agent = agent_loops(client, &c.target(), s, "a", a.speed).await;
     let after = sim_stats(client, &c).await;
     r.agent_hit_rate = (after.1 - before.1) as f64 / ((after.0 - before.0).max(1)) as f64;
     drop(c);
@@ -516,7 +541,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     eprintln!("[{target}] mixed");
     let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
     let base = c.target();
-    let (agent, burst) = tokio::join!(agent_loops(client, &base, s, "m"), async {
+    let (agent, burst) = tokio::join!(agent_loops(client, &base, s, "m", a.speed), async {
         // The burst lands while the loops are under way.
         tokio::time::sleep(Duration::from_secs_f64(3.0 / a.speed)).await;
         cold_burst(client, &base, s, "mb").await
@@ -838,7 +863,10 @@ fn plot(results: &[TargetResult], out: &Path) -> Result<(), Box<dyn std::error::
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
-    let s = Sizes::new(a.smoke);
+    let mut s = Sizes::new(a.smoke);
+    if let Some(c) = a.cache_tokens {
+        s.cache_tokens = c;
+    }
     std::fs::create_dir_all(&a.out).expect("create the output directory");
     let client = reqwest::Client::builder()
         .no_proxy()
