@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
+use pingora_error::RetryType;
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 
@@ -418,8 +419,10 @@ impl ProxyHttp for Balancer {
             e.set_retry(false);
             return e;
         }
-        if client_reused && e.retry.retry() {
-            // A pooled connection the replica had already closed: not the replica's fault.
+        if client_reused && matches!(e.retry, RetryType::ReusedOnly) {
+            // A pooled connection that was already closed: the replica may be fine, so it is
+            // not demoted and may be tried again (a dead one then fails to connect).
+            e.set_retry(true);
             if let Some(r) = ctx.tried.pop() {
                 log::debug!("stale pooled connection to {}, retrying", r.id);
             }

@@ -638,3 +638,47 @@ fn bad_conf_is_refused_with_the_key_named_and_dash_t_checks_it() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("ROUTING"));
 }
+
+#[test]
+fn a_replica_that_resets_after_reading_the_request_fails_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &["--speed", "50"]);
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            health_interval: 2.0,
+            ..Default::default()
+        },
+    );
+    // Warm the upstream pool so later attempts reuse pooled connections too.
+    for i in 0..4 {
+        let r = post(
+            &lb,
+            "/v1/completions",
+            &json!({"prompt": format!("warm {i}"), "max_tokens": 1}),
+        );
+        assert_eq!(r.status(), 200);
+    }
+    a.fault(json!({"fault": "reset"}));
+    for i in 0..6 {
+        let r = post(
+            &lb,
+            "/v1/chat/completions",
+            &chat_body(&[("user", &format!("r{i}"))], i % 2 == 0, 2),
+        );
+        assert_eq!(r.status(), 200, "request {i}");
+        assert_eq!(header(&r, "x-inferlb-replica"), "gpu1");
+        let _ = r.bytes();
+    }
+    assert!(
+        lb.metric(r#"inferlb_failovers_total{reason="connection_closed",replica="gpu0"}"#) >= 1.0,
+        "{}",
+        lb.metrics()
+    );
+    assert!(
+        !lb.proc.log_text().contains("panicked"),
+        "{}",
+        lb.proc.log_text()
+    );
+}
