@@ -245,6 +245,8 @@ fn reason(e: &Error) -> &'static str {
         ErrorType::WriteTimedout => "write_timeout",
         ErrorType::ConnectionClosed => "connection_closed",
         ErrorType::ReadError | ErrorType::WriteError => "reset",
+        ErrorType::HTTPStatus(502) => "http_502",
+        ErrorType::HTTPStatus(503) => "http_503",
         ErrorType::HTTPStatus(_) => "http_status",
         _ => "upstream_error",
     }
@@ -345,6 +347,23 @@ impl ProxyHttp for Balancer {
             *body = Some(ctx.body.clone());
         }
         Ok(())
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        _session: &mut Session,
+        upstream: &mut ResponseHeader,
+        _ctx: &mut Ctx,
+    ) -> Result<()> {
+        // vLLM answers 503 while starting or overloaded, and a gateway in front of it 502: the
+        // request produced nothing, so another replica may serve it (see error_while_proxy).
+        match upstream.status.as_u16() {
+            code @ (502 | 503) => Err(Error::explain(
+                ErrorType::HTTPStatus(code),
+                format!("the replica answered {code}"),
+            )),
+            _ => Ok(()),
+        }
     }
 
     async fn response_filter(
@@ -467,8 +486,10 @@ impl ProxyHttp for Balancer {
             },
         };
         if session.response_written().is_some() {
-            // The stream already began: end it with an error event the client can see, never a
-            // silent truncation that looks like success.
+            // The stream already began: send an error event the client can see, never a silent
+            // truncation that looks like success. The body is left unterminated on purpose:
+            // Pingora closes this connection next, and a cleanly ended response would invite the
+            // client to reuse it and lose its next request in that race.
             METRICS.stream_errors.inc();
             if ctx.info.as_ref().is_some_and(|i| i.stream) {
                 let event = format!(
@@ -479,7 +500,7 @@ impl ProxyHttp for Balancer {
                     ))
                 );
                 let _ = session
-                    .write_response_body(Some(Bytes::from(event)), true)
+                    .write_response_body(Some(Bytes::from(event)), false)
                     .await;
             }
             return FailToProxy {

@@ -303,9 +303,13 @@ fn a_stream_cut_after_its_first_bytes_is_not_retried_and_ends_for_the_client() {
         &chat_body(&[("user", "cut me")], true, 50),
     );
     assert_eq!(r.status(), 200);
-    let (events, _err) = sse_events(r);
+    let (events, err) = sse_events(r);
     let datas: Vec<&str> = events.iter().map(|(_, d)| d.as_str()).collect();
     assert!(datas.len() >= 2, "the first bytes arrived: {datas:?}");
+    assert!(
+        err.is_some(),
+        "the connection ends without a clean end of body, so it is not reused"
+    );
     assert!(
         !datas.contains(&"[DONE]"),
         "a cut stream must not look complete: {datas:?}"
@@ -681,4 +685,64 @@ fn a_replica_that_resets_after_reading_the_request_fails_over() {
         "{}",
         lb.proc.log_text()
     );
+}
+
+#[test]
+fn replica_503s_fail_over_500s_pass_through_and_a_hang_is_a_504() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &["--speed", "50"]);
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            health_interval: 2.0,
+            extra: "  upstream: {read_timeout_seconds: 1}\n",
+            ..Default::default()
+        },
+    );
+    // A starting or overloaded vLLM says 503: the request produced nothing, another replica serves it.
+    a.fault(json!({"fault": "error503"}));
+    for i in 0..4 {
+        let r = post(
+            &lb,
+            "/v1/chat/completions",
+            &chat_body(&[("user", &format!("x{i}"))], false, 1),
+        );
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "x-inferlb-replica"), "gpu1");
+    }
+    assert!(lb.metric(r#"inferlb_failovers_total{reason="http_503",replica="gpu0"}"#) >= 1.0);
+    // Both 503: the client gets a 503 in OpenAI's format.
+    b.fault(json!({"fault": "error503"}));
+    std::thread::sleep(Duration::from_millis(2500)); // gpu0 re-admitted by a passing check
+    let r = post(
+        &lb,
+        "/v1/chat/completions",
+        &chat_body(&[("user", "both")], false, 1),
+    );
+    assert_eq!(r.status(), 503);
+    assert!(r.json::<Value>().unwrap()["error"]["message"].is_string());
+    // A 500 is the replica's answer about this request: it goes back as it is.
+    a.fault(json!({"fault": "error500"}));
+    b.fault(json!({"fault": "error500"}));
+    std::thread::sleep(Duration::from_millis(2500));
+    let r = post(
+        &lb,
+        "/v1/chat/completions",
+        &chat_body(&[("user", "e")], false, 1),
+    );
+    assert_eq!(r.status(), 500);
+    assert!(!header(&r, "x-inferlb-replica").is_empty());
+    // A replica that never answers: 504 after the read timeout, and no retry (it is still working).
+    a.fault(json!({"fault": "hang"}));
+    b.fault(json!({"fault": "hang"}));
+    let before = failover_lines(&lb);
+    let r = post(
+        &lb,
+        "/v1/chat/completions",
+        &chat_body(&[("user", "h")], false, 1),
+    );
+    assert_eq!(r.status(), 504);
+    assert_eq!(r.json::<Value>().unwrap()["error"]["code"], 504);
+    assert_eq!(failover_lines(&lb), before);
 }

@@ -168,6 +168,7 @@ async fn start_cluster(
     speed: f64,
     cache: usize,
     sim_extra: &[&str],
+    log: Option<PathBuf>,
 ) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut sims = vec![];
@@ -207,7 +208,10 @@ async fn start_cluster(
                 .env("RUST_LOG", "warn")
                 .env_remove("ROUTING")
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stderr(
+                    log.and_then(|p| std::fs::File::create(p).ok())
+                        .map_or_else(Stdio::null, Stdio::from),
+                )
                 .spawn()
                 .expect("spawn inferlb");
             let proc = Proc(child);
@@ -528,18 +532,21 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
         ..Default::default()
     };
     eprintln!("[{target}] agent loop");
-    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    let logs = a.out.join("logs");
+    let _ = std::fs::create_dir_all(&logs);
+    let log = |scenario: &str| Some(logs.join(format!("{target}-{scenario}.log")));
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("agent")).await;
     let before = sim_stats(client, &c).await;
     r.agent = agent_loops(client, &c.target(), s, "a", a.speed).await;
     let after = sim_stats(client, &c).await;
     r.agent_hit_rate = (after.1 - before.1) as f64 / ((after.0 - before.0).max(1)) as f64;
     drop(c);
     eprintln!("[{target}] cold burst");
-    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("burst")).await;
     (r.burst_makespan_s, r.burst_errors) = cold_burst(client, &c.target(), s, "b").await;
     drop(c);
     eprintln!("[{target}] mixed");
-    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("mixed")).await;
     let base = c.target();
     let (agent, burst) = tokio::join!(agent_loops(client, &base, s, "m", a.speed), async {
         // The burst lands while the loops are under way.
@@ -550,7 +557,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     r.mixed_burst_makespan_s = burst.0;
     drop(c);
     eprintln!("[{target}] failover");
-    let mut c = start_cluster(client, mode, a.speed, s.cache_tokens, &[]).await;
+    let mut c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("failover")).await;
     r.failover = failover(client, &mut c, s).await;
     r
 }
@@ -692,6 +699,7 @@ async fn overhead(client: &reqwest::Client, s: &Sizes) -> Vec<Latency> {
         1.0,
         100_000,
         &["--prefill-tokens-per-s", "1e9", "--decode-interval-ms", "5"],
+        None,
     )
     .await;
     let lb = c.target();
