@@ -39,7 +39,7 @@ impl Admin {
             .iter()
             .map(|r| {
                 serde_json::json!({
-                    "id": r.id,
+                    "id": &*r.id,
                     "address": r.address,
                     "healthy": self.replicas.is_healthy(r),
                     "demoted": r.is_demoted(),

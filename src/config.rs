@@ -6,6 +6,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use pingora_core::server::configuration::ServerConf;
@@ -27,6 +28,8 @@ pub struct Config {
     pub body_read_timeout: Duration,
     pub affinity_capacity: usize,
     pub spill_margin: Option<usize>,
+    /// Where the affinity table is kept across upgrades and restarts.
+    pub state_file: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -72,6 +75,7 @@ struct RawSection {
     body_read_timeout_seconds: f64,
     affinity_capacity: usize,
     spill_margin: usize,
+    state_file: Option<PathBuf>,
 }
 
 impl Default for RawSection {
@@ -86,7 +90,8 @@ impl Default for RawSection {
             max_body_bytes: 32 * 1024 * 1024,
             body_read_timeout_seconds: 30.0,
             affinity_capacity: 100_000,
-            spill_margin: 8,
+            spill_margin: 4,
+            state_file: None,
         }
     }
 }
@@ -188,6 +193,14 @@ pub fn parse(text: &str, routing_env: Option<&str>) -> Result<Loaded, String> {
         })?
     };
     let mut inferlb = validate(raw)?;
+    if inferlb.state_file.as_os_str().is_empty() {
+        // Beside the pid file: one per installation, and per test in the tests.
+        let dir = std::path::Path::new(&server.pid_file)
+            .parent()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/tmp"));
+        inferlb.state_file = dir.join("inferlb-affinity.json");
+    }
     if let Some(mode) = routing_env.filter(|s| !s.is_empty()) {
         inferlb.routing = mode.parse().map_err(|e| format!("ROUTING: {e}"))?;
     }
@@ -297,6 +310,7 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         body_read_timeout: seconds("body_read_timeout_seconds", raw.body_read_timeout_seconds)?,
         affinity_capacity: raw.affinity_capacity,
         spill_margin: (raw.spill_margin > 0).then_some(raw.spill_margin),
+        state_file: raw.state_file.unwrap_or_default(),
     })
 }
 

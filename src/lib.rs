@@ -11,3 +11,4 @@ pub mod proxy;
 pub mod replicas;
 pub mod routing;
 pub mod shape;
+pub mod state;

@@ -1,10 +1,11 @@
 //! `inferlb -c conf/inferlb.yaml [-d] [-u] [-t]`: assembles the services and runs them.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use pingora_core::apps::http_app::HttpServer;
 use pingora_core::server::configuration::Opt;
-use pingora_core::server::Server;
+use pingora_core::server::{ExecutionPhase, Server};
 use pingora_core::services::background::background_service;
 use pingora_core::services::listening::Service;
 use pingora_load_balancing::discovery::Static;
@@ -15,6 +16,7 @@ use inferlb::config;
 use inferlb::health::ReplicaHealthCheck;
 use inferlb::proxy::Balancer;
 use inferlb::replicas::{backend_for, Replicas};
+use inferlb::state::StateKeeper;
 
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
@@ -38,6 +40,23 @@ fn main() {
 
     let mut server = Server::new_with_opt_and_conf(opt, loaded.server);
     server.bootstrap();
+
+    // Set when this process starts handing over (SIGQUIT) or stopping (SIGTERM): responses then
+    // close their connections, so clients move to the new process instead of racing the
+    // old one's shutdown on an idle keep-alive connection.
+    let leaving = Arc::new(AtomicBool::new(false));
+    let mut phases = server.watch_execution_phase();
+    let flag = leaving.clone();
+    std::thread::spawn(move || {
+        while let Ok(phase) = phases.blocking_recv() {
+            if matches!(
+                phase,
+                ExecutionPhase::GracefulUpgradeTransferringFds | ExecutionPhase::GracefulTerminate
+            ) {
+                flag.store(true, Ordering::Relaxed);
+            }
+        }
+    });
 
     // Pingora's load balancer holds the replicas' health; the routing policy does the choosing.
     let backends: std::collections::BTreeSet<_> = conf.replicas.iter().map(backend_for).collect();
@@ -66,9 +85,24 @@ fn main() {
     ));
     let _ = replicas_cell.set(replicas.clone());
 
+    let keeper = StateKeeper {
+        replicas: replicas.clone(),
+        path: conf.state_file.clone(),
+        interval: std::time::Duration::from_secs(2),
+        leaving: leaving.clone(),
+    };
+    let learnt = keeper.load();
+    if learnt > 0 {
+        log::info!(
+            "{learnt} affinity pins loaded from {}",
+            conf.state_file.display()
+        );
+    }
+    let state = background_service("affinity state", keeper);
+
     let mut proxy = pingora_proxy::http_proxy_service_with_name(
         &server.configuration,
-        Balancer::new(replicas.clone(), conf.clone()),
+        Balancer::new(replicas.clone(), conf.clone(), leaving),
         "inferlb",
     );
     proxy.add_tcp(&conf.listen);
@@ -84,6 +118,7 @@ fn main() {
         conf.replicas.len()
     );
     server.add_service(health);
+    server.add_service(state);
     server.add_service(proxy);
     server.add_service(admin);
     server.run_forever();

@@ -4,6 +4,7 @@
 //! `replicas` and `metrics` what happened. It holds no policy.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,10 +32,12 @@ pub struct Balancer {
     policy: Policy,
     conf: Arc<Config>,
     peers: HashMap<String, HttpPeer>,
+    /// This process is handing over to a new one or stopping.
+    leaving: Arc<AtomicBool>,
 }
 
 impl Balancer {
-    pub fn new(replicas: Arc<Replicas>, conf: Arc<Config>) -> Balancer {
+    pub fn new(replicas: Arc<Replicas>, conf: Arc<Config>, leaving: Arc<AtomicBool>) -> Balancer {
         let peers = replicas
             .all()
             .iter()
@@ -46,7 +49,7 @@ impl Balancer {
                 o.read_timeout = Some(conf.upstream.read_timeout);
                 o.write_timeout = Some(conf.upstream.write_timeout);
                 o.idle_timeout = Some(conf.upstream.idle_timeout);
-                (r.id.clone(), peer)
+                (r.id.to_string(), peer)
             })
             .collect();
         Balancer {
@@ -57,6 +60,7 @@ impl Balancer {
             replicas,
             conf,
             peers,
+            leaving,
         }
     }
 }
@@ -318,7 +322,7 @@ impl ProxyHttp for Balancer {
             })?;
         let peer = self
             .peers
-            .get(&replica.id)
+            .get(&*replica.id)
             .cloned()
             .ok_or_else(|| Error::explain(ErrorType::InternalError, "no peer for replica"))?;
         ctx.attempts += 1;
@@ -368,12 +372,17 @@ impl ProxyHttp for Balancer {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if self.leaving.load(Ordering::Relaxed) {
+            // Sends `Connection: close`: the client's next request opens a connection to the
+            // process that takes over.
+            session.set_keepalive(None);
+        }
         if let Some(r) = ctx.current() {
-            resp.insert_header("x-inferlb-replica", r.id.as_str())?;
+            resp.insert_header("x-inferlb-replica", &*r.id)?;
         }
         if let Some(route) = ctx.route {
             resp.insert_header("x-inferlb-route", route.as_str())?;
@@ -524,7 +533,7 @@ impl ProxyHttp for Balancer {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        let replica = ctx.current().map_or("none", |r| r.id.as_str()).to_string();
+        let replica = ctx.current().map_or("none", |r| &*r.id).to_string();
         let route = ctx.route.map_or("none", Route::as_str);
         if ctx.route.is_some() {
             METRICS

@@ -15,7 +15,8 @@ use crate::metrics::METRICS;
 use crate::routing::Candidate;
 
 pub struct Replica {
-    pub id: String,
+    /// The configured id; shared with the affinity table's entries.
+    pub id: Arc<str>,
     pub address: String,
     pub backend: Backend,
     /// Set when a connection to it failed; cleared by the next health check that *started*
@@ -64,6 +65,8 @@ pub struct Replicas {
     lb: Arc<LoadBalancer<RoundRobin>>,
     /// Hash of a served message list → id of the replica that served it.
     table: Mutex<LruCache<u64, Arc<str>>>,
+    /// Bumped on every change of the table, so it is saved only when it changed.
+    table_generation: AtomicU64,
     counter: AtomicU64,
 }
 
@@ -80,7 +83,7 @@ impl Replicas {
                 METRICS.in_flight.with_label_values(&[&c.id]).set(0);
                 METRICS.draining.with_label_values(&[&c.id]).set(0);
                 Arc::new(Replica {
-                    id: c.id.clone(),
+                    id: Arc::from(c.id.as_str()),
                     address: c.address.clone(),
                     backend: backend_for(c),
                     demoted: AtomicBool::new(false),
@@ -95,6 +98,7 @@ impl Replicas {
             list,
             lb,
             table: Mutex::new(LruCache::new(capacity)),
+            table_generation: AtomicU64::new(0),
             counter: AtomicU64::new(0),
         }
     }
@@ -104,7 +108,7 @@ impl Replicas {
     }
 
     pub fn get(&self, id: &str) -> Option<&Arc<Replica>> {
-        self.list.iter().find(|r| r.id == id)
+        self.list.iter().find(|r| &*r.id == id)
     }
 
     pub fn is_healthy(&self, r: &Replica) -> bool {
@@ -140,9 +144,42 @@ impl Replicas {
     /// Records that `replica` served the message list hashed `h`.
     pub fn record_served(&self, h: u64, replica: &Replica) {
         if let Ok(mut t) = self.table.lock() {
-            t.put(h, Arc::from(replica.id.as_str()));
+            t.put(h, replica.id.clone());
             METRICS.affinity_entries.set(t.len() as i64);
         }
+        self.table_generation.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn served_generation(&self) -> u64 {
+        self.table_generation.load(Ordering::Relaxed)
+    }
+
+    /// The affinity table, least recently used first.
+    pub fn served_entries(&self) -> Vec<(u64, String)> {
+        let Ok(t) = self.table.lock() else {
+            return vec![];
+        };
+        t.iter().rev().map(|(h, id)| (*h, id.to_string())).collect()
+    }
+
+    /// Adds pins another process made, least recently used first. A pin this process already
+    /// holds wins (it is at least as recent); ids no longer configured are dropped.
+    pub fn merge_served(&self, entries: &[(u64, String)]) -> usize {
+        let Ok(mut t) = self.table.lock() else {
+            return 0;
+        };
+        let mut learnt = 0;
+        for (h, id) in entries {
+            if t.contains(h) {
+                continue;
+            }
+            if let Some(r) = self.get(id) {
+                t.put(*h, r.id.clone());
+                learnt += 1;
+            }
+        }
+        METRICS.affinity_entries.set(t.len() as i64);
+        learnt
     }
 
     pub fn start(&self, r: &Arc<Replica>) -> InFlight {
