@@ -214,15 +214,19 @@ impl Replicas {
         METRICS.up.with_label_values(&[&r.id]).set(up as i64);
     }
 
-    /// Takes a replica out of rotation (or puts it back). In-flight requests finish;
-    /// pinned conversations move on their next turn.
+    /// Takes a replica out of rotation (or puts it back). In-flight requests finish; pinned
+    /// conversations move on their next turn. An undrained replica re-enters only after a
+    /// health check that started after the undrain passes: it was probably restarted.
     pub fn set_draining(&self, r: &Replica, draining: bool) {
-        if r.draining.swap(draining, Ordering::Relaxed) != draining {
+        let was = r.draining.swap(draining, Ordering::Relaxed);
+        if was && !draining {
+            self.demote(r);
             log::warn!(
-                "replica {} {}",
-                r.id,
-                if draining { "draining" } else { "undrained" }
+                "replica {} undrained: back after its next passing health check",
+                r.id
             );
+        } else if !was && draining {
+            log::warn!("replica {} draining", r.id);
         }
         METRICS
             .draining

@@ -338,6 +338,11 @@ fn drain_takes_a_replica_out_and_undrain_puts_it_back() {
         lb.metric(r#"inferlb_replica_draining{replica="gpu0"}"#),
         0.0
     );
+    // Back only after a passing health check.
+    assert_eq!(lb.replica_state("gpu0")["live"], false);
+    assert!(wait_until(Duration::from_secs(5), || lb
+        .replica_state("gpu0")["live"]
+        == true));
     let replicas: Vec<String> = (0..4)
         .map(|i| {
             let r = http()

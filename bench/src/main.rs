@@ -37,6 +37,9 @@ struct Args {
     /// half 90k-token contexts, as on a card whose KV memory is the scarce resource).
     #[arg(long)]
     cache_tokens: Option<usize>,
+    /// Skip the rolling-deploy scenario.
+    #[arg(long)]
+    no_deploy: bool,
     /// Skip the proxy-overhead pass.
     #[arg(long)]
     no_overhead: bool,
@@ -169,6 +172,7 @@ async fn start_cluster(
     cache: usize,
     sim_extra: &[&str],
     log: Option<PathBuf>,
+    lb_extra: &str,
 ) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut sims = vec![];
@@ -198,7 +202,7 @@ async fn start_cluster(
             let text = format!(
                 "threads: 2\npid_file: {d}/lb.pid\nupgrade_sock: {d}/lb.sock\nmax_retries: 4\n\
                  inferlb:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin}\n  routing: {mode}\n\
-                 \x20 health: {{interval_seconds: 1}}\n  replicas:\n{replicas}",
+                 \x20 health: {{interval_seconds: 0.5}}\n  replicas:\n{replicas}{lb_extra}",
                 d = dir.path().display()
             );
             std::fs::write(&conf, text).expect("write conf");
@@ -251,6 +255,8 @@ struct Outcome {
     /// Bytes of a 200 response arrived, then the stream broke.
     cut_after_start: bool,
     failed: bool,
+    /// The `x-inferlb-replica` header, when there is one.
+    replica: Option<String>,
 }
 
 async fn stream_chat(
@@ -268,6 +274,7 @@ async fn stream_chat(
         status: 0,
         cut_after_start: false,
         failed: true,
+        replica: None,
     };
     let resp = match client
         .post(format!("{base}/v1/chat/completions"))
@@ -282,6 +289,11 @@ async fn stream_chat(
         }
     };
     out.status = resp.status().as_u16();
+    out.replica = resp
+        .headers()
+        .get("x-inferlb-replica")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     if out.status != 200 {
         out.total = started.elapsed();
         return out;
@@ -525,6 +537,196 @@ struct TargetResult {
     failover: FailoverResult,
 }
 
+#[derive(Debug, Default, Clone, Serialize)]
+struct DeployPhase {
+    phase: String,
+    turns: usize,
+    /// Share of the phase's turns served by gpu0, gpu1.
+    share: [f64; 2],
+    warm_ttft_p50_ms: f64,
+    warm_ttft_p90_ms: f64,
+    errors: usize,
+    error_statuses: std::collections::BTreeMap<u16, usize>,
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+struct DeployResult {
+    variant: String,
+    phases: Vec<DeployPhase>,
+}
+
+/// Agent loops through a rolling deploy (drain, restart with a slow start, undrain; gpu0 then
+/// gpu1): per-replica load and warm-turn TTFT before, during and after.
+async fn deploy(
+    client: &reqwest::Client,
+    a: &Args,
+    s: &Sizes,
+    spill_margin: usize,
+) -> DeployResult {
+    let extra = format!("  spill_margin: {spill_margin}\n");
+    let mut c = start_cluster(
+        client,
+        Some("adaptive"),
+        a.speed,
+        s.cache_tokens,
+        &[],
+        Some(a.out.join(format!("deploy-spill{spill_margin}.log"))),
+        &extra,
+    )
+    .await;
+    let base = c.target();
+    let admin = c.lb.as_ref().map(|l| l.1).unwrap_or(0);
+    let conversations = s.conversations * 3;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // (seconds since start, replica, ttft ms, warm turn, failed, status)
+    let log = Arc::new(std::sync::Mutex::new(Vec::<(
+        f64,
+        usize,
+        f64,
+        bool,
+        bool,
+        u16,
+    )>::new()));
+    let started = Instant::now();
+    let context_tokens = s.context_tokens / 4;
+    let loops: Vec<_> = (0..conversations)
+        .map(|conv| {
+            let (client, base, stop, log) = (client.clone(), base.clone(), stop.clone(), log.clone());
+            let (turn_tokens, reply, speed) = (s.turn_tokens / 4, s.reply_tokens, a.speed);
+            tokio::spawn(async move {
+                let mut messages = vec![json!({"role": "system", "content": filler(&format!("deploy conversation {conv}"), context_tokens)})];
+                let mut turn = 0u64;
+                while !stop.load(Ordering::Relaxed) && turn < 10_000 {
+                    let think = (conv as u64 * 7919 + turn * 104_729) % 1000;
+                    tokio::time::sleep(Duration::from_secs_f64(think as f64 / 1000.0 / speed)).await;
+                    messages.push(json!({"role": "user", "content": filler(&format!("c{conv} t{turn}"), turn_tokens)}));
+                    let t = started.elapsed().as_secs_f64();
+                    let o = stream_chat(&client, &base, &messages, reply).await;
+                    let replica = usize::from(o.replica.as_deref() == Some("gpu1"));
+                    let ms = o.ttft.unwrap_or(o.total).as_secs_f64() * 1e3;
+                    if let Ok(mut l) = log.lock() {
+                        l.push((t, replica, ms, !o.failed && turn > 0, o.failed, o.status));
+                    }
+                    if o.failed {
+                        messages.pop();
+                    } else {
+                        messages.push(json!({"role": "assistant", "content": o.reply}));
+                    }
+                    turn += 1;
+                }
+            })
+        })
+        .collect();
+    let phase_len = Duration::from_secs_f64(if a.smoke { 1.0 } else { 6.0 });
+    tokio::time::sleep(phase_len).await;
+    let during_start = started.elapsed().as_secs_f64();
+    for i in 0..2 {
+        let id = format!("gpu{i}");
+        let _ = client
+            .post(format!(
+                "http://127.0.0.1:{admin}/admin/replicas/{id}/drain"
+            ))
+            .send()
+            .await;
+        for _ in 0..200 {
+            let state: Value = match client
+                .get(format!("http://127.0.0.1:{admin}/admin/replicas"))
+                .send()
+                .await
+            {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => Value::Null,
+            };
+            let idle = state["replicas"].as_array().is_some_and(|rs| {
+                rs.iter()
+                    .any(|r| r["id"] == id.as_str() && r["in_flight"] == 0)
+            });
+            if idle {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let port = c.sims[i].0;
+        c.stop_sim(i);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        c.sims[i].1 = Some(spawn_sim(
+            port,
+            &id,
+            a.speed,
+            s.cache_tokens,
+            &["--refuse-for", "1", "--unhealthy-for", "1"],
+        ));
+        let _ = client
+            .post(format!(
+                "http://127.0.0.1:{admin}/admin/replicas/{id}/undrain"
+            ))
+            .send()
+            .await;
+        for _ in 0..200 {
+            let state: Value = match client
+                .get(format!("http://127.0.0.1:{admin}/admin/replicas"))
+                .send()
+                .await
+            {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => Value::Null,
+            };
+            if state["replicas"].as_array().is_some_and(|rs| {
+                rs.iter()
+                    .any(|r| r["id"] == id.as_str() && r["live"] == true)
+            }) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let after_start = started.elapsed().as_secs_f64();
+    tokio::time::sleep(phase_len * 2).await;
+    let end = started.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for l in loops {
+        let _ = l.await;
+    }
+    let log = log.lock().map(|l| l.clone()).unwrap_or_default();
+    let phase = |name: &str, from: f64, to: f64| {
+        let rows: Vec<_> = log.iter().filter(|r| r.0 >= from && r.0 < to).collect();
+        let n = rows.len().max(1) as f64;
+        let warm: Vec<f64> = rows.iter().filter(|r| r.3).map(|r| r.2).collect();
+        DeployPhase {
+            phase: name.into(),
+            turns: rows.len(),
+            share: [
+                rows.iter().filter(|r| r.1 == 0).count() as f64 / n,
+                rows.iter().filter(|r| r.1 == 1).count() as f64 / n,
+            ],
+            warm_ttft_p50_ms: pct(&warm, 0.5),
+            warm_ttft_p90_ms: pct(&warm, 0.9),
+            errors: rows.iter().filter(|r| r.4).count(),
+            error_statuses: rows.iter().filter(|r| r.4).fold(
+                std::collections::BTreeMap::new(),
+                |mut m, r| {
+                    *m.entry(r.5).or_insert(0) += 1;
+                    m
+                },
+            ),
+        }
+    };
+    // "after" is measured in its second half, once spilling had time to act.
+    let settle = (end + after_start) / 2.0;
+    DeployResult {
+        variant: if spill_margin > 0 {
+            format!("adaptive, spill_margin {spill_margin}")
+        } else {
+            "adaptive, no spill".into()
+        },
+        phases: vec![
+            phase("before", 0.0, during_start),
+            phase("during", during_start, after_start),
+            phase("after", settle, end + 1.0),
+        ],
+    }
+}
+
 async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes) -> TargetResult {
     let mode = (target != "direct").then_some(target);
     let mut r = TargetResult {
@@ -535,18 +737,18 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     let logs = a.out.join("logs");
     let _ = std::fs::create_dir_all(&logs);
     let log = |scenario: &str| Some(logs.join(format!("{target}-{scenario}.log")));
-    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("agent")).await;
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("agent"), "").await;
     let before = sim_stats(client, &c).await;
     r.agent = agent_loops(client, &c.target(), s, "a", a.speed).await;
     let after = sim_stats(client, &c).await;
     r.agent_hit_rate = (after.1 - before.1) as f64 / ((after.0 - before.0).max(1)) as f64;
     drop(c);
     eprintln!("[{target}] cold burst");
-    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("burst")).await;
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("burst"), "").await;
     (r.burst_makespan_s, r.burst_errors) = cold_burst(client, &c.target(), s, "b").await;
     drop(c);
     eprintln!("[{target}] mixed");
-    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("mixed")).await;
+    let c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("mixed"), "").await;
     let base = c.target();
     let (agent, burst) = tokio::join!(agent_loops(client, &base, s, "m", a.speed), async {
         // The burst lands while the loops are under way.
@@ -557,7 +759,16 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     r.mixed_burst_makespan_s = burst.0;
     drop(c);
     eprintln!("[{target}] failover");
-    let mut c = start_cluster(client, mode, a.speed, s.cache_tokens, &[], log("failover")).await;
+    let mut c = start_cluster(
+        client,
+        mode,
+        a.speed,
+        s.cache_tokens,
+        &[],
+        log("failover"),
+        "",
+    )
+    .await;
     r.failover = failover(client, &mut c, s).await;
     r
 }
@@ -700,6 +911,7 @@ async fn overhead(client: &reqwest::Client, s: &Sizes) -> Vec<Latency> {
         100_000,
         &["--prefill-tokens-per-s", "1e9", "--decode-interval-ms", "5"],
         None,
+        "",
     )
     .await;
     let lb = c.target();
@@ -806,6 +1018,34 @@ fn table(results: &[TargetResult], lat: &[Latency], s: &Sizes, a: &Args) -> Stri
     md
 }
 
+fn deploy_table(deploys: &[DeployResult], s: &Sizes) -> String {
+    if deploys.is_empty() {
+        return String::new();
+    }
+    let mut md = format!(
+        "\nRolling deploy ({} agent loops on {}-token contexts; gpu0 then gpu1 drained, restarted with a slow start, undrained; 'after' is the second half of the period after the deploy):\n\n",
+        s.conversations * 3,
+        s.context_tokens / 4
+    );
+    md.push_str("| variant | phase | turns | gpu0 share | gpu1 share | warm TTFT p50 (ms) | p90 (ms) | errors |\n|---|---|---|---|---|---|---|---|\n");
+    for d in deploys {
+        for p in &d.phases {
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.0}% | {:.0}% | {:.0} | {:.0} | {} |\n",
+                d.variant,
+                p.phase,
+                p.turns,
+                p.share[0] * 100.0,
+                p.share[1] * 100.0,
+                p.warm_ttft_p50_ms,
+                p.warm_ttft_p90_ms,
+                p.errors
+            ));
+        }
+    }
+    md
+}
+
 /// TTFT distributions per target as an SVG (and a PNG when rsvg-convert is installed).
 fn plot(results: &[TargetResult], out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
@@ -891,19 +1131,29 @@ async fn main() {
     {
         results.push(run_target(&client, target, &a, &s).await);
     }
+    let deploys = if a.no_deploy {
+        vec![]
+    } else {
+        eprintln!("[deploy] without spilling");
+        let naive = deploy(&client, &a, &s, 0).await;
+        eprintln!("[deploy] with spilling");
+        let spill = deploy(&client, &a, &s, 4).await;
+        vec![naive, spill]
+    };
     let lat = if a.no_overhead {
         vec![]
     } else {
         overhead(&client, &s).await
     };
-    let md = table(&results, &lat, &s, &a);
+    let mut md = table(&results, &lat, &s, &a);
+    md.push_str(&deploy_table(&deploys, &s));
     let command = format!(
         "inferlb-bench {}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" ")
     );
     let report = format!("Command: `{}`\n\n{md}", command.trim());
     std::fs::write(a.out.join("results.md"), &report).expect("write results.md");
-    let raw = json!({"command": command.trim(), "sizes": s, "targets": results, "overhead": lat});
+    let raw = json!({"command": command.trim(), "sizes": s, "targets": results, "overhead": lat, "deploy": deploys});
     std::fs::write(
         a.out.join("results.json"),
         serde_json::to_vec_pretty(&raw).unwrap_or_default(),
