@@ -30,6 +30,10 @@ pub struct Config {
     pub spill_margin: Option<usize>,
     /// Where the affinity table is kept across upgrades and restarts.
     pub state_file: PathBuf,
+    /// Client keys accepted on /v1/ paths (`Authorization: Bearer ...`); empty: no check.
+    pub api_keys: Vec<String>,
+    /// Request headers larger than this in total get 431.
+    pub max_header_bytes: usize,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -39,6 +43,9 @@ pub struct ReplicaConf {
     pub id: String,
     /// host:port of the replica's OpenAI-compatible server.
     pub address: String,
+    /// Sent to this replica as `Authorization: Bearer ...` in place of the client's.
+    #[serde(default)]
+    pub api_key: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -76,6 +83,8 @@ struct RawSection {
     affinity_capacity: usize,
     spill_margin: usize,
     state_file: Option<PathBuf>,
+    api_keys: Vec<String>,
+    max_header_bytes: usize,
 }
 
 impl Default for RawSection {
@@ -92,6 +101,8 @@ impl Default for RawSection {
             affinity_capacity: 100_000,
             spill_margin: 4,
             state_file: None,
+            api_keys: vec![],
+            max_header_bytes: 64 * 1024,
         }
     }
 }
@@ -293,6 +304,9 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         write_timeout: seconds("upstream.write_timeout_seconds", u.write_timeout_seconds)?,
         idle_timeout: seconds("upstream.idle_timeout_seconds", u.idle_timeout_seconds)?,
     };
+    if raw.api_keys.iter().any(|k| k.len() < 8) {
+        return Err("inferlb.api_keys: each key must be at least 8 characters".into());
+    }
     if raw.max_body_bytes == 0 {
         return Err("inferlb.max_body_bytes must be positive".into());
     }
@@ -311,6 +325,8 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         affinity_capacity: raw.affinity_capacity,
         spill_margin: (raw.spill_margin > 0).then_some(raw.spill_margin),
         state_file: raw.state_file.unwrap_or_default(),
+        api_keys: raw.api_keys,
+        max_header_bytes: raw.max_header_bytes.max(1024),
     })
 }
 

@@ -19,6 +19,7 @@ pub struct Metrics {
     pub ttfb: HistogramVec,
     pub stream_errors: IntCounter,
     pub rejected: IntCounterVec,
+    pub upstream_errors: IntCounterVec,
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
@@ -61,6 +62,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
         stream_errors: register_int_counter!(
             "inferlb_stream_errors_total",
             "Responses cut after the client got bytes (never retried)."
+        )?,
+        upstream_errors: register_int_counter_vec!(
+            "inferlb_upstream_errors_total",
+            "Requests that ended in a replica's failure, not retried (timeouts, cut streams), by reason.",
+            &["replica", "reason"]
         )?,
         rejected: register_int_counter_vec!(
             "inferlb_rejected_total",

@@ -13,8 +13,9 @@ use bytes::{Bytes, BytesMut};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
 use pingora_error::RetryType;
-use pingora_http::ResponseHeader;
+use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
+use subtle::ConstantTimeEq;
 
 use crate::body::JsonEnd;
 use crate::config::Config;
@@ -34,6 +35,8 @@ pub struct Balancer {
     peers: HashMap<String, HttpPeer>,
     /// This process is handing over to a new one or stopping.
     leaving: Arc<AtomicBool>,
+    /// Replica id -> the key sent to it in place of the client's.
+    upstream_keys: HashMap<String, String>,
 }
 
 impl Balancer {
@@ -57,6 +60,11 @@ impl Balancer {
                 mode: conf.routing,
                 spill_margin: conf.spill_margin,
             },
+            upstream_keys: conf
+                .replicas
+                .iter()
+                .filter_map(|r| Some((r.id.clone(), r.api_key.clone()?)))
+                .collect(),
             replicas,
             conf,
             peers,
@@ -212,6 +220,27 @@ impl Balancer {
         Ok(())
     }
 
+    /// Client keys guard the OpenAI API (`/v1/...`), as vLLM's `--api-key` does. Every key is
+    /// compared in constant time, so timing does not reveal how much of a key matched.
+    fn authorized(&self, session: &Session) -> bool {
+        if self.conf.api_keys.is_empty() || !session.req_header().uri.path().starts_with("/v1") {
+            return true;
+        }
+        let given = session
+            .req_header()
+            .headers
+            .get("authorization")
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .unwrap_or(b"");
+        self.conf
+            .api_keys
+            .iter()
+            .fold(subtle::Choice::from(0), |ok, key| {
+                ok | key.as_bytes().ct_eq(given)
+            })
+            .into()
+    }
+
     fn log_failover(&self, session: &Session, ctx: &mut Ctx, replica: &Replica, reason: &str) {
         ctx.failovers += 1;
         METRICS
@@ -225,6 +254,35 @@ impl Balancer {
             session.req_header().uri.path(),
             ctx.attempts
         );
+    }
+}
+
+/// Headers that describe one connection, not the request: never forwarded.
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(req: &mut RequestHeader) {
+    let listed: Vec<String> = req
+        .headers
+        .get_all("connection")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty() && n != "close" && n != "keep-alive")
+        .collect();
+    for name in listed.iter().map(String::as_str).chain(HOP_BY_HOP) {
+        // Framing headers are Pingora's to manage.
+        if name != "transfer-encoding" && name != "content-length" {
+            req.remove_header(name);
+        }
     }
 }
 
@@ -280,6 +338,36 @@ impl ProxyHttp for Balancer {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.arrived = Instant::now();
+        let header_bytes: usize = session
+            .req_header()
+            .headers
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.len() + 4)
+            .sum();
+        if header_bytes > self.conf.max_header_bytes {
+            METRICS
+                .rejected
+                .with_label_values(&["headers_too_large"])
+                .inc();
+            session.set_keepalive(None);
+            let message = format!(
+                "request headers are larger than the limit of {} bytes",
+                self.conf.max_header_bytes
+            );
+            respond_error(session, 431, &message).await?;
+            return Ok(true);
+        }
+        if !self.authorized(session) {
+            METRICS.rejected.with_label_values(&["unauthorized"]).inc();
+            session.set_keepalive(None);
+            respond_error(
+                session,
+                401,
+                "Incorrect API key provided: send `Authorization: Bearer <key>`",
+            )
+            .await?;
+            return Ok(true);
+        }
         if let Err(Refusal(status, why, message)) = self.read_body(session, ctx).await {
             METRICS.rejected.with_label_values(&[why]).inc();
             // The rest of an unread body is still on the wire: do not reuse the connection.
@@ -331,6 +419,34 @@ impl ProxyHttp for Balancer {
         ctx.in_flight = Some(self.replicas.start(&replica));
         ctx.tried.push(replica);
         Ok(Box::new(peer))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        strip_hop_by_hop(upstream);
+        // Origin-form only: whatever the client wrote, the request goes to the chosen replica.
+        if !upstream.raw_path().starts_with(b"/") {
+            let path = upstream
+                .uri
+                .path_and_query()
+                .map_or("/", |p| p.as_str())
+                .to_owned();
+            upstream.set_uri(
+                path.parse()
+                    .map_err(|_| Error::explain(ErrorType::InvalidHTTPHeader, "request target"))?,
+            );
+        }
+        if let Some(r) = ctx.current() {
+            upstream.insert_header("host", &r.address)?;
+            if let Some(key) = self.upstream_keys.get(&*r.id) {
+                upstream.insert_header("authorization", format!("Bearer {key}"))?;
+            }
+        }
+        Ok(())
     }
 
     async fn request_body_filter(
@@ -482,6 +598,14 @@ impl ProxyHttp for Balancer {
     }
 
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        if e.esource() == &ErrorSource::Upstream {
+            if let Some(r) = ctx.current() {
+                METRICS
+                    .upstream_errors
+                    .with_label_values(&[&r.id, reason(e)])
+                    .inc();
+            }
+        }
         let code = match e.etype() {
             ErrorType::HTTPStatus(code) => *code,
             ErrorType::ReadTimedout if e.esource() == &ErrorSource::Upstream => 504,

@@ -396,8 +396,12 @@ fn sse(v: &Value) -> Bytes {
 async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     tokio::spawn(async move {
-        // The generation stops as soon as the client is gone: `tx.send` fails.
-        let (running, usage) = prefill(&sim, &job).await;
+        // The request is aborted as soon as the client is gone, even during prefill, as vLLM
+        // aborts a request whose connection closed.
+        let (running, usage) = tokio::select! {
+            done = prefill(&sim, &job) => done,
+            _ = tx.closed() => return,
+        };
         let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
         let created = now_secs();
         let chunk = |delta: Value, finish: Value| {
@@ -561,6 +565,25 @@ async fn set_fault(State(sim): State<App>, Json(req): Json<FaultRequest>) -> Res
     Json(json!({"ok": true})).into_response()
 }
 
+/// The request as the simulator received it, for tests of what a proxy forwards.
+async fn echo(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let headers: serde_json::Map<String, Value> = headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                json!(String::from_utf8_lossy(v.as_bytes())),
+            )
+        })
+        .collect();
+    Json(json!({"method": method.as_str(), "uri": uri.to_string(), "headers": headers}))
+        .into_response()
+}
+
 fn load_args() -> Result<Args, String> {
     let args = Args::parse();
     let Some(path) = args.config.clone() else {
@@ -633,6 +656,7 @@ async fn main() {
         .route("/metrics", get(metrics))
         .route("/sim/stats", get(stats))
         .route("/sim/fault", post(set_fault))
+        .route("/sim/echo", axum::routing::any(echo))
         .with_state(sim);
 
     // The listener loop: closing it is how "refuse connections" is simulated.

@@ -1,0 +1,321 @@
+//! Hostile and broken input, access control, header hygiene and cancellation, against the
+//! running binary.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+fn status_and_body(resp: &str) -> (u16, String) {
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = resp.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (status, body)
+}
+
+fn post_raw(port: u16, path: &str, extra_headers: &str, body: &[u8]) -> (u16, String) {
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n{extra_headers}connection: close\r\n\r\n",
+        body.len()
+    );
+    status_and_body(&raw_exchange(port, &head, body, Duration::from_secs(15)))
+}
+
+fn is_openai_error(body: &str) -> bool {
+    serde_json::from_str::<Value>(body).is_ok_and(|v| v["error"]["message"].is_string())
+}
+
+#[test]
+fn bad_input_gets_clear_answers_and_the_balancer_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        Sim::start(dir.path(), "gpu0", &[]),
+        Sim::start(dir.path(), "gpu1", &[]),
+    );
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbOptions {
+            extra: "  max_body_bytes: 100000\n  body_read_timeout_seconds: 1\n  max_header_bytes: 16384\n",
+            ..Default::default()
+        },
+    );
+    let chat = "/v1/chat/completions";
+    // What the balancer cannot classify is routed as fresh; the replica's own answer comes back.
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("body that is not JSON", b"hello".to_vec(), 400),
+        ("JSON that is not an object", b"[1, 2, 3]".to_vec(), 400),
+        (
+            "messages not a list",
+            br#"{"messages": "hi"}"#.to_vec(),
+            400,
+        ),
+        (
+            "messages holding non-objects",
+            br#"{"messages": [1, "two"]}"#.to_vec(),
+            400,
+        ),
+        (
+            "invalid UTF-8",
+            b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}".to_vec(),
+            400,
+        ),
+        ("a 0-byte body", vec![], 400),
+        ("a body over the limit", vec![b'x'; 200_000], 413),
+    ];
+    let mut seen = vec![];
+    for (what, body, want) in cases {
+        let (status, text) = post_raw(lb.port, chat, "", &body);
+        seen.push(format!("{what}: {status}"));
+        assert_eq!(status, want, "{what}: {text}");
+        assert!(is_openai_error(&text), "{what}: {text}");
+    }
+    // A chunked body over the limit.
+    let mut chunked = Vec::new();
+    for _ in 0..30 {
+        chunked.extend_from_slice(b"1388\r\n");
+        chunked.extend_from_slice(&[b'y'; 5000]);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let (status, text) = status_and_body(&raw_exchange(
+        lb.port,
+        head,
+        &chunked,
+        Duration::from_secs(10),
+    ));
+    seen.push(format!("a chunked body over the limit: {status}"));
+    assert_eq!(status, 413, "{text}");
+    // A Content-Length larger than what is sent, then the client closes its side: 400.
+    let mut s = TcpStream::connect(("127.0.0.1", lb.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{\"prompt\": \"x",
+    )
+    .unwrap();
+    s.shutdown(Shutdown::Write).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let (status, text) = status_and_body(&out);
+    seen.push(format!(
+        "a Content-Length larger than what is sent: {status}"
+    ));
+    assert_eq!(status, 400, "{out}");
+    assert!(is_openai_error(&text));
+    // ... and one that stalls: cut off by the total deadline.
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n";
+    let (status, text) = status_and_body(&raw_exchange(
+        lb.port,
+        head,
+        b"{\"prompt\"",
+        Duration::from_secs(10),
+    ));
+    seen.push(format!("a client that stalls mid-body: {status}"));
+    assert_eq!(status, 408, "{text}");
+    // Oversized headers.
+    let big = format!("x-junk: {}\r\n", "j".repeat(20_000));
+    let (status, text) = post_raw(lb.port, chat, &big, br#"{"messages": []}"#);
+    seen.push(format!("oversized headers: {status}"));
+    assert_eq!(status, 431, "{text}");
+    assert!(is_openai_error(&text));
+    // Expect: 100-continue with a body that will be refused: 413 at once, no 100, no body read.
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5000000\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n";
+    let resp = raw_exchange(lb.port, head, b"", Duration::from_secs(10));
+    seen.push(format!(
+        "Expect: 100-continue with a rejected body: {}",
+        status_and_body(&resp).0
+    ));
+    assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+    assert!(!resp.contains("100 Continue"));
+    eprintln!("bad input: {seen:#?}");
+
+    // Still serving, and never panicked.
+    let r = http()
+        .post(lb.url(chat))
+        .json(&chat_body(&[("user", "fine")], false, 1))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(!lb.proc.log_text().contains("panicked"));
+}
+
+#[test]
+fn api_keys_guard_the_api_and_upstream_keys_replace_the_clients() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Sim::start(dir.path(), "gpu0", &[]);
+    let extra = "  api_keys: [client-key-1234, other-key-5678]\n";
+    let lb = Lb::start(
+        dir.path(),
+        &[&a],
+        LbOptions {
+            extra,
+            ..Default::default()
+        },
+    );
+    let c = http();
+    for auth in [
+        None,
+        Some("Bearer wrong-key-0000"),
+        Some("client-key-1234"),
+        Some("Bearer client-key-12345"),
+    ] {
+        let mut req =
+            c.post(lb.url("/v1/chat/completions"))
+                .json(&chat_body(&[("user", "x")], false, 1));
+        if let Some(h) = auth {
+            req = req.header("authorization", h);
+        }
+        let r = req.send().unwrap();
+        assert_eq!(r.status(), 401, "{auth:?}");
+        let v: Value = r.json().unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("API key"));
+    }
+    for key in ["client-key-1234", "other-key-5678"] {
+        let r = c
+            .post(lb.url("/v1/chat/completions"))
+            .bearer_auth(key)
+            .json(&chat_body(&[("user", "x")], false, 1))
+            .send()
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // Health and metrics paths stay open, as with vLLM's --api-key.
+    assert_eq!(c.get(lb.url("/health")).send().unwrap().status(), 200);
+    // Keys never reach the logs.
+    let log = lb.proc.log_text();
+    assert!(
+        !log.contains("client-key-1234") && !log.contains("wrong-key"),
+        "{log}"
+    );
+}
+
+#[test]
+fn upstream_keys_hop_by_hop_headers_and_absolute_uris() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Sim::start(dir.path(), "gpu0", &[]);
+    let port = free_port();
+    let admin = free_port();
+    let conf = dir.path().join("keys.yaml");
+    std::fs::write(
+        &conf,
+        format!(
+            "pid_file: {d}/p.pid\nupgrade_sock: {d}/u.sock\ninferlb:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin}\n\
+             \x20 replicas:\n    - {{id: gpu0, address: \"{addr}\", api_key: replica-secret}}\n",
+            d = dir.path().display(),
+            addr = a.addr()
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("keys.log");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_inferlb"))
+        .arg("-c")
+        .arg(&conf)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let _lb = Proc { child, log };
+    assert!(wait_until(Duration::from_secs(10), || TcpStream::connect(
+        ("127.0.0.1", port)
+    )
+    .is_ok()));
+    // An absolute URI naming another host, hop-by-hop headers, and the client's own key.
+    let head = "GET http://evil.example:9/sim/echo?q=1 HTTP/1.1\r\nhost: evil.example:9\r\n\
+                authorization: Bearer client-secret\r\nconnection: close, x-private\r\nx-private: 1\r\n\
+                keep-alive: timeout=5\r\nproxy-authorization: Basic abc\r\nte: trailers\r\nupgrade: h2c\r\nx-kept: yes\r\n\r\n";
+    let (status, body) = status_and_body(&raw_exchange(port, head, b"", Duration::from_secs(10)));
+    assert_eq!(status, 200, "{body}");
+    let echo: Value = serde_json::from_str(body.trim()).unwrap_or_else(|_| {
+        // A chunked body: take the JSON between the chunk framing.
+        serde_json::from_str(body.lines().find(|l| l.starts_with('{')).unwrap()).unwrap()
+    });
+    let h = &echo["headers"];
+    assert_eq!(echo["uri"], "/sim/echo?q=1", "origin-form only: {echo}");
+    assert_eq!(h["host"], a.addr(), "the replica's own address: {echo}");
+    assert_eq!(h["authorization"], "Bearer replica-secret");
+    for gone in [
+        "x-private",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "upgrade",
+    ] {
+        assert!(h.get(gone).is_none(), "{gone} was forwarded: {echo}");
+    }
+    assert_eq!(h["x-kept"], "yes");
+}
+
+#[test]
+fn disconnected_clients_cancel_their_upstream_requests_and_nothing_leaks() {
+    let dir = tempfile::tempdir().unwrap();
+    // Slow prefill (a long prompt takes ~2 s) and slow decode: plenty of time to hang up.
+    let extra = [
+        "--prefill-tokens-per-s",
+        "2000",
+        "--decode-interval-ms",
+        "100",
+    ];
+    let (a, b) = (
+        Sim::start(dir.path(), "gpu0", &extra),
+        Sim::start(dir.path(), "gpu1", &extra),
+    );
+    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let mut threads = vec![];
+    for i in 0..24 {
+        let url = lb.url("/v1/chat/completions");
+        threads.push(std::thread::spawn(move || {
+            let waiting = i % 2 == 0;
+            // Half hang up while the replica is still in prefill, half once the stream flows.
+            let prompt = if waiting {
+                "p ".repeat(2_000)
+            } else {
+                format!("short {i}")
+            };
+            let client = reqwest::blocking::Client::builder()
+                .timeout(Duration::from_millis(if waiting { 300 } else { 3000 }))
+                .build()
+                .unwrap();
+            if let Ok(r) = client
+                .post(url)
+                .json(&chat_body(&[("user", &prompt)], true, 200))
+                .send()
+            {
+                let mut buf = [0u8; 256];
+                let mut r = r;
+                let _ = r.read(&mut buf); // the first event, then hang up
+            }
+        }));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    let quiet = wait_until(Duration::from_secs(10), || {
+        [&a, &b]
+            .iter()
+            .all(|s| s.stats()["running"] == 0 && s.stats()["waiting"] == 0)
+    });
+    assert!(
+        quiet,
+        "replicas still generating: {} {}",
+        a.stats(),
+        b.stats()
+    );
+    assert!(wait_until(Duration::from_secs(5), || {
+        lb.metric(r#"inferlb_replica_in_flight{replica="gpu0"}"#) == 0.0
+            && lb.metric(r#"inferlb_replica_in_flight{replica="gpu1"}"#) == 0.0
+    }));
+    let generated: u64 = [&a, &b]
+        .iter()
+        .map(|s| s.stats()["generation_tokens"].as_u64().unwrap())
+        .sum();
+    assert!(
+        generated < 24 * 40,
+        "generation stopped early: {generated} tokens"
+    );
+}
