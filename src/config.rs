@@ -34,6 +34,7 @@ pub struct Config {
     pub api_keys: Vec<String>,
     /// Request headers larger than this in total get 431.
     pub max_header_bytes: usize,
+    pub access_log: crate::access::Format,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -46,6 +47,9 @@ pub struct ReplicaConf {
     /// Sent to this replica as `Authorization: Bearer ...` in place of the client's.
     #[serde(default)]
     pub api_key: Option<String>,
+    /// The models it serves; when omitted, learnt from its `/v1/models` by the health checks.
+    #[serde(default)]
+    pub models: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -85,6 +89,7 @@ struct RawSection {
     state_file: Option<PathBuf>,
     api_keys: Vec<String>,
     max_header_bytes: usize,
+    access_log: crate::access::Format,
 }
 
 impl Default for RawSection {
@@ -103,6 +108,7 @@ impl Default for RawSection {
             state_file: None,
             api_keys: vec![],
             max_header_bytes: 64 * 1024,
+            access_log: crate::access::Format::Kv,
         }
     }
 }
@@ -327,6 +333,7 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         state_file: raw.state_file.unwrap_or_default(),
         api_keys: raw.api_keys,
         max_header_bytes: raw.max_header_bytes.max(1024),
+        access_log: raw.access_log,
     })
 }
 

@@ -2,6 +2,7 @@
 //!
 //! Data flows one way: body → [`shape`] → [`routing`] decision → peer → outcome → [`replicas`].
 
+pub mod access;
 pub mod admin;
 pub mod body;
 pub mod config;
@@ -12,3 +13,4 @@ pub mod replicas;
 pub mod routing;
 pub mod shape;
 pub mod state;
+pub mod usage;

@@ -20,6 +20,8 @@ pub struct Metrics {
     pub stream_errors: IntCounter,
     pub rejected: IntCounterVec,
     pub upstream_errors: IntCounterVec,
+    pub prompt_tokens: IntCounterVec,
+    pub cached_tokens: IntCounterVec,
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
@@ -67,6 +69,16 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "inferlb_upstream_errors_total",
             "Requests that ended in a replica's failure, not retried (timeouts, cut streams), by reason.",
             &["replica", "reason"]
+        )?,
+        prompt_tokens: register_int_counter_vec!(
+            "inferlb_prompt_tokens_total",
+            "Prompt tokens of answered requests, as the replicas report them in `usage`.",
+            &["replica"]
+        )?,
+        cached_tokens: register_int_counter_vec!(
+            "inferlb_cached_prompt_tokens_total",
+            "Prompt tokens the replicas served from their prefix cache (usage.prompt_tokens_details.cached_tokens).",
+            &["replica"]
         )?,
         rejected: register_int_counter_vec!(
             "inferlb_rejected_total",

@@ -17,12 +17,14 @@ use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 use subtle::ConstantTimeEq;
 
+use crate::access;
 use crate::body::JsonEnd;
 use crate::config::Config;
 use crate::metrics::{code_class, METRICS};
 use crate::replicas::{InFlight, Replica, Replicas};
 use crate::routing::{Policy, Route};
 use crate::shape::{classify, RequestInfo, Shape};
+use crate::usage::{Usage, UsageReader};
 
 /// Pingora replays at most this much of a request body from its retry buffer
 /// (`BODY_BUF_LIMIT` in pingora-core); see `read_body`.
@@ -35,8 +37,6 @@ pub struct Balancer {
     peers: HashMap<String, HttpPeer>,
     /// This process is handing over to a new one or stopping.
     leaving: Arc<AtomicBool>,
-    /// Replica id -> the key sent to it in place of the client's.
-    upstream_keys: HashMap<String, String>,
 }
 
 impl Balancer {
@@ -60,11 +60,6 @@ impl Balancer {
                 mode: conf.routing,
                 spill_margin: conf.spill_margin,
             },
-            upstream_keys: conf
-                .replicas
-                .iter()
-                .filter_map(|r| Some((r.id.clone(), r.api_key.clone()?)))
-                .collect(),
             replicas,
             conf,
             peers,
@@ -91,6 +86,9 @@ pub struct Ctx {
     failovers: u32,
     /// A chunked body was read up to its JSON end; Pingora reads the terminator.
     chunked_tail_pending: bool,
+    request_id: String,
+    usage_reader: Option<UsageReader>,
+    usage: Option<Usage>,
 }
 
 impl Ctx {
@@ -241,6 +239,22 @@ impl Balancer {
             .into()
     }
 
+    /// `GET /v1/models`: the union of what the replicas serve, answered here.
+    async fn answer_models(&self, session: &mut Session) -> Result<()> {
+        let data: Vec<serde_json::Value> = self
+            .replicas
+            .all_models()
+            .into_iter()
+            .map(|m| serde_json::json!({"id": m, "object": "model", "owned_by": "inferlb"}))
+            .collect();
+        let body = Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
+        let mut resp = ResponseHeader::build(200, Some(3))?;
+        resp.insert_header("content-type", "application/json")?;
+        resp.insert_header("content-length", body.len().to_string())?;
+        session.write_response_header(Box::new(resp), false).await?;
+        session.write_response_body(Some(body), true).await
+    }
+
     fn log_failover(&self, session: &Session, ctx: &mut Ctx, replica: &Replica, reason: &str) {
         ctx.failovers += 1;
         METRICS
@@ -284,6 +298,28 @@ fn strip_hop_by_hop(req: &mut RequestHeader) {
             req.remove_header(name);
         }
     }
+}
+
+/// The client's `x-request-id` when it is a sane token, else a fresh one.
+fn request_id(given: Option<&http::HeaderValue>) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let sane = |v: &&str| {
+        !v.is_empty()
+            && v.len() <= 128
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+    };
+    if let Some(v) = given.and_then(|v| v.to_str().ok()).filter(sane) {
+        return v.to_owned();
+    }
+    // Unique across processes too (an upgrade runs two): pid, start time, counter.
+    static PREFIX: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        format!("{:x}{:05x}", t & 0xffff_ffff, std::process::id() & 0xfffff)
+    });
+    format!("{}-{:x}", *PREFIX, NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 fn too_large(limit: usize) -> Refusal {
@@ -333,11 +369,15 @@ impl ProxyHttp for Balancer {
             first_byte_at: None,
             failovers: 0,
             chunked_tail_pending: false,
+            request_id: String::new(),
+            usage_reader: None,
+            usage: None,
         }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.arrived = Instant::now();
+        ctx.request_id = request_id(session.req_header().headers.get("x-request-id"));
         let header_bytes: usize = session
             .req_header()
             .headers
@@ -378,12 +418,26 @@ impl ProxyHttp for Balancer {
         if !ctx.body.is_empty() {
             ctx.info = Some(classify(&ctx.body));
         }
+        if let Some(model) = ctx.info.as_ref().and_then(|i| i.model.as_deref()) {
+            if !self.replicas.knows_model(model) {
+                METRICS.rejected.with_label_values(&["unknown_model"]).inc();
+                let message = format!("The model `{model}` does not exist.");
+                respond_error(session, 404, &message).await?;
+                return Ok(true);
+            }
+        }
+        let req = session.req_header();
+        if req.method == http::Method::GET && req.uri.path() == "/v1/models" {
+            self.answer_models(session).await?;
+            return Ok(true);
+        }
         Ok(false)
     }
 
     async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
         let shape = ctx.info.as_ref().map_or(&NOT_CHAT, |i| &i.shape);
-        let candidates = self.replicas.candidates(&ctx.tried);
+        let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
+        let candidates = self.replicas.candidates(&ctx.tried, model);
         let decision = self.policy.decide(
             shape,
             &candidates,
@@ -428,6 +482,7 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
     ) -> Result<()> {
         strip_hop_by_hop(upstream);
+        upstream.insert_header("x-request-id", &ctx.request_id)?;
         // Origin-form only: whatever the client wrote, the request goes to the chosen replica.
         if !upstream.raw_path().starts_with(b"/") {
             let path = upstream
@@ -442,7 +497,7 @@ impl ProxyHttp for Balancer {
         }
         if let Some(r) = ctx.current() {
             upstream.insert_header("host", &r.address)?;
-            if let Some(key) = self.upstream_keys.get(&*r.id) {
+            if let Some(key) = &r.api_key {
                 upstream.insert_header("authorization", format!("Bearer {key}"))?;
             }
         }
@@ -503,16 +558,43 @@ impl ProxyHttp for Balancer {
         if let Some(route) = ctx.route {
             resp.insert_header("x-inferlb-route", route.as_str())?;
         }
+        resp.insert_header("x-request-id", &ctx.request_id)?;
+        if resp.status.is_success() && ctx.route.is_some() {
+            let sse = resp
+                .headers
+                .get("content-type")
+                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            ctx.usage_reader = Some(UsageReader::new(sse));
+        }
         Ok(())
     }
 
     fn response_body_filter(
         &self,
         _session: &mut Session,
-        _body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
+        if let Some(reader) = ctx.usage_reader.as_mut() {
+            if let Some(b) = body.as_ref() {
+                reader.feed(b);
+            }
+            if end_of_stream {
+                ctx.usage = reader.finish();
+                ctx.usage_reader = None;
+                if let (Some(u), Some(r)) = (ctx.usage, ctx.current()) {
+                    METRICS
+                        .prompt_tokens
+                        .with_label_values(&[&r.id])
+                        .inc_by(u.prompt_tokens);
+                    METRICS
+                        .cached_tokens
+                        .with_label_values(&[&r.id])
+                        .inc_by(u.cached_tokens);
+                }
+            }
+        }
         if ctx.first_byte_at.is_none() {
             let now = Instant::now();
             ctx.first_byte_at = Some(now);
@@ -674,24 +756,26 @@ impl ProxyHttp for Balancer {
                 self.replicas.record_served(key, r);
             }
         }
-        let ttfb = ctx
-            .first_byte_at
-            .map_or(-1.0, |t| (t - ctx.arrived).as_secs_f64() * 1e3);
-        log::info!(
-            target: "access",
-            "method={} path={} model={} route={} replica={} attempts={} failovers={} status={} ttfb_ms={:.1} duration_ms={:.1} bytes_in={}",
-            session.req_header().method,
-            session.req_header().uri.path(),
-            ctx.info.as_ref().and_then(|i| i.model.as_deref()).unwrap_or("-"),
+        let record = access::Record {
+            request_id: &ctx.request_id,
+            method: session.req_header().method.as_str(),
+            path: session.req_header().uri.path(),
+            model: ctx.info.as_ref().and_then(|i| i.model.as_deref()),
             route,
-            replica,
-            ctx.attempts,
-            ctx.failovers,
+            replica: &replica,
+            attempts: ctx.attempts,
+            failovers: ctx.failovers,
             status,
-            ttfb,
-            ctx.arrived.elapsed().as_secs_f64() * 1e3,
-            ctx.body.len(),
-        );
+            ttfb_ms: ctx
+                .first_byte_at
+                .map(|t| (t - ctx.arrived).as_secs_f64() * 1e3),
+            duration_ms: ctx.arrived.elapsed().as_secs_f64() * 1e3,
+            prompt_tokens: ctx.usage.map(|u| u.prompt_tokens),
+            cached_tokens: ctx.usage.map(|u| u.cached_tokens),
+        };
+        if let Some(line) = record.render(self.conf.access_log) {
+            log::info!(target: "access", "{line}");
+        }
         // Release the in-flight count now rather than when Pingora drops the ctx.
         ctx.in_flight = None;
     }

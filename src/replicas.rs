@@ -5,7 +5,7 @@
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use lru::LruCache;
 use pingora_load_balancing::{selection::RoundRobin, Backend, LoadBalancer};
@@ -26,6 +26,15 @@ pub struct Replica {
     demotions: AtomicU64,
     draining: AtomicBool,
     in_flight: AtomicUsize,
+    /// The models it serves: from the conf, or learnt from its /v1/models (empty: unknown,
+    /// so it is not excluded from any model's pool).
+    models: RwLock<Arc<[String]>>,
+    /// The conf fixed `models`: never replaced by what the replica says.
+    pub models_configured: bool,
+    /// Sent to it in place of the client's key.
+    pub api_key: Option<String>,
+    /// Passing health checks since start: models are re-learnt every so often.
+    pub checks_passed: AtomicU64,
 }
 
 impl Replica {
@@ -37,6 +46,25 @@ impl Replica {
     }
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
+    }
+    pub fn models(&self) -> Arc<[String]> {
+        self.models
+            .read()
+            .map(|m| m.clone())
+            .unwrap_or_else(|_| Arc::from(vec![]))
+    }
+    pub fn set_models(&self, models: Vec<String>) {
+        if let Ok(mut m) = self.models.write() {
+            if **m != *models {
+                log::info!("replica {} serves {:?}", self.id, models);
+                *m = Arc::from(models);
+            }
+        }
+    }
+    /// Whether it may serve `model` (a replica whose models are unknown may).
+    pub fn serves(&self, model: &str) -> bool {
+        let models = self.models();
+        models.is_empty() || models.iter().any(|m| m == model)
     }
 }
 
@@ -90,6 +118,10 @@ impl Replicas {
                     demotions: AtomicU64::new(0),
                     draining: AtomicBool::new(false),
                     in_flight: AtomicUsize::new(0),
+                    models: RwLock::new(Arc::from(c.models.clone())),
+                    models_configured: !c.models.is_empty(),
+                    api_key: c.api_key.clone(),
+                    checks_passed: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -120,16 +152,35 @@ impl Replicas {
         self.is_healthy(r) && !r.is_demoted() && !r.is_draining()
     }
 
-    /// The policy's view; `tried` replicas are not available to this request again.
-    pub fn candidates<'a>(&'a self, tried: &[Arc<Replica>]) -> Vec<Candidate<'a>> {
+    /// The policy's view of the pool serving `model`; `tried` replicas are not available to
+    /// this request again.
+    pub fn candidates<'a>(
+        &'a self,
+        tried: &[Arc<Replica>],
+        model: Option<&str>,
+    ) -> Vec<Candidate<'a>> {
         self.list
             .iter()
+            .filter(|r| model.is_none_or(|m| r.serves(m)))
             .map(|r| Candidate {
                 id: &r.id,
                 available: self.is_live(r) && !tried.iter().any(|t| Arc::ptr_eq(t, r)),
                 in_flight: r.in_flight(),
             })
             .collect()
+    }
+
+    /// Whether any replica may serve `model`.
+    pub fn knows_model(&self, model: &str) -> bool {
+        self.list.iter().any(|r| r.serves(model))
+    }
+
+    /// Every model some replica serves, sorted, each once.
+    pub fn all_models(&self) -> Vec<String> {
+        let mut all: Vec<String> = self.list.iter().flat_map(|r| r.models().to_vec()).collect();
+        all.sort();
+        all.dedup();
+        all
     }
 
     pub fn tick(&self) -> u64 {
