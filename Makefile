@@ -25,13 +25,21 @@ deps:
 build: deps
 	$(CARGO) build --$(PROFILE) --workspace --bins
 
+# The openai SDK and pytest, in a virtual environment under the build tree.
+VENV := target/venv
+$(VENV)/.done:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check openai pytest
+	touch $@
+
 # Two simulated replicas on :8001/:8002 and the balancer on :7770 (admin/metrics on :7771).
 # Ctrl-C stops all three.
 run: build
 	@scripts/run.sh $(BIN)
 
-test: build
+test: build $(VENV)/.done
 	$(CARGO) test --$(PROFILE) --workspace -- --test-threads=4
+	$(VENV)/bin/python -m pytest -q tests/sdk
 	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
 
 lint:

@@ -1,0 +1,147 @@
+"""The openai Python SDK against inferlb in front of simulated replicas.
+
+The SDK's own retries are switched off (max_retries=0): whatever it survives, inferlb made
+survivable. Processes start on free loopback ports and are stopped at the end of each test.
+"""
+import asyncio
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import openai
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.environ.get("INFERLB_BIN_DIR", os.path.join(ROOT, "target", "release"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url, limit=10.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class Cluster:
+    def __init__(self, tmp):
+        self.procs = {}
+        self.sims = {}
+        for i in range(2):
+            port = free_port()
+            self.sims[f"gpu{i}"] = port
+            self.procs[f"gpu{i}"] = subprocess.Popen(
+                [os.path.join(BIN, "inferlb-sim"), "--listen", f"127.0.0.1:{port}", "--id", f"gpu{i}", "--speed", "20"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for port in self.sims.values():
+            assert wait_http(f"http://127.0.0.1:{port}/health")
+        self.port, self.admin = free_port(), free_port()
+        conf = os.path.join(tmp, "inferlb.yaml")
+        replicas = "".join(f'    - {{id: {k}, address: "127.0.0.1:{p}"}}\n' for k, p in self.sims.items())
+        with open(conf, "w") as f:
+            f.write(f"pid_file: {tmp}/lb.pid\nupgrade_sock: {tmp}/lb.sock\ninferlb:\n"
+                    f"  listen: 127.0.0.1:{self.port}\n  admin_listen: 127.0.0.1:{self.admin}\n"
+                    f"  health: {{interval_seconds: 2}}\n  replicas:\n{replicas}")
+        self.procs["lb"] = subprocess.Popen([os.path.join(BIN, "inferlb"), "-c", conf],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert wait_http(f"http://127.0.0.1:{self.admin}/metrics")
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self, name):
+        p = self.procs.pop(name)
+        p.kill()
+        p.wait(timeout=10)
+
+    def close(self):
+        for name in list(self.procs):
+            self.stop(name)
+
+
+@pytest.fixture
+def cluster():
+    with tempfile.TemporaryDirectory() as tmp:
+        c = Cluster(tmp)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def client(c):
+    return openai.OpenAI(base_url=c.base_url, api_key="unused", max_retries=0, timeout=30)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+
+
+def test_chat_and_completions_streamed_and_not(cluster):
+    sdk = client(cluster)
+    chat = sdk.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=5)
+    assert chat.choices[0].message.content
+    assert chat.usage.completion_tokens == 5
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(sdk.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=4,
+                                              stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage.completion_tokens == 4
+
+    done = sdk.completions.create(model="sim-model", prompt="Once upon a time", max_tokens=3)
+    assert done.choices[0].text and done.usage.completion_tokens == 3
+    streamed = list(sdk.completions.create(model="sim-model", prompt="Once", max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+
+    raw = sdk.chat.completions.with_raw_response.create(model="sim-model", messages=MESSAGES, max_tokens=1)
+    assert raw.headers["x-inferlb-replica"] in ("gpu0", "gpu1")
+    assert raw.headers["x-inferlb-route"] == "spread"
+    assert [m.id for m in sdk.models.list()] == ["sim-model"]
+
+
+def test_async_client(cluster):
+    async def run():
+        sdk = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=30)
+        many = await asyncio.gather(*[
+            sdk.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2)
+            for i in range(8)])
+        assert all(r.choices[0].message.content for r in many)
+        stream = await sdk.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=3, stream=True,
+                                                   stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        assert usage.completion_tokens == 3
+        await sdk.close()
+    asyncio.run(run())
+
+
+def test_a_replica_stopped_mid_run_is_invisible_to_the_sdk(cluster):
+    sdk = client(cluster)
+    conversation = list(MESSAGES)
+    for i in range(16):
+        if i == 5:
+            cluster.stop("gpu0")
+        if i % 2:
+            reply = sdk.chat.completions.create(model="sim-model", messages=conversation, max_tokens=3)
+            conversation += [{"role": "assistant", "content": reply.choices[0].message.content},
+                             {"role": "user", "content": f"turn {i}"}]
+        else:
+            chunks = list(sdk.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": f"s{i}"}],
+                                                      max_tokens=3, stream=True))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.admin}/metrics") as r:
+        metrics = r.read().decode()
+    assert 'inferlb_failovers_total{reason="connect_refused",replica="gpu0"} 1' in metrics
