@@ -40,6 +40,9 @@ struct Args {
     /// Skip the rolling-deploy scenario.
     #[arg(long)]
     no_deploy: bool,
+    /// Run the soak test: this many seconds with 1,000 concurrent connections (0: skip).
+    #[arg(long, default_value_t = 180.0)]
+    soak_seconds: f64,
     /// Skip the proxy-overhead pass.
     #[arg(long)]
     no_overhead: bool,
@@ -538,6 +541,130 @@ struct TargetResult {
 }
 
 #[derive(Debug, Default, Clone, Serialize)]
+struct SoakResult {
+    connections: usize,
+    seconds: f64,
+    requests: u64,
+    streams: u64,
+    errors: u64,
+    rss_start_kib: u64,
+    rss_end_kib: u64,
+    fds_start: usize,
+    fds_under_load: usize,
+    fds_after: usize,
+}
+
+fn proc_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn proc_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Many connections at once for minutes: no errors, memory flat, descriptors given back.
+async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
+    let setup = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    let c = start_cluster(
+        &setup,
+        Some("adaptive"),
+        1.0,
+        100_000,
+        &["--max-batch", "2048", "--decode-interval-ms", "20"],
+        Some(a.out.join("soak.log")),
+        "",
+    )
+    .await;
+    let pid = c.lb.as_ref().map(|l| l.2 .0.id()).unwrap_or(0);
+    let base = c.target();
+    // One connection per client task, so the count of open connections is the task count.
+    let clients: Vec<reqwest::Client> = (0..connections)
+        .map(|_| {
+            reqwest::Client::builder()
+                .no_proxy()
+                .pool_max_idle_per_host(1)
+                .timeout(Duration::from_secs(60))
+                .build()
+                .expect("client")
+        })
+        .collect();
+    let warm = Instant::now() + Duration::from_secs_f64((seconds * 0.1).min(10.0));
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    let counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let mut result = SoakResult {
+        connections,
+        seconds,
+        ..Default::default()
+    };
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(i, client)| {
+            let (base, counts) = (base.clone(), counts.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < end && n < 100_000 {
+                    let messages =
+                        vec![json!({"role": "user", "content": format!("soak {i} {n}")})];
+                    let ok = if (i + n as usize).is_multiple_of(2) {
+                        counts[1].fetch_add(1, Ordering::Relaxed);
+                        !stream_chat(&client, &base, &messages, 25).await.failed
+                    } else {
+                        let body =
+                            json!({"model": "sim-model", "messages": messages, "max_tokens": 5});
+                        match client
+                            .post(format!("{base}/v1/chat/completions"))
+                            .json(&body)
+                            .send()
+                            .await
+                        {
+                            Ok(r) if r.status() == 200 => r.bytes().await.is_ok(),
+                            _ => false,
+                        }
+                    };
+                    counts[0].fetch_add(1, Ordering::Relaxed);
+                    if !ok {
+                        counts[2].fetch_add(1, Ordering::Relaxed);
+                    }
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(warm.into()).await;
+    result.rss_start_kib = proc_rss_kib(pid);
+    result.fds_start = proc_fds(pid);
+    tokio::time::sleep_until((end - Duration::from_secs_f64((seconds * 0.05).min(5.0))).into())
+        .await;
+    result.fds_under_load = proc_fds(pid);
+    for t in tasks {
+        let _ = t.await;
+    }
+    // Every client and its connection is gone now; pooled upstream connections idle out after
+    // 4 s (upstream.idle_timeout_seconds).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    result.rss_end_kib = proc_rss_kib(pid);
+    result.fds_after = proc_fds(pid);
+    result.requests = counts[0].load(Ordering::Relaxed);
+    result.streams = counts[1].load(Ordering::Relaxed);
+    result.errors = counts[2].load(Ordering::Relaxed);
+    drop(c);
+    result
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
 struct DeployPhase {
     phase: String,
     turns: usize,
@@ -958,6 +1085,17 @@ fn table(results: &[TargetResult], lat: &[Latency], s: &Sizes, a: &Args) -> Stri
         "Simulated replicas: 2; context {} tokens; {} conversations x {} turns (+{} tokens a turn); burst {}; cache {} tokens a replica; speed x{}.\n\n",
         s.context_tokens, s.conversations, s.turns, s.turn_tokens, s.burst, s.cache_tokens, a.speed
     ));
+    if results.is_empty() {
+        md.clear();
+    } else {
+        md.push_str(&targets_table(results));
+    }
+    md.push_str(&overhead_table(lat));
+    md
+}
+
+fn targets_table(results: &[TargetResult]) -> String {
+    let mut md = String::new();
     md.push_str("| target | warm-turn TTFT p50 (ms) | p90 (ms) | prefix-cache hit rate | burst makespan (s) | mixed: warm TTFT p50 (ms) | mixed: burst makespan (s) | failover: requests | errors before streaming | streams cut | failovers counted |\n");
     md.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for r in results {
@@ -988,6 +1126,11 @@ fn table(results: &[TargetResult], lat: &[Latency], s: &Sizes, a: &Args) -> Stri
             a50 / f50, a50 / r50, ad.burst_makespan_s / rr.burst_makespan_s, ad.burst_makespan_s / af.burst_makespan_s
         ));
     }
+    md
+}
+
+fn overhead_table(lat: &[Latency]) -> String {
+    let mut md = String::new();
     if !lat.is_empty() {
         md.push_str("\nProxy overhead (replicas answer at once; 200 req/s open loop, then 32 closed-loop clients; SSE at a 5 ms token interval):\n\n");
         md.push_str("| target | p50 at 200 rps (ms) | p99 at 200 rps (ms) | saturation (req/s) | p50 at saturation (ms) | p99 at saturation (ms) | errors | SSE gap p50 (ms) | SSE gap p99 (ms) |\n|---|---|---|---|---|---|---|---|---|\n");
@@ -1140,6 +1283,17 @@ async fn main() {
         let spill = deploy(&client, &a, &s, 4).await;
         vec![naive, spill]
     };
+    let soaked = if a.soak_seconds > 0.0 {
+        let (n, secs) = if a.smoke {
+            (50, 2.0)
+        } else {
+            (1000, a.soak_seconds)
+        };
+        eprintln!("[soak] {n} connections for {secs} s");
+        Some(soak(&a, n, secs).await)
+    } else {
+        None
+    };
     let lat = if a.no_overhead {
         vec![]
     } else {
@@ -1147,13 +1301,19 @@ async fn main() {
     };
     let mut md = table(&results, &lat, &s, &a);
     md.push_str(&deploy_table(&deploys, &s));
+    if let Some(k) = &soaked {
+        md.push_str(&format!(
+            "\nSoak: {} concurrent connections for {:.0} s (half streams of 25 tokens, half small requests): {} requests, {} errors; inferlb RSS {} KiB after warm-up, {} KiB at the end; file descriptors {} after warm-up, {} under load, {} once the clients left.\n",
+            k.connections, k.seconds, k.requests, k.errors, k.rss_start_kib, k.rss_end_kib, k.fds_start, k.fds_under_load, k.fds_after
+        ));
+    }
     let command = format!(
         "inferlb-bench {}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" ")
     );
     let report = format!("Command: `{}`\n\n{md}", command.trim());
     std::fs::write(a.out.join("results.md"), &report).expect("write results.md");
-    let raw = json!({"command": command.trim(), "sizes": s, "targets": results, "overhead": lat, "deploy": deploys});
+    let raw = json!({"command": command.trim(), "sizes": s, "targets": results, "overhead": lat, "deploy": deploys, "soak": soaked});
     std::fs::write(
         a.out.join("results.json"),
         serde_json::to_vec_pretty(&raw).unwrap_or_default(),
