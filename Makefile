@@ -53,5 +53,11 @@ bench: build
 bench-smoke: build
 	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
 
+# libFuzzer via cargo-fuzz, 10 minutes a target (RUSTC_BOOTSTRAP lets stable rustc take -Z flags).
+fuzz:
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run shape -O -- -max_total_time=600 -print_final_stats=1
+	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run routing -O -- -max_total_time=600 -print_final_stats=1
+
 clean:
 	$(CARGO) clean
