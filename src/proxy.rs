@@ -111,7 +111,11 @@ pub fn openai_error(status: u16, message: &str) -> Bytes {
 }
 
 async fn respond_error(session: &mut Session, status: u16, message: &str) -> Result<()> {
-    let body = openai_error(status, message);
+    respond_json(session, status, openai_error(status, message)).await
+}
+
+/// An answer inferlb writes itself, with no replica involved.
+async fn respond_json(session: &mut Session, status: u16, body: Bytes) -> Result<()> {
     let mut resp = ResponseHeader::build(status, Some(3))?;
     resp.insert_header("content-type", "application/json")?;
     resp.insert_header("content-length", body.len().to_string())?;
@@ -248,11 +252,7 @@ impl Balancer {
             .map(|m| serde_json::json!({"id": m, "object": "model", "owned_by": "inferlb"}))
             .collect();
         let body = Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string());
-        let mut resp = ResponseHeader::build(200, Some(3))?;
-        resp.insert_header("content-type", "application/json")?;
-        resp.insert_header("content-length", body.len().to_string())?;
-        session.write_response_header(Box::new(resp), false).await?;
-        session.write_response_body(Some(body), true).await
+        respond_json(session, 200, body).await
     }
 
     fn log_failover(&self, session: &Session, ctx: &mut Ctx, replica: &Replica, reason: &str) {
