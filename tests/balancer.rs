@@ -8,13 +8,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-fn two_sims(dir: &std::path::Path, extra: &[&str]) -> (Sim, Sim) {
-    (
-        Sim::start(dir, "gpu0", extra),
-        Sim::start(dir, "gpu1", extra),
-    )
-}
-
 fn post(lb: &Lb, path: &str, body: &Value) -> reqwest::blocking::Response {
     http()
         .post(lb.url(path))
@@ -154,6 +147,12 @@ fn a_1mb_body_fails_over_intact_with_content_length_and_expect_continue() {
     );
 }
 
+/// The replica saw exactly these body bytes (it reports their hash).
+fn assert_body_arrived(resp: &str, body: &[u8]) {
+    let hash = format!("x-sim-body-hash: {:016x}", xxhash_rust::xxh3::xxh3_64(body));
+    assert!(resp.contains(&hash), "{resp}");
+}
+
 fn chunked(data: &[u8], piece: usize) -> Vec<u8> {
     let mut out = Vec::new();
     for c in data.chunks(piece) {
@@ -188,13 +187,7 @@ fn chunked_bodies_of_1mb_fail_over_intact() {
         Duration::from_secs(20),
     );
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    assert!(
-        resp.contains(&format!(
-            "x-sim-body-hash: {:016x}",
-            xxhash_rust::xxh3::xxh3_64(&small)
-        )),
-        "{resp}"
-    );
+    assert_body_arrived(&resp, &small);
 
     // gpu0 dies; requests alternate, so within two of them one is refused and fails over.
     a.stop();
@@ -213,13 +206,7 @@ fn chunked_bodies_of_1mb_fail_over_intact() {
         );
         assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
         assert!(resp.contains("x-inferlb-replica: gpu1"), "{resp}");
-        assert!(
-            resp.contains(&format!(
-                "x-sim-body-hash: {:016x}",
-                xxhash_rust::xxh3::xxh3_64(&big)
-            )),
-            "{resp}"
-        );
+        assert_body_arrived(&resp, &big);
     }
     assert_eq!(failover_lines(&lb), 1, "{}", lb.proc.log_text());
 

@@ -164,10 +164,7 @@ fn exercise(lb: &Lb, a: &mut Sim, b: &Sim) {
 #[test]
 fn every_metric_the_grafana_dashboard_queries_exists_in_a_scrape() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, b) = (
-        Sim::start(dir.path(), "gpu0", &[]),
-        Sim::start(dir.path(), "gpu1", &[]),
-    );
+    let (mut a, b) = two_sims(dir.path(), &[]);
     let lb = Lb::start(
         dir.path(),
         &[&a, &b],
@@ -232,10 +229,7 @@ fn prometheus_scrapes_inferlb_and_reads_back_the_failover() {
         panic!("prometheus is not installed: `make deps` installs Debian's prometheus package");
     };
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, b) = (
-        Sim::start(dir.path(), "gpu0", &[]),
-        Sim::start(dir.path(), "gpu1", &[]),
-    );
+    let (mut a, b) = two_sims(dir.path(), &[]);
     let lb = Lb::start(
         dir.path(),
         &[&a, &b],
@@ -295,10 +289,7 @@ fn prometheus_scrapes_inferlb_and_reads_back_the_failover() {
 #[test]
 fn the_access_log_is_one_json_line_per_request_when_asked() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (
-        Sim::start(dir.path(), "gpu0", &[]),
-        Sim::start(dir.path(), "gpu1", &[]),
-    );
+    let (a, b) = two_sims(dir.path(), &[]);
     let lb = Lb::start(
         dir.path(),
         &[&a, &b],

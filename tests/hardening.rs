@@ -35,10 +35,7 @@ fn is_openai_error(body: &str) -> bool {
 #[test]
 fn bad_input_gets_clear_answers_and_the_balancer_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (
-        Sim::start(dir.path(), "gpu0", &[]),
-        Sim::start(dir.path(), "gpu1", &[]),
-    );
+    let (a, b) = two_sims(dir.path(), &[]);
     let lb = Lb::start(
         dir.path(),
         &[&a, &b],
@@ -261,10 +258,7 @@ fn disconnected_clients_cancel_their_upstream_requests_and_nothing_leaks() {
         "--decode-interval-ms",
         "100",
     ];
-    let (a, b) = (
-        Sim::start(dir.path(), "gpu0", &extra),
-        Sim::start(dir.path(), "gpu1", &extra),
-    );
+    let (a, b) = two_sims(dir.path(), &extra);
     let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
     let mut threads = vec![];
     for i in 0..24 {

@@ -664,6 +664,30 @@ async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
     result
 }
 
+/// Polls inferlb's admin state (at most 10 s) until replica `id` satisfies `ready`.
+async fn wait_replica(
+    client: &reqwest::Client,
+    admin: u16,
+    id: &str,
+    ready: impl Fn(&Value) -> bool,
+) {
+    for _ in 0..200 {
+        let state: Value = match client
+            .get(format!("http://127.0.0.1:{admin}/admin/replicas"))
+            .send()
+            .await
+        {
+            Ok(r) => r.json().await.unwrap_or_default(),
+            Err(_) => Value::Null,
+        };
+        let replicas = state["replicas"].as_array().cloned().unwrap_or_default();
+        if replicas.iter().any(|r| r["id"] == id && ready(r)) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[derive(Debug, Default, Clone, Serialize)]
 struct DeployPhase {
     phase: String,
@@ -755,24 +779,7 @@ async fn deploy(
             ))
             .send()
             .await;
-        for _ in 0..200 {
-            let state: Value = match client
-                .get(format!("http://127.0.0.1:{admin}/admin/replicas"))
-                .send()
-                .await
-            {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(_) => Value::Null,
-            };
-            let idle = state["replicas"].as_array().is_some_and(|rs| {
-                rs.iter()
-                    .any(|r| r["id"] == id.as_str() && r["in_flight"] == 0)
-            });
-            if idle {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_replica(client, admin, &id, |r| r["in_flight"] == 0).await;
         let port = c.sims[i].0;
         c.stop_sim(i);
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -789,23 +796,7 @@ async fn deploy(
             ))
             .send()
             .await;
-        for _ in 0..200 {
-            let state: Value = match client
-                .get(format!("http://127.0.0.1:{admin}/admin/replicas"))
-                .send()
-                .await
-            {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(_) => Value::Null,
-            };
-            if state["replicas"].as_array().is_some_and(|rs| {
-                rs.iter()
-                    .any(|r| r["id"] == id.as_str() && r["live"] == true)
-            }) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_replica(client, admin, &id, |r| r["live"] == true).await;
     }
     let after_start = started.elapsed().as_secs_f64();
     tokio::time::sleep(phase_len * 2).await;

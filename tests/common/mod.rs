@@ -161,6 +161,14 @@ impl Sim {
     }
 }
 
+/// The usual pair of replicas, gpu0 and gpu1.
+pub fn two_sims(dir: &std::path::Path, extra: &[&str]) -> (Sim, Sim) {
+    (
+        Sim::start(dir, "gpu0", extra),
+        Sim::start(dir, "gpu1", extra),
+    )
+}
+
 /// The balancer, with its conf written into a temporary directory.
 pub struct Lb {
     pub port: u16,
