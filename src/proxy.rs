@@ -413,6 +413,16 @@ impl ProxyHttp for Balancer {
             // The rest of an unread body is still on the wire: do not reuse the connection.
             session.set_keepalive(None);
             respond_error(session, status, &message).await?;
+            // Read and drop what the client is still sending, for a moment, before closing:
+            // closing on unread data resets the connection, and a client still uploading would
+            // see the reset instead of this answer (a lingering close, as nginx does). Not when
+            // it waits for `100 Continue`: it sends nothing.
+            let waits_for_continue = session.req_header().headers.contains_key("expect");
+            if status == 413 && !waits_for_continue {
+                let downstream = session.as_downstream_mut();
+                downstream.set_total_drain_timeout(Some(Duration::from_secs(2)));
+                let _ = downstream.drain_request_body().await;
+            }
             return Ok(true);
         }
         if !ctx.body.is_empty() {
@@ -739,22 +749,26 @@ impl ProxyHttp for Balancer {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        let replica = ctx.current().map_or("none", |r| &*r.id).to_string();
+        // Taking the guard releases the in-flight count now, not when Pingora drops the ctx.
+        let served_by = ctx.in_flight.take().map(|f| f.replica().clone());
+        let replica = served_by.as_ref().map_or("none", |r| &*r.id);
         let route = ctx.route.map_or("none", Route::as_str);
         if ctx.route.is_some() {
             METRICS
                 .requests
-                .with_label_values(&[&replica, route, code_class(status)])
+                .with_label_values(&[replica, route, code_class(status)])
                 .inc();
         }
         let served_whole = e.is_none() && (200..300).contains(&status);
-        if served_whole {
-            if let (Some(key), Some(r)) = (
-                ctx.info.as_ref().and_then(|i| i.shape.served_key()),
-                ctx.current(),
-            ) {
-                self.replicas.record_served(key, r);
-            }
+        if let (true, Some(key), Some(r)) = (
+            served_whole,
+            ctx.info.as_ref().and_then(|i| i.shape.served_key()),
+            served_by.as_ref(),
+        ) {
+            self.replicas.record_served(key, r);
+        }
+        if !log::log_enabled!(target: "access", log::Level::Info) {
+            return;
         }
         let record = access::Record {
             request_id: &ctx.request_id,
@@ -762,7 +776,7 @@ impl ProxyHttp for Balancer {
             path: session.req_header().uri.path(),
             model: ctx.info.as_ref().and_then(|i| i.model.as_deref()),
             route,
-            replica: &replica,
+            replica,
             attempts: ctx.attempts,
             failovers: ctx.failovers,
             status,
@@ -776,7 +790,5 @@ impl ProxyHttp for Balancer {
         if let Some(line) = record.render(self.conf.access_log) {
             log::info!(target: "access", "{line}");
         }
-        // Release the in-flight count now rather than when Pingora drops the ctx.
-        ctx.in_flight = None;
     }
 }

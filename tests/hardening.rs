@@ -74,6 +74,15 @@ fn bad_input_gets_clear_answers_and_the_balancer_keeps_serving() {
         assert_eq!(status, want, "{what}: {text}");
         assert!(is_openai_error(&text), "{what}: {text}");
     }
+    // A client that uploads all of a large body before it reads the answer still gets the 413
+    // (inferlb reads and drops the rest instead of resetting the connection under it).
+    let r = http()
+        .post(lb.url("/v1/completions"))
+        .body(vec![b'z'; 16_000_000])
+        .send()
+        .expect("the 413 arrives, not a reset");
+    assert_eq!(r.status(), 413);
+    seen.push("a 16 MB body over the limit, sent whole: 413".into());
     // A chunked body over the limit.
     let mut chunked = Vec::new();
     for _ in 0..30 {
