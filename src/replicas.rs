@@ -205,12 +205,13 @@ impl Replicas {
         self.table_generation.load(Ordering::Relaxed)
     }
 
-    /// The affinity table, least recently used first.
-    pub fn served_entries(&self) -> Vec<(u64, String)> {
+    /// The affinity table, least recently used first. Copies pointers only, so the request
+    /// path waits on the lock as briefly as possible.
+    pub fn served_entries(&self) -> Vec<(u64, Arc<str>)> {
         let Ok(t) = self.table.lock() else {
             return vec![];
         };
-        t.iter().rev().map(|(h, id)| (*h, id.to_string())).collect()
+        t.iter().rev().map(|(h, id)| (*h, id.clone())).collect()
     }
 
     /// Adds pins another process made, least recently used first. A pin this process already

@@ -63,7 +63,12 @@ impl StateKeeper {
     pub fn save(&self) -> std::io::Result<()> {
         let snapshot = Snapshot {
             pid: std::process::id(),
-            entries: self.replicas.served_entries(),
+            entries: self
+                .replicas
+                .served_entries()
+                .into_iter()
+                .map(|(h, id)| (h, id.to_string()))
+                .collect(),
         };
         let tmp = self
             .path

@@ -552,6 +552,8 @@ struct SoakResult {
     fds_start: usize,
     fds_under_load: usize,
     fds_after: usize,
+    /// RSS sampled every tenth of the run, KiB.
+    rss_series_kib: Vec<u64>,
 }
 
 fn proc_rss_kib(pid: u32) -> u64 {
@@ -643,6 +645,14 @@ async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
             })
         })
         .collect();
+    let sampler = tokio::spawn(async move {
+        let mut series = vec![];
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_secs_f64(seconds / 10.0)).await;
+            series.push(proc_rss_kib(pid));
+        }
+        series
+    });
     tokio::time::sleep_until(warm.into()).await;
     result.rss_start_kib = proc_rss_kib(pid);
     result.fds_start = proc_fds(pid);
@@ -657,6 +667,7 @@ async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
     tokio::time::sleep(Duration::from_secs(6)).await;
     result.rss_end_kib = proc_rss_kib(pid);
     result.fds_after = proc_fds(pid);
+    result.rss_series_kib = sampler.await.unwrap_or_default();
     result.requests = counts[0].load(Ordering::Relaxed);
     result.streams = counts[1].load(Ordering::Relaxed);
     result.errors = counts[2].load(Ordering::Relaxed);
@@ -1294,8 +1305,8 @@ async fn main() {
     md.push_str(&deploy_table(&deploys, &s));
     if let Some(k) = &soaked {
         md.push_str(&format!(
-            "\nSoak: {} concurrent connections for {:.0} s (half streams of 25 tokens, half small requests): {} requests, {} errors; inferlb RSS {} KiB after warm-up, {} KiB at the end; file descriptors {} after warm-up, {} under load, {} once the clients left.\n",
-            k.connections, k.seconds, k.requests, k.errors, k.rss_start_kib, k.rss_end_kib, k.fds_start, k.fds_under_load, k.fds_after
+            "\nSoak: {} concurrent connections for {:.0} s (half streams of 25 tokens, half small requests): {} requests, {} errors; inferlb RSS {} KiB after warm-up, {} KiB at the end (every tenth of the run: {:?}); file descriptors {} after warm-up, {} under load, {} once the clients left.\n",
+            k.connections, k.seconds, k.requests, k.errors, k.rss_start_kib, k.rss_end_kib, k.rss_series_kib, k.fds_start, k.fds_under_load, k.fds_after
         ));
     }
     let command = format!(
