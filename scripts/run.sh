@@ -2,12 +2,18 @@
 # Starts two simulated replicas and inferlb in front of them; Ctrl-C (or any exit) stops all three.
 set -euo pipefail
 bin=${1:-target/release}
-pids=()
-cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+sims=()
+lb=
+cleanup() {
+  # SIGINT is Pingora's quick stop; SIGTERM would wait out the whole grace period (120 s).
+  [ -n "$lb" ] && kill -INT "$lb" 2>/dev/null || true
+  kill "${sims[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+}
 trap cleanup EXIT INT TERM
-"$bin/inferlb-sim" --listen 127.0.0.1:8001 --id gpu0 & pids+=($!)
-"$bin/inferlb-sim" --listen 127.0.0.1:8002 --id gpu1 & pids+=($!)
-RUST_LOG=${RUST_LOG:-info} "$bin/inferlb" -c conf/inferlb.yaml & pids+=($!)
+"$bin/inferlb-sim" --listen 127.0.0.1:8001 --id gpu0 & sims+=($!)
+"$bin/inferlb-sim" --listen 127.0.0.1:8002 --id gpu1 & sims+=($!)
+RUST_LOG=${RUST_LOG:-info} "$bin/inferlb" -c conf/inferlb.yaml & lb=$!
 sleep 1
 cat <<MSG
 
@@ -19,4 +25,4 @@ Try:
 The x-inferlb-replica and x-inferlb-route headers say where it went and why. Ctrl-C stops all three.
 
 MSG
-wait -n "${pids[@]}"
+wait -n "$lb" "${sims[@]}"
