@@ -91,7 +91,7 @@ mod tests {
     #[test]
     fn kv_lines_are_stable_and_quote_what_needs_it() {
         assert_eq!(
-            record().render(Format::Kv).unwrap(),
+            record().render(Format::Kv).expect("test fixture"),
             "request_id=abc method=POST path=/v1/chat/completions model=\"my model\" route=pinned replica=gpu0 attempts=2 failovers=1 status=200 ttfb_ms=12.3 duration_ms=56.8 prompt_tokens=900 cached_tokens=-"
         );
     }
@@ -99,7 +99,8 @@ mod tests {
     #[test]
     fn json_lines_parse() {
         let v: serde_json::Value =
-            serde_json::from_str(&record().render(Format::Json).unwrap()).unwrap();
+            serde_json::from_str(&record().render(Format::Json).expect("test fixture"))
+                .expect("test fixture");
         assert_eq!(v["replica"], "gpu0");
         assert_eq!(v["cached_tokens"], serde_json::Value::Null);
         assert_eq!(record().render(Format::Off), None);

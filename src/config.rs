@@ -355,7 +355,7 @@ inferlb:
 
     #[test]
     fn a_good_conf_loads_with_defaults_filled_in() {
-        let l = parse(GOOD, None).unwrap();
+        let l = parse(GOOD, None).expect("test fixture");
         assert_eq!(l.server.threads, 2);
         assert_eq!(l.server.grace_period_seconds, Some(30));
         assert_eq!(l.server.graceful_shutdown_timeout_seconds, Some(10));
@@ -367,9 +367,9 @@ inferlb:
 
     #[test]
     fn routing_env_overrides_the_file() {
-        let l = parse(GOOD, Some("roundrobin")).unwrap();
+        let l = parse(GOOD, Some("roundrobin")).expect("test fixture");
         assert_eq!(l.inferlb.routing, Mode::RoundRobin);
-        let e = parse(GOOD, Some("fastest")).err().unwrap();
+        let e = parse(GOOD, Some("fastest")).err().expect("test fixture");
         assert!(e.contains("ROUTING") && e.contains("fastest"), "{e}");
     }
 
@@ -415,7 +415,7 @@ inferlb:
 
     #[test]
     fn replicas_are_required() {
-        let e = parse("inferlb: {}", None).err().unwrap();
+        let e = parse("inferlb: {}", None).err().expect("test fixture");
         assert!(e.contains("inferlb.replicas"), "{e}");
     }
 }

@@ -241,7 +241,8 @@ mod tests {
             let role = if i % 2 == 0 { "user" } else { "assistant" };
             messages.push(serde_json::json!({"role": role, "content": t}));
         }
-        serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap()
+        serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages}))
+            .expect("test fixture")
     }
 
     #[test]
@@ -250,7 +251,9 @@ mod tests {
             let mut b = Bench::new(mode, &["gpu0", "gpu1"]);
             let mut count: HashMap<String, usize> = HashMap::new();
             for i in 0..16 {
-                let (r, _) = b.route(&chat(&[&format!("task {i}")])).unwrap();
+                let (r, _) = b
+                    .route(&chat(&[&format!("task {i}")]))
+                    .expect("test fixture");
                 *count.entry(r).or_default() += 1;
             }
             assert_eq!(count["gpu0"], 8, "{mode:?}");
@@ -263,7 +266,11 @@ mod tests {
         // The seed's measured failure, kept so it can be re-measured.
         let mut b = Bench::new(Mode::Affinity, &["gpu0", "gpu1"]);
         let picks: Vec<String> = (0..16)
-            .map(|i| b.route(&chat(&[&format!("task {i}")])).unwrap().0)
+            .map(|i| {
+                b.route(&chat(&[&format!("task {i}")]))
+                    .expect("test fixture")
+                    .0
+            })
             .collect();
         assert!(picks.iter().all(|p| p == &picks[0]));
     }
@@ -272,15 +279,16 @@ mod tests {
     fn an_agent_loop_stays_on_the_replica_that_served_its_first_turn() {
         let mut b = Bench::new(Mode::Adaptive, &["gpu0", "gpu1"]);
         let mut history = vec!["turn 0".to_string()];
-        let (first, route) = b.route(&chat(&["turn 0"])).unwrap();
+        let (first, route) = b.route(&chat(&["turn 0"])).expect("test fixture");
         assert_eq!(route, Route::Spread);
         for turn in 1..5 {
             history.push(format!("answer {turn}"));
             history.push(format!("turn {turn}"));
             // Unrelated fresh traffic in between must not move the loop.
-            b.route(&chat(&[&format!("noise {turn}")])).unwrap();
+            b.route(&chat(&[&format!("noise {turn}")]))
+                .expect("test fixture");
             let refs: Vec<&str> = history.iter().map(|s| s.as_str()).collect();
-            let (r, route) = b.route(&chat(&refs)).unwrap();
+            let (r, route) = b.route(&chat(&refs)).expect("test fixture");
             assert_eq!(
                 (r.as_str(), route),
                 (first.as_str(), Route::Pinned),
@@ -293,13 +301,15 @@ mod tests {
     fn an_exact_repeat_and_a_single_message_spread() {
         let mut b = Bench::new(Mode::Adaptive, &["gpu0", "gpu1"]);
         let body = chat(&["q"]);
-        let (a, _) = b.route(&body).unwrap();
-        let (again, route) = b.route(&body).unwrap();
+        let (a, _) = b.route(&body).expect("test fixture");
+        let (again, route) = b.route(&body).expect("test fixture");
         assert_eq!(route, Route::Spread);
         assert_ne!(a, again, "a repeat is fresh work, so it spreads");
-        let (_, route) = b.route(br#"{"prompt":"a completion"}"#).unwrap();
+        let (_, route) = b
+            .route(br#"{"prompt":"a completion"}"#)
+            .expect("test fixture");
         assert_eq!(route, Route::Spread);
-        let (_, route) = b.route(b"\x00 not json").unwrap();
+        let (_, route) = b.route(b"\x00 not json").expect("test fixture");
         assert_eq!(route, Route::Spread);
     }
 
@@ -307,7 +317,7 @@ mod tests {
     fn continuations_follow_their_replica_out_and_back_in() {
         let mut b = Bench::new(Mode::Adaptive, &["gpu0", "gpu1", "gpu2"]);
         let mut history = vec!["t0".to_string()];
-        let (home, _) = b.route(&chat(&["t0"])).unwrap();
+        let (home, _) = b.route(&chat(&["t0"])).expect("test fixture");
         for turn in 1..12 {
             // Every third turn the current home leaves; two turns later it comes back.
             if turn % 3 == 0 {
@@ -320,7 +330,7 @@ mod tests {
             history.push(format!("t{turn}"));
             let refs: Vec<&str> = history.iter().map(|s| s.as_str()).collect();
             let before = b.served.clone();
-            let (r, route) = b.route(&chat(&refs)).unwrap();
+            let (r, route) = b.route(&chat(&refs)).expect("test fixture");
             assert!(
                 !b.down.contains(&r),
                 "turn {turn}: routed to a down replica"
@@ -353,10 +363,10 @@ mod tests {
     fn ids_not_positions_name_replicas() {
         // The seed's stale-index bug: a replica list that changes order must not move a pin.
         let mut b = Bench::new(Mode::Adaptive, &["a", "b", "c"]);
-        let (home, _) = b.route(&chat(&["t0"])).unwrap();
+        let (home, _) = b.route(&chat(&["t0"])).expect("test fixture");
         b.ids.reverse();
         b.ids.retain(|id| id != "x");
-        let (r, route) = b.route(&chat(&["t0", "a1", "t1"])).unwrap();
+        let (r, route) = b.route(&chat(&["t0", "a1", "t1"])).expect("test fixture");
         assert_eq!((r, route), (home, Route::Pinned));
     }
 
@@ -364,20 +374,22 @@ mod tests {
     fn a_hot_replica_spills_a_continuation_when_far_busier() {
         let mut b = Bench::new(Mode::Adaptive, &["gpu0", "gpu1"]);
         b.policy.spill_margin = Some(3);
-        let (home, _) = b.route(&chat(&["t0"])).unwrap();
+        let (home, _) = b.route(&chat(&["t0"])).expect("test fixture");
         b.finish_all();
         b.in_flight.insert(home.clone(), 2);
-        let (r, route) = b.route(&chat(&["t0", "a", "t1"])).unwrap();
+        let (r, route) = b.route(&chat(&["t0", "a", "t1"])).expect("test fixture");
         assert_eq!((r.as_str(), route), (home.as_str(), Route::Pinned));
         b.in_flight.insert(home.clone(), 3);
-        let (r, route) = b.route(&chat(&["t0", "a", "t1", "b", "t2"])).unwrap();
+        let (r, route) = b
+            .route(&chat(&["t0", "a", "t1", "b", "t2"]))
+            .expect("test fixture");
         assert_eq!(route, Route::Spilled);
         assert_ne!(r, home);
         // The table followed: the next turn is pinned to the new home.
         b.finish_all();
         let (r2, route) = b
             .route(&chat(&["t0", "a", "t1", "b", "t2", "c", "t3"]))
-            .unwrap();
+            .expect("test fixture");
         assert_eq!((r2, route), (r, Route::Pinned));
     }
 
@@ -396,10 +408,13 @@ mod tests {
         let bodies: Vec<Vec<u8>> = (0..30)
             .map(|i| br#"{"prompt":"P"#.iter().chain(i.to_string().as_bytes()).copied().chain(*br#""}"#).collect())
             .collect();
-        let before: Vec<String> = bodies.iter().map(|x| b.route(x).unwrap().0).collect();
+        let before: Vec<String> = bodies
+            .iter()
+            .map(|x| b.route(x).expect("test fixture").0)
+            .collect();
         b.down = vec!["c".into()];
         for (x, was) in bodies.iter().zip(&before) {
-            let now = b.route(x).unwrap().0;
+            let now = b.route(x).expect("test fixture").0;
             if was != "c" {
                 assert_eq!(&now, was);
             }

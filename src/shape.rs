@@ -156,7 +156,8 @@ mod tests {
             .iter()
             .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
             .collect();
-        serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap()
+        serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages}))
+            .expect("test fixture")
     }
 
     fn prefixes(info: &RequestInfo) -> Vec<u64> {
