@@ -585,7 +585,7 @@ async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
         1.0,
         100_000,
         &["--max-batch", "2048", "--decode-interval-ms", "20"],
-        Some(a.out.join("soak.log")),
+        Some(a.out.join("logs").join("soak.log")),
         "",
     )
     .await;
@@ -732,7 +732,11 @@ async fn deploy(
         a.speed,
         s.cache_tokens,
         &[],
-        Some(a.out.join(format!("deploy-spill{spill_margin}.log"))),
+        Some(
+            a.out
+                .join("logs")
+                .join(format!("deploy-spill{spill_margin}.log")),
+        ),
         &extra,
     )
     .await;
@@ -1260,7 +1264,7 @@ async fn main() {
     if let Some(c) = a.cache_tokens {
         s.cache_tokens = c;
     }
-    std::fs::create_dir_all(&a.out).expect("create the output directory");
+    std::fs::create_dir_all(a.out.join("logs")).expect("create the output directory");
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(256)
