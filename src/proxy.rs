@@ -255,19 +255,23 @@ impl Balancer {
         respond_json(session, 200, body).await
     }
 
-    fn log_failover(&self, session: &Session, ctx: &mut Ctx, replica: &Replica, reason: &str) {
-        ctx.failovers += 1;
-        METRICS
-            .failovers
-            .with_label_values(&[&replica.id, reason])
-            .inc();
-        log::warn!(
-            "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica",
-            replica.id,
-            reason,
-            session.req_header().uri.path(),
-            ctx.attempts
-        );
+    /// The current attempt's replica failed before the client got a byte: demote it, count and
+    /// log the failover once, and let upstream_peer pick another replica.
+    fn fail_over(&self, session: &Session, ctx: &mut Ctx, e: &mut Error) {
+        if let Some(r) = ctx.current().cloned() {
+            self.replicas.demote(&r);
+            ctx.failovers += 1;
+            let why = reason(e);
+            METRICS.failovers.with_label_values(&[&r.id, why]).inc();
+            log::warn!(
+                "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica",
+                r.id,
+                why,
+                session.req_header().uri.path(),
+                ctx.attempts
+            );
+        }
+        e.set_retry(true);
     }
 }
 
@@ -624,12 +628,8 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        // Nothing reached the replica: demote it now and let upstream_peer pick another.
-        if let Some(r) = ctx.current().cloned() {
-            self.replicas.demote(&r);
-            self.log_failover(session, ctx, &r, reason(&e));
-        }
-        e.set_retry(true);
+        // Nothing reached the replica.
+        self.fail_over(session, ctx, &mut e);
         e
     }
 
@@ -667,13 +667,7 @@ impl ProxyHttp for Balancer {
         match e.etype() {
             // A replica that is slow to answer is still working: re-sending would double its load.
             ErrorType::ReadTimedout => e.set_retry(false),
-            _ => {
-                if let Some(r) = ctx.current().cloned() {
-                    self.replicas.demote(&r);
-                    self.log_failover(session, ctx, &r, reason(&e));
-                }
-                e.set_retry(true);
-            }
+            _ => self.fail_over(session, ctx, &mut e),
         }
         e
     }

@@ -69,10 +69,9 @@ fn the_seed_failover_scene_six_requests_six_200s_one_failover() {
 #[test]
 fn a_1mb_body_fails_over_intact_with_content_length_and_expect_continue() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, mut b) = two_sims(dir.path(), &["--speed", "50"]);
-    let lb = Lb::start(
+    let (mut a, mut b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &["--speed", "50"],
         LbOptions {
             health_interval: 2.0,
             ..Default::default()
@@ -170,10 +169,9 @@ const CHUNKED_HEAD: &str =
 #[test]
 fn chunked_bodies_of_1mb_fail_over_intact() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, b) = two_sims(dir.path(), &["--speed", "50"]);
-    let lb = Lb::start(
+    let (mut a, _b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &["--speed", "50"],
         LbOptions {
             health_interval: 2.0,
             ..Default::default()
@@ -227,10 +225,9 @@ fn chunked_bodies_of_1mb_fail_over_intact() {
 #[test]
 fn body_limits_and_stalls_get_openai_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(
+    let (_a, _b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &[],
         LbOptions {
             extra: "  max_body_bytes: 100000\n  body_read_timeout_seconds: 1\n",
             ..Default::default()
@@ -279,8 +276,7 @@ fn body_limits_and_stalls_get_openai_errors() {
 #[test]
 fn a_stream_cut_after_its_first_bytes_is_not_retried_and_ends_for_the_client() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (a, b, lb) = cluster(dir.path(), &[], LbOptions::default());
     for s in [&a, &b] {
         s.fault(json!({"fault": "cut_stream"}));
     }
@@ -319,8 +315,11 @@ fn a_stream_cut_after_its_first_bytes_is_not_retried_and_ends_for_the_client() {
 fn sse_is_relayed_event_by_event() {
     let dir = tempfile::tempdir().unwrap();
     // 100 ms between tokens: a buffering proxy would deliver all 12 events at once.
-    let (a, b) = two_sims(dir.path(), &["--decode-interval-ms", "100"]);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (_a, _b, lb) = cluster(
+        dir.path(),
+        &["--decode-interval-ms", "100"],
+        LbOptions::default(),
+    );
     let r = post(
         &lb,
         "/v1/chat/completions",
@@ -341,8 +340,7 @@ fn sse_is_relayed_event_by_event() {
 #[test]
 fn a_burst_spreads_8_8_and_an_agent_loop_stays_pinned() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &["--speed", "20"]);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], LbOptions::default());
     let prefix = "shared context ".repeat(2000);
     let handles: Vec<_> = (0..16)
         .map(|i| {
@@ -411,8 +409,7 @@ fn a_burst_spreads_8_8_and_an_agent_loop_stays_pinned() {
 #[test]
 fn no_live_replica_is_an_immediate_503_in_openai_format() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, mut b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (mut a, mut b, lb) = cluster(dir.path(), &[], LbOptions::default());
     a.stop();
     b.stop();
     for _ in 0..3 {
@@ -432,10 +429,9 @@ fn no_live_replica_is_an_immediate_503_in_openai_format() {
 #[test]
 fn health_checks_log_each_transition_once_and_readmit_a_demoted_replica() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(
+    let (mut a, _b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &[],
         LbOptions {
             health_interval: 0.3,
             ..Default::default()
@@ -488,8 +484,7 @@ fn health_checks_log_each_transition_once_and_readmit_a_demoted_replica() {
 #[test]
 fn the_api_is_proxied_models_and_other_paths_included() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &["--speed", "20"]);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], LbOptions::default());
     let v: Value = http()
         .get(lb.url("/v1/models"))
         .send()
@@ -530,8 +525,7 @@ fn the_api_is_proxied_models_and_other_paths_included() {
 #[test]
 fn a_scrape_passes_promtool() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &["--speed", "20"]);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], LbOptions::default());
     post(
         &lb,
         "/v1/chat/completions",
@@ -633,10 +627,9 @@ fn bad_conf_is_refused_with_the_key_named_and_dash_t_checks_it() {
 #[test]
 fn a_replica_that_resets_after_reading_the_request_fails_over() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &["--speed", "50"]);
-    let lb = Lb::start(
+    let (a, _b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &["--speed", "50"],
         LbOptions {
             health_interval: 2.0,
             ..Default::default()
@@ -677,10 +670,9 @@ fn a_replica_that_resets_after_reading_the_request_fails_over() {
 #[test]
 fn replica_503s_fail_over_500s_pass_through_and_a_hang_is_a_504() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &["--speed", "50"]);
-    let lb = Lb::start(
+    let (a, b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &["--speed", "50"],
         LbOptions {
             health_interval: 2.0,
             extra: "  upstream: {read_timeout_seconds: 1}\n",

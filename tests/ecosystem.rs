@@ -164,10 +164,9 @@ fn exercise(lb: &Lb, a: &mut Sim, b: &Sim) {
 #[test]
 fn every_metric_the_grafana_dashboard_queries_exists_in_a_scrape() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(
+    let (mut a, b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &[],
         LbOptions {
             health_interval: 2.0,
             extra: "  max_body_bytes: 1000000\n",
@@ -229,10 +228,9 @@ fn prometheus_scrapes_inferlb_and_reads_back_the_failover() {
         panic!("prometheus is not installed: `make deps` installs Debian's prometheus package");
     };
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(
+    let (mut a, _b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &[],
         LbOptions {
             health_interval: 2.0,
             ..Default::default()
@@ -289,10 +287,9 @@ fn prometheus_scrapes_inferlb_and_reads_back_the_failover() {
 #[test]
 fn the_access_log_is_one_json_line_per_request_when_asked() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(
+    let (_a, _b, lb) = cluster(
         dir.path(),
-        &[&a, &b],
+        &[],
         LbOptions {
             extra: "  access_log: json\n",
             ..Default::default()

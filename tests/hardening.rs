@@ -35,15 +35,10 @@ fn is_openai_error(body: &str) -> bool {
 #[test]
 fn bad_input_gets_clear_answers_and_the_balancer_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = two_sims(dir.path(), &[]);
-    let lb = Lb::start(
-        dir.path(),
-        &[&a, &b],
-        LbOptions {
+    let (_a, _b, lb) = cluster(dir.path(), &[], LbOptions {
             extra: "  max_body_bytes: 100000\n  body_read_timeout_seconds: 1\n  max_header_bytes: 16384\n",
             ..Default::default()
-        },
-    );
+        });
     let chat = "/v1/chat/completions";
     // What the balancer cannot classify is routed as fresh; the replica's own answer comes back.
     let cases: Vec<(&str, Vec<u8>, u16)> = vec![
@@ -267,8 +262,7 @@ fn disconnected_clients_cancel_their_upstream_requests_and_nothing_leaks() {
         "--decode-interval-ms",
         "100",
     ];
-    let (a, b) = two_sims(dir.path(), &extra);
-    let lb = Lb::start(dir.path(), &[&a, &b], LbOptions::default());
+    let (a, b, lb) = cluster(dir.path(), &extra, LbOptions::default());
     let mut threads = vec![];
     for i in 0..24 {
         let url = lb.url("/v1/chat/completions");

@@ -1087,13 +1087,11 @@ async fn overhead(client: &reqwest::Client, s: &Sizes) -> Vec<Latency> {
 
 fn table(results: &[TargetResult], lat: &[Latency], s: &Sizes, a: &Args) -> String {
     let mut md = String::new();
-    md.push_str(&format!(
-        "Simulated replicas: 2; context {} tokens; {} conversations x {} turns (+{} tokens a turn); burst {}; cache {} tokens a replica; speed x{}.\n\n",
-        s.context_tokens, s.conversations, s.turns, s.turn_tokens, s.burst, s.cache_tokens, a.speed
-    ));
-    if results.is_empty() {
-        md.clear();
-    } else {
+    if !results.is_empty() {
+        md.push_str(&format!(
+            "Simulated replicas: 2; context {} tokens; {} conversations x {} turns (+{} tokens a turn); burst {}; cache {} tokens a replica; speed x{}.\n\n",
+            s.context_tokens, s.conversations, s.turns, s.turn_tokens, s.burst, s.cache_tokens, a.speed
+        ));
         md.push_str(&targets_table(results));
     }
     md.push_str(&overhead_table(lat));

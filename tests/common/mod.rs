@@ -169,6 +169,13 @@ pub fn two_sims(dir: &std::path::Path, extra: &[&str]) -> (Sim, Sim) {
     )
 }
 
+/// gpu0 and gpu1 started with `flags`, and the balancer in front of them.
+pub fn cluster(dir: &std::path::Path, flags: &[&str], options: LbOptions) -> (Sim, Sim, Lb) {
+    let (a, b) = two_sims(dir, flags);
+    let lb = Lb::start(dir, &[&a, &b], options);
+    (a, b, lb)
+}
+
 /// The balancer, with its conf written into a temporary directory.
 pub struct Lb {
     pub port: u16,
