@@ -12,10 +12,10 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 
-use crate::replicas::Replicas;
+use crate::registry::Registry;
 
 pub struct Admin {
-    pub replicas: Arc<Replicas>,
+    pub registry: Arc<Registry>,
 }
 
 fn reply(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -34,17 +34,17 @@ fn json(status: StatusCode, v: serde_json::Value) -> Response<Vec<u8>> {
 impl Admin {
     fn state(&self) -> serde_json::Value {
         let list: Vec<_> = self
-            .replicas
+            .registry
             .all()
             .iter()
             .map(|r| {
                 serde_json::json!({
                     "id": &*r.id,
                     "address": r.address,
-                    "healthy": self.replicas.is_healthy(r),
+                    "healthy": r.is_healthy(),
                     "demoted": r.is_demoted(),
                     "draining": r.is_draining(),
-                    "live": self.replicas.is_live(r),
+                    "live": r.is_live(),
                     "in_flight": r.in_flight(),
                 })
             })
@@ -67,9 +67,9 @@ impl ServeHttp for Admin {
             ),
             ("GET", ["admin", "replicas"]) => json(StatusCode::OK, self.state()),
             ("POST", ["admin", "replicas", id, action @ ("drain" | "undrain")]) => {
-                match self.replicas.get(id) {
+                match self.registry.get(id) {
                     Some(r) => {
-                        self.replicas.set_draining(r, *action == "drain");
+                        r.set_draining(*action == "drain");
                         json(StatusCode::OK, self.state())
                     }
                     None => json(

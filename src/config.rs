@@ -50,6 +50,9 @@ pub struct ReplicaConf {
     /// The models it serves; when omitted, learnt from its `/v1/models` by the health checks.
     #[serde(default)]
     pub models: Vec<String>,
+    /// `address`, resolved once by validation.
+    #[serde(skip)]
+    pub socket: Option<SocketAddr>,
 }
 
 #[derive(Debug, Clone)]
@@ -161,6 +164,29 @@ pub struct Loaded {
     pub inferlb: Config,
 }
 
+impl Config {
+    /// What is valid but probably not meant, for `-t` and the start-up log.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = vec![];
+        for (i, r) in self.replicas.iter().enumerate() {
+            let earlier = self.replicas[..i]
+                .iter()
+                .find(|o| o.socket.is_some() && o.socket == r.socket);
+            if let Some(o) = earlier {
+                out.push(format!(
+                    "inferlb.replicas[{i}].address: {:?} ({}) is the same server as replica {} ({:?}); \
+                     each is health-checked and demoted on its own, but they share one cache",
+                    r.address,
+                    r.id,
+                    o.id,
+                    o.address
+                ));
+            }
+        }
+        out
+    }
+}
+
 /// Reads and validates a conf file. `routing_env` is `$ROUTING`, which overrides the file.
 pub fn load(path: &str, routing_env: Option<&str>) -> Result<Loaded, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
@@ -253,8 +279,9 @@ fn validate(raw: RawSection) -> Result<Config, String> {
     if raw.replicas.is_empty() {
         return Err("inferlb.replicas: at least one replica (id and address) is needed".into());
     }
+    let mut raw = raw;
     let mut ids = BTreeSet::new();
-    for (i, r) in raw.replicas.iter().enumerate() {
+    for (i, r) in raw.replicas.iter_mut().enumerate() {
         let valid_id = !r.id.is_empty()
             && r.id
                 .chars()
@@ -265,19 +292,21 @@ fn validate(raw: RawSection) -> Result<Config, String> {
                 r.id
             ));
         }
-        if !ids.insert(r.id.as_str()) {
+        if !ids.insert(r.id.clone()) {
             return Err(format!(
                 "inferlb.replicas[{i}].id: {:?} is used twice",
                 r.id
             ));
         }
         use std::net::ToSocketAddrs;
-        let resolved = r.address.to_socket_addrs().map(|mut a| a.next());
-        if !matches!(resolved, Ok(Some(_))) {
-            return Err(format!(
-                "inferlb.replicas[{i}].address: {:?} is not a reachable host:port",
-                r.address
-            ));
+        match r.address.to_socket_addrs().map(|mut a| a.next()) {
+            Ok(Some(socket)) => r.socket = Some(socket),
+            _ => {
+                return Err(format!(
+                    "inferlb.replicas[{i}].address: {:?} is not a reachable host:port",
+                    r.address
+                ))
+            }
         }
     }
     let h = &raw.health;
@@ -411,6 +440,22 @@ inferlb:
                 .unwrap_or_else(|| panic!("accepted: {text}"));
             assert!(e.contains(needle), "{needle:?} not in {e:?}");
         }
+    }
+
+    #[test]
+    fn two_replicas_on_one_address_are_valid_with_a_warning() {
+        let l = parse(&GOOD.replace("8002", "8001"), None).expect("valid");
+        let w = l.inferlb.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("replicas[1]") && w[0].contains("gpu0"),
+            "{w:?}"
+        );
+        assert!(parse(GOOD, None)
+            .expect("valid")
+            .inferlb
+            .warnings()
+            .is_empty());
     }
 
     #[test]

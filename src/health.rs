@@ -1,108 +1,100 @@
-//! Health checks: Pingora's `HttpHealthCheck` (GET /health) run by Pingora's background
-//! service, wrapped so that a passing check also re-admits a replica the data path demoted,
-//! and so that each up/down transition is logged once.
+//! Health checks: every replica probed with Pingora's `HttpHealthCheck` (GET /health) on an
+//! interval, all in parallel. The result is recorded on the replica itself (`replica.rs`): a
+//! passing check re-admits a replica the data path demoted, and each up/down transition is
+//! logged once. Probes go by replica, never by address, so two replicas that share an address
+//! are each checked and re-admitted.
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
 use async_trait::async_trait;
-use pingora_core::Result;
+use futures::future::join_all;
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
 use pingora_http::RequestHeader;
 use pingora_load_balancing::health_check::{HealthCheck, HttpHealthCheck};
-use pingora_load_balancing::Backend;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::config::HealthConf;
-use crate::replicas::Replicas;
+use crate::registry::Registry;
+use crate::replica::Replica;
 
-pub struct ReplicaHealthCheck {
+pub struct HealthChecker {
     http: HttpHealthCheck,
-    timeout: Duration,
-    /// Set once the replica set exists (it needs the load balancer this check belongs to).
-    replicas: Arc<OnceLock<Arc<Replicas>>>,
+    conf: HealthConf,
+    registry: Arc<Registry>,
 }
 
-impl ReplicaHealthCheck {
-    pub fn new(conf: &HealthConf, replicas: Arc<OnceLock<Arc<Replicas>>>) -> Self {
+impl HealthChecker {
+    pub fn new(conf: &HealthConf, registry: Arc<Registry>) -> Self {
         let mut http = HttpHealthCheck::new("localhost", false);
         if let Ok(mut req) = RequestHeader::build("GET", conf.path.as_bytes(), None) {
             let _ = req.append_header("Host", "localhost");
             http.req = req;
         }
-        http.consecutive_failure = conf.failures;
-        http.consecutive_success = conf.successes;
         http.peer_template.options.connection_timeout = Some(conf.timeout);
         http.peer_template.options.read_timeout = Some(conf.timeout);
-        ReplicaHealthCheck {
+        HealthChecker {
             http,
-            timeout: conf.timeout,
-            replicas,
+            conf: conf.clone(),
+            registry,
+        }
+    }
+
+    async fn check(&self, r: &Replica) {
+        let before = r.demotions();
+        let ok = self.http.check(&r.backend).await.is_ok();
+        let (flipped, passed) =
+            r.observe_check(ok, before, self.conf.failures, self.conf.successes);
+        match flipped {
+            Some(true) => log::warn!(
+                "replica {} ({}) is up: health check passed",
+                r.id,
+                r.address
+            ),
+            Some(false) => log::warn!(
+                "replica {} ({}) is down: health check failed",
+                r.id,
+                r.address
+            ),
+            None => {}
+        }
+        // Learn what it serves when it comes up, then now and then (a redeploy may change it).
+        if ok && !r.models_configured && (r.models().is_empty() || passed % 60 == 0) {
+            if let Some(models) = fetch_models(r, self.conf.timeout).await {
+                r.set_models(models);
+            }
         }
     }
 }
 
 #[async_trait]
-impl HealthCheck for ReplicaHealthCheck {
-    async fn check(&self, target: &Backend) -> Result<()> {
-        let found = self
-            .replicas
-            .get()
-            .and_then(|rs| rs.by_backend(target).map(|r| (rs, r, rs.demotions(r))));
-        self.http.check(target).await?;
-        if let Some((rs, r, before)) = found {
-            rs.check_passed(r, before);
-            let passed = r.checks_passed.fetch_add(1, Ordering::Relaxed);
-            // Learn what it serves when it comes up, then now and then (a redeploy may change it).
-            if !r.models_configured && (r.models().is_empty() || passed % 60 == 0) {
-                if let Some(models) =
-                    fetch_models(&r.address, r.api_key.as_deref(), self.timeout).await
-                {
-                    r.set_models(models);
-                }
+impl BackgroundService for HealthChecker {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(self.conf.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tick.tick() => {}
             }
+            join_all(self.registry.all().iter().map(|r| self.check(r))).await;
         }
-        Ok(())
-    }
-
-    async fn health_status_change(&self, target: &Backend, healthy: bool) {
-        let Some(rs) = self.replicas.get() else {
-            return;
-        };
-        let Some(r) = rs.by_backend(target) else {
-            return;
-        };
-        if healthy {
-            log::warn!(
-                "replica {} ({}) is up: health check passed",
-                r.id,
-                r.address
-            );
-        } else {
-            log::warn!(
-                "replica {} ({}) is down: health check failed",
-                r.id,
-                r.address
-            );
-        }
-        crate::metrics::METRICS
-            .up
-            .with_label_values(&[&r.id])
-            .set((healthy && !r.is_demoted()) as i64);
-    }
-
-    fn health_threshold(&self, success: bool) -> usize {
-        self.http.health_threshold(success)
     }
 }
 
 /// `GET /v1/models` of a replica: the ids it lists, or None when it does not answer sensibly.
-async fn fetch_models(address: &str, key: Option<&str>, timeout: Duration) -> Option<Vec<String>> {
+async fn fetch_models(r: &Replica, timeout: Duration) -> Option<Vec<String>> {
     let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(address).await.ok()?;
-        let auth = key.map_or(String::new(), |k| format!("authorization: Bearer {k}\r\n"));
-        let req = format!("GET /v1/models HTTP/1.0\r\nhost: {address}\r\n{auth}\r\n");
+        let mut s = tokio::net::TcpStream::connect(r.socket).await.ok()?;
+        let auth = r
+            .api_key
+            .as_ref()
+            .map_or(String::new(), |k| format!("authorization: Bearer {k}\r\n"));
+        let req = format!(
+            "GET /v1/models HTTP/1.0\r\nhost: {}\r\n{auth}\r\n",
+            r.address
+        );
         s.write_all(req.as_bytes()).await.ok()?;
         let mut out = Vec::new();
         s.take(1 << 20).read_to_end(&mut out).await.ok()?;

@@ -1,15 +1,18 @@
 //! inferlb: a load balancer for OpenAI-compatible LLM inference replicas, on Pingora.
 //!
-//! Data flows one way: body → [`shape`] → [`routing`] decision → peer → outcome → [`replicas`].
+//! Data flows one way: [`body`] → [`shape`] → [`routing`] decision over the [`registry`] →
+//! the chosen [`replica`]'s peer → outcome → [`affinity`] table and metrics.
 
 pub mod access;
 pub mod admin;
+pub mod affinity;
 pub mod body;
 pub mod config;
 pub mod health;
 pub mod metrics;
 pub mod proxy;
-pub mod replicas;
+pub mod registry;
+pub mod replica;
 pub mod routing;
 pub mod shape;
 pub mod state;

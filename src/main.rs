@@ -1,21 +1,20 @@
 //! `inferlb -c conf/inferlb.yaml [-d] [-u] [-t]`: assembles the services and runs them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use pingora_core::apps::http_app::HttpServer;
 use pingora_core::server::configuration::Opt;
 use pingora_core::server::{ExecutionPhase, Server};
 use pingora_core::services::background::background_service;
 use pingora_core::services::listening::Service;
-use pingora_load_balancing::discovery::Static;
-use pingora_load_balancing::{Backends, LoadBalancer};
 
 use inferlb::admin::Admin;
+use inferlb::affinity::AffinityTable;
 use inferlb::config;
-use inferlb::health::ReplicaHealthCheck;
+use inferlb::health::HealthChecker;
 use inferlb::proxy::Balancer;
-use inferlb::replicas::{backend_for, Replicas};
+use inferlb::registry::Registry;
 use inferlb::state::StateKeeper;
 
 // glibc's malloc showed up as a tenth of the proxy's CPU under load (perf), and its per-thread
@@ -38,11 +37,15 @@ fn main() {
             std::process::exit(2);
         }
     };
+    for warning in loaded.inferlb.warnings() {
+        eprintln!("inferlb: warning: {warning}");
+    }
     if opt.test {
         println!("inferlb: configuration {path} is valid");
     }
     let conf = Arc::new(loaded.inferlb);
 
+    let max_attempts = loaded.server.max_retries;
     let mut server = Server::new_with_opt_and_conf(opt, loaded.server);
     server.bootstrap();
 
@@ -63,35 +66,13 @@ fn main() {
         }
     });
 
-    // Pingora's load balancer holds the replicas' health; the routing policy does the choosing.
-    let backends: std::collections::BTreeSet<_> = conf.replicas.iter().map(backend_for).collect();
-    let mut lb = LoadBalancer::from_backends(Backends::new(Static::new(backends)));
-    // Fill the membership now, so the first request does not find an empty set.
-    let filled = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map(|rt| rt.block_on(lb.update()));
-    if !matches!(filled, Ok(Ok(()))) {
-        eprintln!("inferlb: cannot initialise the replica set");
-        std::process::exit(2);
-    }
-    let replicas_cell = Arc::new(OnceLock::new());
-    lb.set_health_check(Box::new(ReplicaHealthCheck::new(
-        &conf.health,
-        replicas_cell.clone(),
-    )));
-    lb.health_check_frequency = Some(conf.health.interval);
-    lb.parallel_health_check = true;
-    let health = background_service("health", lb);
-    let replicas = Arc::new(Replicas::new(
-        &conf.replicas,
-        health.task(),
-        conf.affinity_capacity,
-    ));
-    let _ = replicas_cell.set(replicas.clone());
+    let registry = Arc::new(Registry::new(&conf.replicas, &conf.upstream));
+    let affinity = Arc::new(AffinityTable::new(conf.affinity_capacity));
+    let health = background_service("health", HealthChecker::new(&conf.health, registry.clone()));
 
     let keeper = StateKeeper {
-        replicas: replicas.clone(),
+        affinity: affinity.clone(),
+        registry: registry.clone(),
         path: conf.state_file.clone(),
         interval: std::time::Duration::from_secs(2),
         leaving: leaving.clone(),
@@ -107,12 +88,18 @@ fn main() {
 
     let mut proxy = pingora_proxy::http_proxy_service_with_name(
         &server.configuration,
-        Balancer::new(replicas.clone(), conf.clone(), leaving),
+        Balancer::new(
+            registry.clone(),
+            affinity,
+            conf.clone(),
+            max_attempts,
+            leaving,
+        ),
         "inferlb",
     );
     proxy.add_tcp(&conf.listen);
 
-    let mut admin = Service::new("admin".to_string(), HttpServer::new_app(Admin { replicas }));
+    let mut admin = Service::new("admin".to_string(), HttpServer::new_app(Admin { registry }));
     admin.add_tcp(&conf.admin_listen);
 
     log::info!(

@@ -237,7 +237,20 @@ mod tests {
         fn any_bytes_classify_without_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
             let info = classify(&body);
             let _ = info.shape.affinity_key();
-            prop_assert!(info.shape.strict_prefixes().count() < 512);
+            // Every strict prefix, and only those: one fewer than the messages, or none.
+            let strict: Vec<u64> = info.shape.strict_prefixes().collect();
+            match &info.shape {
+                Shape::Chat { prefixes } => {
+                    let mut expected: Vec<u64> = prefixes[..prefixes.len() - 1].to_vec();
+                    expected.reverse();
+                    prop_assert_eq!(strict, expected);
+                    prop_assert_eq!(info.shape.served_key(), prefixes.last().copied());
+                }
+                Shape::Other { .. } => {
+                    prop_assert!(strict.is_empty());
+                    prop_assert_eq!(info.shape.served_key(), None);
+                }
+            }
         }
 
         #[test]

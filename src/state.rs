@@ -18,7 +18,8 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use serde::{Deserialize, Serialize};
 
-use crate::replicas::Replicas;
+use crate::affinity::AffinityTable;
+use crate::registry::Registry;
 
 #[derive(Serialize, Deserialize)]
 struct Snapshot {
@@ -29,7 +30,8 @@ struct Snapshot {
 }
 
 pub struct StateKeeper {
-    pub replicas: Arc<Replicas>,
+    pub affinity: Arc<AffinityTable>,
+    pub registry: Arc<Registry>,
     pub path: PathBuf,
     pub interval: Duration,
     /// Set when the process starts handing over: save at once, the new process is waiting.
@@ -56,7 +58,9 @@ impl StateKeeper {
         if snapshot.pid == std::process::id() {
             return 0;
         }
-        self.replicas.merge_served(&snapshot.entries)
+        let entries = snapshot.entries.iter().map(|(h, id)| (*h, id.as_str()));
+        self.affinity
+            .merge(entries, |id| self.registry.get(id).map(|r| r.id.clone()))
     }
 
     /// Writes the table atomically (a reader never sees half a file).
@@ -64,8 +68,8 @@ impl StateKeeper {
         let snapshot = Snapshot {
             pid: std::process::id(),
             entries: self
-                .replicas
-                .served_entries()
+                .affinity
+                .snapshot()
                 .into_iter()
                 .map(|(h, id)| (h, id.to_string()))
                 .collect(),
@@ -82,7 +86,7 @@ impl StateKeeper {
 impl BackgroundService for StateKeeper {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut seen = modified(&self.path);
-        let mut saved_generation = self.replicas.served_generation();
+        let mut saved_generation = self.affinity.generation();
         let mut tick = tokio::time::interval(self.interval.min(Duration::from_millis(500)));
         let mut last_save = tokio::time::Instant::now();
         let mut handed_over = false;
@@ -99,7 +103,7 @@ impl BackgroundService for StateKeeper {
                     log::info!("learnt {learnt} affinity pins from {}", self.path.display());
                 }
             }
-            let generation = self.replicas.served_generation();
+            let generation = self.affinity.generation();
             let handing_over = self.leaving.load(Ordering::Relaxed) && !handed_over;
             handed_over |= handing_over;
             if generation != saved_generation

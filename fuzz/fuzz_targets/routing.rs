@@ -24,17 +24,17 @@ fuzz_target!(|data: &[u8]| {
         let body = &input[2..(2 + len).min(input.len())];
         input = &input[(2 + len).min(input.len())..];
         let count = 1 + (state as usize % 5);
-        let candidates: Vec<Candidate> = IDS[..count]
+        let candidates: Vec<Candidate<usize>> = IDS[..count]
             .iter()
             .enumerate()
-            .map(|(i, id)| Candidate { id, available: state & (1 << (i + 3)) != 0 || i == 4, in_flight: in_flight[i] })
+            .map(|(i, id)| Candidate { handle: i, id, available: state & (1 << (i + 3)) != 0 || i == 4, in_flight: in_flight[i] })
             .collect();
         let info = classify(body);
         let decision = policy.decide(&info.shape, &candidates, |h| served.get(&h).copied(), tick);
         tick += 1;
         match decision {
             Some(d) => {
-                let i = IDS.iter().position(|id| *id == d.replica).expect("a known id");
+                let i = d.replica;
                 assert!(candidates[i].available, "routed to an unavailable replica");
                 in_flight[i] = (in_flight[i] + 1) % 7;
                 if let Some(k) = info.shape.served_key() {

@@ -1,0 +1,141 @@
+//! The client's request head: its id, its key, its size, and what never goes to a replica.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use pingora_http::RequestHeader;
+use subtle::ConstantTimeEq;
+
+/// Headers that describe one connection, not the request: never forwarded.
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+pub fn strip_hop_by_hop(req: &mut RequestHeader) {
+    let listed: Vec<String> = req
+        .headers
+        .get_all("connection")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty() && n != "close" && n != "keep-alive")
+        .collect();
+    for name in listed.iter().map(String::as_str).chain(HOP_BY_HOP) {
+        // Framing headers are Pingora's to manage.
+        if name != "transfer-encoding" && name != "content-length" {
+            req.remove_header(name);
+        }
+    }
+}
+
+/// The client's `x-request-id` when it is a sane token, else a fresh one.
+pub fn request_id(given: Option<&http::HeaderValue>) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let sane = |v: &&str| {
+        !v.is_empty()
+            && v.len() <= 128
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+    };
+    if let Some(v) = given.and_then(|v| v.to_str().ok()).filter(sane) {
+        return v.to_owned();
+    }
+    // Unique across processes too (an upgrade runs two): pid, start time, counter.
+    static PREFIX: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        format!("{:x}{:05x}", t & 0xffff_ffff, std::process::id() & 0xfffff)
+    });
+    format!("{}-{:x}", *PREFIX, NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Bytes of the header block, roughly as sent.
+pub fn header_bytes(req: &RequestHeader) -> usize {
+    req.headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len() + 4)
+        .sum()
+}
+
+/// Client keys guard the OpenAI API (`/v1/...`), as vLLM's `--api-key` does. Every key is
+/// compared in constant time, so timing does not reveal how much of a key matched.
+pub fn authorized(keys: &[String], req: &RequestHeader) -> bool {
+    if keys.is_empty() || !req.uri.path().starts_with("/v1") {
+        return true;
+    }
+    let given = req
+        .headers
+        .get("authorization")
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .unwrap_or(b"");
+    keys.iter()
+        .fold(subtle::Choice::from(0), |ok, key| {
+            ok | key.as_bytes().ct_eq(given)
+        })
+        .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(path: &str, headers: &[(&str, &str)]) -> RequestHeader {
+        let mut r = RequestHeader::build("POST", path.as_bytes(), None).expect("head");
+        for (n, v) in headers {
+            r.append_header(n.to_string(), *v).expect("header");
+        }
+        r
+    }
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_dropped() {
+        let mut r = req(
+            "/v1/x",
+            &[
+                ("connection", "keep-alive, x-secret"),
+                ("x-secret", "1"),
+                ("upgrade", "h2c"),
+                ("te", "trailers"),
+                ("x-kept", "1"),
+                ("content-length", "3"),
+            ],
+        );
+        strip_hop_by_hop(&mut r);
+        for gone in ["connection", "x-secret", "upgrade", "te"] {
+            assert!(!r.headers.contains_key(gone), "{gone}");
+        }
+        assert!(r.headers.contains_key("x-kept") && r.headers.contains_key("content-length"));
+    }
+
+    #[test]
+    fn a_sane_request_id_is_kept_and_others_replaced() {
+        let v = http::HeaderValue::from_static("abc-123_x.y:z");
+        assert_eq!(request_id(Some(&v)), "abc-123_x.y:z");
+        let bad = http::HeaderValue::from_static("has space");
+        let fresh = request_id(Some(&bad));
+        assert_ne!(fresh, "has space");
+        assert_ne!(request_id(None), request_id(None), "fresh ids differ");
+    }
+
+    #[test]
+    fn keys_guard_only_the_api() {
+        let keys = vec!["sk-secret-1".to_string()];
+        assert!(authorized(&[], &req("/v1/chat/completions", &[])));
+        assert!(!authorized(&keys, &req("/v1/chat/completions", &[])));
+        let ok = req(
+            "/v1/chat/completions",
+            &[("authorization", "Bearer sk-secret-1")],
+        );
+        assert!(authorized(&keys, &ok));
+        let wrong = req("/v1/models", &[("authorization", "Bearer sk-secret-2")]);
+        assert!(!authorized(&keys, &wrong));
+        assert!(authorized(&keys, &req("/health", &[])));
+    }
+}
