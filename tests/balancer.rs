@@ -40,9 +40,9 @@ fn the_seed_failover_scene_six_requests_six_200s_one_failover() {
     let lb = Lb::start(
         dir.path(),
         &[&a, &b],
-        LbOptions {
-            health_interval: 2.0,
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            ..test_conf()
         },
     );
     let mut codes = vec![];
@@ -72,9 +72,9 @@ fn a_1mb_body_fails_over_intact_with_content_length_and_expect_continue() {
     let (mut a, mut b, lb) = cluster(
         dir.path(),
         &["--speed", "50"],
-        LbOptions {
-            health_interval: 2.0,
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            ..test_conf()
         },
     );
 
@@ -172,9 +172,9 @@ fn chunked_bodies_of_1mb_fail_over_intact() {
     let (mut a, _b, lb) = cluster(
         dir.path(),
         &["--speed", "50"],
-        LbOptions {
-            health_interval: 2.0,
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            ..test_conf()
         },
     );
     let small = serde_json::to_vec(&chat_body(&[("user", &"s".repeat(50_000))], false, 1)).unwrap();
@@ -228,9 +228,10 @@ fn body_limits_and_stalls_get_openai_errors() {
     let (_a, _b, lb) = cluster(
         dir.path(),
         &[],
-        LbOptions {
-            extra: "  max_body_bytes: 100000\n  body_read_timeout_seconds: 1\n",
-            ..Default::default()
+        LbConf {
+            max_body_bytes: Some(100_000),
+            body_read_timeout_seconds: Some(1.0),
+            ..test_conf()
         },
     );
     let r = http()
@@ -276,7 +277,7 @@ fn body_limits_and_stalls_get_openai_errors() {
 #[test]
 fn a_stream_cut_after_its_first_bytes_is_not_retried_and_ends_for_the_client() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b, lb) = cluster(dir.path(), &[], LbOptions::default());
+    let (a, b, lb) = cluster(dir.path(), &[], test_conf());
     for s in [&a, &b] {
         s.fault(json!({"fault": "cut_stream"}));
     }
@@ -315,11 +316,7 @@ fn a_stream_cut_after_its_first_bytes_is_not_retried_and_ends_for_the_client() {
 fn sse_is_relayed_event_by_event() {
     let dir = tempfile::tempdir().unwrap();
     // 100 ms between tokens: a buffering proxy would deliver all 12 events at once.
-    let (_a, _b, lb) = cluster(
-        dir.path(),
-        &["--decode-interval-ms", "100"],
-        LbOptions::default(),
-    );
+    let (_a, _b, lb) = cluster(dir.path(), &["--decode-interval-ms", "100"], test_conf());
     let r = post(
         &lb,
         "/v1/chat/completions",
@@ -340,7 +337,7 @@ fn sse_is_relayed_event_by_event() {
 #[test]
 fn a_burst_spreads_8_8_and_an_agent_loop_stays_pinned() {
     let dir = tempfile::tempdir().unwrap();
-    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], LbOptions::default());
+    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], test_conf());
     let prefix = "shared context ".repeat(2000);
     let handles: Vec<_> = (0..16)
         .map(|i| {
@@ -409,7 +406,7 @@ fn a_burst_spreads_8_8_and_an_agent_loop_stays_pinned() {
 #[test]
 fn no_live_replica_is_an_immediate_503_in_openai_format() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, mut b, lb) = cluster(dir.path(), &[], LbOptions::default());
+    let (mut a, mut b, lb) = cluster(dir.path(), &[], test_conf());
     a.stop();
     b.stop();
     for _ in 0..3 {
@@ -432,9 +429,9 @@ fn health_checks_log_each_transition_once_and_readmit_a_demoted_replica() {
     let (mut a, _b, lb) = cluster(
         dir.path(),
         &[],
-        LbOptions {
-            health_interval: 0.3,
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(0.3),
+            ..test_conf()
         },
     );
     a.stop();
@@ -484,7 +481,7 @@ fn health_checks_log_each_transition_once_and_readmit_a_demoted_replica() {
 #[test]
 fn the_api_is_proxied_models_and_other_paths_included() {
     let dir = tempfile::tempdir().unwrap();
-    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], LbOptions::default());
+    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], test_conf());
     let v: Value = http()
         .get(lb.url("/v1/models"))
         .send()
@@ -525,12 +522,31 @@ fn the_api_is_proxied_models_and_other_paths_included() {
 #[test]
 fn a_scrape_passes_promtool() {
     let dir = tempfile::tempdir().unwrap();
-    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "20"], LbOptions::default());
+    // Slow health checks: the stopped replica below is found by a request, which fails over.
+    let (mut a, _b, lb) = cluster(
+        dir.path(),
+        &["--speed", "20"],
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            ..test_conf()
+        },
+    );
     post(
         &lb,
         "/v1/chat/completions",
         &chat_body(&[("user", "x")], false, 1),
     );
+    // A failover, so that the failover counter has a sample (a counter vector has none, not
+    // even its HELP line, until one is counted).
+    a.stop();
+    for i in 0..4 {
+        let r = post(
+            &lb,
+            "/v1/chat/completions",
+            &chat_body(&[("user", &format!("f{i}"))], false, 1),
+        );
+        assert_eq!(r.status(), 200);
+    }
     let text = lb.metrics();
     for name in [
         "inferlb_requests_total",
@@ -541,10 +557,18 @@ fn a_scrape_passes_promtool() {
         "inferlb_time_to_first_byte_seconds_bucket",
     ] {
         assert!(
-            text.contains(name) || name == "inferlb_failovers_total",
-            "{name} missing:\n{text}"
+            !samples_of(&text, name).is_empty(),
+            "{name} has no sample:\n{text}"
         );
     }
+    assert_eq!(
+        sample_value(
+            &text,
+            r#"inferlb_failovers_total{reason="connect_refused",replica="gpu0"}"#
+        ),
+        Some(1.0),
+        "{text}"
+    );
     let mut child = std::process::Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())
@@ -630,9 +654,9 @@ fn a_replica_that_resets_after_reading_the_request_fails_over() {
     let (a, _b, lb) = cluster(
         dir.path(),
         &["--speed", "50"],
-        LbOptions {
-            health_interval: 2.0,
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            ..test_conf()
         },
     );
     // Warm the upstream pool so later attempts reuse pooled connections too.
@@ -673,10 +697,10 @@ fn replica_503s_fail_over_500s_pass_through_and_a_hang_is_a_504() {
     let (a, b, lb) = cluster(
         dir.path(),
         &["--speed", "50"],
-        LbOptions {
-            health_interval: 2.0,
-            extra: "  upstream: {read_timeout_seconds: 1}\n",
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            upstream_read_timeout_seconds: Some(1.0),
+            ..test_conf()
         },
     );
     // A starting or overloaded vLLM says 503: the request produced nothing, another replica serves it.
@@ -724,4 +748,37 @@ fn replica_503s_fail_over_500s_pass_through_and_a_hang_is_a_504() {
     assert_eq!(r.status(), 504);
     assert_eq!(r.json::<Value>().unwrap()["error"]["code"], 504);
     assert_eq!(failover_lines(&lb), before);
+}
+
+#[test]
+fn metric_lookups_find_exact_samples_and_nothing_else() {
+    let scrape = "# HELP inferlb_failovers_total Attempts that failed.\n\
+                  # TYPE inferlb_failovers_total counter\n\
+                  inferlb_failovers_total{reason=\"connect_refused\",replica=\"gpu0\"} 2\n\
+                  inferlb_stream_errors_total 1\n\
+                  inferlb_time_to_first_byte_seconds_sum{route=\"spread\"} 0.5\n";
+    let refused = r#"inferlb_failovers_total{reason="connect_refused",replica="gpu0"}"#;
+    assert_eq!(sample_value(scrape, refused), Some(2.0));
+    assert_eq!(
+        sample_value(scrape, "inferlb_stream_errors_total"),
+        Some(1.0)
+    );
+    // A wrong label, a label set cut short, a name that is only a prefix: no sample, so
+    // `Lb::metric` fails the test instead of reading 0.
+    for wrong in [
+        r#"inferlb_failovers_total{reason="http_503",replica="gpu0"}"#,
+        r#"inferlb_failovers_total{reason="connect_refused""#,
+        "inferlb_stream_errors",
+        "inferlb_time_to_first_byte_seconds",
+    ] {
+        assert_eq!(sample_value(scrape, wrong), None, "{wrong}");
+    }
+    assert_eq!(
+        samples_of(scrape, "inferlb_failovers_total"),
+        vec![(
+            r#"{reason="connect_refused",replica="gpu0"}"#.to_string(),
+            2.0
+        )]
+    );
+    assert!(samples_of(scrape, "inferlb_time_to_first_byte_seconds").is_empty());
 }

@@ -4,7 +4,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -34,13 +34,13 @@ fn several_models_behind_one_address() {
     let lb = Lb::start(
         dir.path(),
         &[&a, &b],
-        LbOptions {
-            health_interval: 0.3,
-            extra: &format!(
-                "    - {{id: gpu2, address: \"{}\", models: [gamma]}}\n",
-                c.addr()
-            ),
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(0.3),
+            replicas: vec![Replica {
+                models: vec!["gamma".into()],
+                ..Replica::of(&c)
+            }],
+            ..test_conf()
         },
     );
     let models = || -> BTreeSet<String> {
@@ -167,10 +167,10 @@ fn every_metric_the_grafana_dashboard_queries_exists_in_a_scrape() {
     let (mut a, b, lb) = cluster(
         dir.path(),
         &[],
-        LbOptions {
-            health_interval: 2.0,
-            extra: "  max_body_bytes: 1000000\n",
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            max_body_bytes: Some(1_000_000),
+            ..test_conf()
         },
     );
     exercise(&lb, &mut a, &b);
@@ -231,9 +231,9 @@ fn prometheus_scrapes_inferlb_and_reads_back_the_failover() {
     let (mut a, _b, lb) = cluster(
         dir.path(),
         &[],
-        LbOptions {
-            health_interval: 2.0,
-            ..Default::default()
+        LbConf {
+            health_interval_seconds: Some(2.0),
+            ..test_conf()
         },
     );
     let port = free_port();
@@ -246,21 +246,21 @@ fn prometheus_scrapes_inferlb_and_reads_back_the_failover() {
         ),
     )
     .unwrap();
-    let child = Command::new(prometheus)
-        .arg(format!("--config.file={}", conf.display()))
+    let mut cmd = Command::new(prometheus);
+    cmd.arg(format!("--config.file={}", conf.display()))
         .arg(format!(
             "--storage.tsdb.path={}",
             dir.path().join("tsdb").display()
         ))
-        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("prometheus.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let _prometheus = Proc {
-        child,
-        log: dir.path().join("prometheus.log"),
-    };
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"));
+    // Prometheus shuts down cleanly on SIGTERM.
+    let _prometheus = Proc::spawn(
+        "prometheus",
+        cmd,
+        Some(&dir.path().join("prometheus.log")),
+        Signal::SIGTERM,
+    )
+    .unwrap();
     // Cause one failover: a stopped replica, traffic.
     a.stop();
     for i in 0..4 {
@@ -290,9 +290,9 @@ fn the_access_log_is_one_json_line_per_request_when_asked() {
     let (_a, _b, lb) = cluster(
         dir.path(),
         &[],
-        LbOptions {
-            extra: "  access_log: json\n",
-            ..Default::default()
+        LbConf {
+            access_log: Some("json".into()),
+            ..test_conf()
         },
     );
     let r = http()

@@ -35,10 +35,16 @@ fn is_openai_error(body: &str) -> bool {
 #[test]
 fn bad_input_gets_clear_answers_and_the_balancer_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let (_a, _b, lb) = cluster(dir.path(), &[], LbOptions {
-            extra: "  max_body_bytes: 100000\n  body_read_timeout_seconds: 1\n  max_header_bytes: 16384\n",
-            ..Default::default()
-        });
+    let (_a, _b, lb) = cluster(
+        dir.path(),
+        &[],
+        LbConf {
+            max_body_bytes: Some(100_000),
+            body_read_timeout_seconds: Some(1.0),
+            max_header_bytes: Some(16384),
+            ..test_conf()
+        },
+    );
     let chat = "/v1/chat/completions";
     // What the balancer cannot classify is routed as fresh; the replica's own answer comes back.
     let cases: Vec<(&str, Vec<u8>, u16)> = vec![
@@ -151,13 +157,12 @@ fn bad_input_gets_clear_answers_and_the_balancer_keeps_serving() {
 fn api_keys_guard_the_api_and_upstream_keys_replace_the_clients() {
     let dir = tempfile::tempdir().unwrap();
     let a = Sim::start(dir.path(), "gpu0", &[]);
-    let extra = "  api_keys: [client-key-1234, other-key-5678]\n";
     let lb = Lb::start(
         dir.path(),
         &[&a],
-        LbOptions {
-            extra,
-            ..Default::default()
+        LbConf {
+            api_keys: vec!["client-key-1234".into(), "other-key-5678".into()],
+            ..test_conf()
         },
     );
     let c = http();
@@ -201,31 +206,19 @@ fn api_keys_guard_the_api_and_upstream_keys_replace_the_clients() {
 fn upstream_keys_hop_by_hop_headers_and_absolute_uris() {
     let dir = tempfile::tempdir().unwrap();
     let a = Sim::start(dir.path(), "gpu0", &[]);
-    let port = free_port();
-    let admin = free_port();
-    let conf = dir.path().join("keys.yaml");
-    std::fs::write(
-        &conf,
-        format!(
-            "pid_file: {d}/p.pid\nupgrade_sock: {d}/u.sock\ninferlb:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin}\n\
-             \x20 replicas:\n    - {{id: gpu0, address: \"{addr}\", api_key: replica-secret}}\n",
-            d = dir.path().display(),
-            addr = a.addr()
-        ),
-    )
-    .unwrap();
-    let log = dir.path().join("keys.log");
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_inferlb"))
-        .arg("-c")
-        .arg(&conf)
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let _lb = Proc { child, log };
-    assert!(wait_until(Duration::from_secs(10), || TcpStream::connect(
-        ("127.0.0.1", port)
-    )
-    .is_ok()));
+    // Nothing but the replica and its key: inferlb's own defaults for everything else.
+    let lb = Lb::start(
+        dir.path(),
+        &[],
+        LbConf {
+            replicas: vec![Replica {
+                api_key: Some("replica-secret".into()),
+                ..Replica::of(&a)
+            }],
+            ..LbConf::default()
+        },
+    );
+    let port = lb.port;
     // An absolute URI naming another host, hop-by-hop headers, and the client's own key.
     let head = "GET http://evil.example:9/sim/echo?q=1 HTTP/1.1\r\nhost: evil.example:9\r\n\
                 authorization: Bearer client-secret\r\nconnection: close, x-private\r\nx-private: 1\r\n\
@@ -262,7 +255,7 @@ fn disconnected_clients_cancel_their_upstream_requests_and_nothing_leaks() {
         "--decode-interval-ms",
         "100",
     ];
-    let (a, b, lb) = cluster(dir.path(), &extra, LbOptions::default());
+    let (a, b, lb) = cluster(dir.path(), &extra, test_conf());
     let mut threads = vec![];
     for i in 0..24 {
         let url = lb.url("/v1/chat/completions");

@@ -139,3 +139,14 @@ fn faults_refuse_hang_errors_and_slow_start() {
     assert!(sim.wait_healthy(Duration::from_secs(5)));
     assert!(started.elapsed() >= Duration::from_millis(1000));
 }
+
+#[test]
+fn the_harness_runs_the_binaries_cargo_built_for_these_tests() {
+    if std::env::var_os("INFERLB_BIN_DIR").is_some() {
+        return; // chosen explicitly
+    }
+    assert_eq!(
+        inferlb_harness::bin_dir(),
+        std::path::Path::new(INFERLB).parent().unwrap()
+    );
+}

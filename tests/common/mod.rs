@@ -1,69 +1,51 @@
-//! Test harness: the real `inferlb` binary and real `inferlb-sim` replicas on free loopback
-//! ports. Every process started here is killed when its handle drops; every wait is bounded.
+//! Test helpers: the processes come from `inferlb-harness` (the real `inferlb` binary and real
+//! `inferlb-sim` replicas on free loopback ports, each stopped when its handle drops, every wait
+//! bounded); what is here speaks HTTP to them with reqwest.
 
-#![allow(dead_code)]
+// Each test file uses its own part of this module.
+#![allow(dead_code, unused_imports)]
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+pub use inferlb_harness::{free_port, wait_until, Lb, LbConf, Proc, Replica, Signal, Sim};
+
+/// The balancer binary cargo built for these tests.
+pub const INFERLB: &str = env!("CARGO_BIN_EXE_inferlb");
+
+/// The conf the tests start from: quick health checks and a short grace period.
+pub fn test_conf() -> LbConf {
+    LbConf {
+        threads: Some(2),
+        grace_period_seconds: Some(5),
+        graceful_shutdown_timeout_seconds: Some(2),
+        max_retries: Some(4),
+        routing: Some("adaptive".into()),
+        health_interval_seconds: Some(1.0),
+        health_failures: Some(2),
+        health_successes: Some(1),
+        health_timeout_seconds: Some(0.5),
+        ..LbConf::default()
+    }
 }
 
-fn bin_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_inferlb"))
-        .parent()
-        .expect("target dir")
-        .to_path_buf()
-}
-
-pub fn sim_bin() -> PathBuf {
-    let p = bin_dir().join("inferlb-sim");
-    assert!(
-        p.exists(),
-        "{} is missing: build the workspace first (`make test` does)",
-        p.display()
+/// The usual pair of replicas, gpu0 and gpu1.
+pub fn two_sims(dir: &std::path::Path, extra: &[&str]) -> (Sim, Sim) {
+    let (a, b) = (
+        Sim::spawn(dir, "gpu0", extra),
+        Sim::spawn(dir, "gpu1", extra),
     );
-    p
+    a.assert_healthy();
+    b.assert_healthy();
+    (a, b)
 }
 
-/// Polls `f` every 20 ms until it is true or `limit` passes.
-pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    false
-}
-
-pub struct Proc {
-    pub child: Child,
-    pub log: PathBuf,
-}
-
-impl Proc {
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// gpu0 and gpu1 started with `flags`, and the balancer in front of them.
+pub fn cluster(dir: &std::path::Path, flags: &[&str], conf: LbConf) -> (Sim, Sim, Lb) {
+    let (a, b) = two_sims(dir, flags);
+    let lb = Lb::start(dir, &[&a, &b], conf);
+    (a, b, lb)
 }
 
 pub fn http() -> reqwest::blocking::Client {
@@ -74,76 +56,16 @@ pub fn http() -> reqwest::blocking::Client {
         .expect("http client")
 }
 
-/// One simulated replica.
-pub struct Sim {
-    pub id: String,
-    pub port: u16,
-    pub args: Vec<String>,
-    pub proc: Option<Proc>,
-    dir: PathBuf,
+/// A simulated replica's own endpoints.
+pub trait SimApi {
+    /// `/sim/stats`: requests, tokens, running and waiting.
+    fn stats(&self) -> serde_json::Value;
+    /// `/sim/fault`: makes the replica misbehave (`{"fault": "error503"}`, ...).
+    fn fault(&self, body: serde_json::Value);
 }
 
-impl Sim {
-    pub fn start(dir: &std::path::Path, id: &str, extra: &[&str]) -> Sim {
-        let mut s = Sim {
-            id: id.to_string(),
-            port: free_port(),
-            args: extra.iter().map(|s| s.to_string()).collect(),
-            proc: None,
-            dir: dir.to_path_buf(),
-        };
-        s.restart(&[]);
-        assert!(
-            s.wait_healthy(Duration::from_secs(10)),
-            "sim {id} did not come up"
-        );
-        s
-    }
-
-    pub fn addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{}", self.port, path)
-    }
-
-    /// (Re)starts the process on the same port; `more` adds flags (e.g. a slow start).
-    pub fn restart(&mut self, more: &[&str]) {
-        self.stop();
-        let log = self.dir.join(format!("sim-{}.log", self.id));
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("sim log");
-        let child = Command::new(sim_bin())
-            .args(["--listen", &self.addr(), "--id", &self.id])
-            .args(&self.args)
-            .args(more)
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("spawn inferlb-sim");
-        self.proc = Some(Proc { child, log });
-    }
-
-    pub fn stop(&mut self) {
-        if let Some(mut p) = self.proc.take() {
-            p.kill();
-        }
-    }
-
-    pub fn wait_healthy(&self, limit: Duration) -> bool {
-        let c = http();
-        wait_until(limit, || {
-            c.get(self.url("/health"))
-                .send()
-                .is_ok_and(|r| r.status() == 200)
-        })
-    }
-
-    pub fn stats(&self) -> serde_json::Value {
+impl SimApi for Sim {
+    fn stats(&self) -> serde_json::Value {
         http()
             .get(self.url("/sim/stats"))
             .send()
@@ -151,7 +73,7 @@ impl Sim {
             .expect("sim stats")
     }
 
-    pub fn fault(&self, body: serde_json::Value) {
+    fn fault(&self, body: serde_json::Value) {
         let r = http()
             .post(self.url("/sim/fault"))
             .json(&body)
@@ -161,125 +83,68 @@ impl Sim {
     }
 }
 
-/// The usual pair of replicas, gpu0 and gpu1.
-pub fn two_sims(dir: &std::path::Path, extra: &[&str]) -> (Sim, Sim) {
-    (
-        Sim::start(dir, "gpu0", extra),
-        Sim::start(dir, "gpu1", extra),
-    )
+/// The balancer's admin port: metrics and the admin endpoints.
+pub trait LbApi {
+    fn metrics(&self) -> String;
+    /// The value of one sample, e.g.
+    /// `inferlb_failovers_total{reason="connect_refused",replica="gpu0"}`; panics, showing the
+    /// scrape, when the scrape has no such sample (a misspelt name or label must fail).
+    fn metric(&self, sample: &str) -> f64;
+    /// Every sample of the metric `name`: (labels as written, e.g. `{replica="gpu0"}`, value).
+    /// Where a counter may legitimately have no sample yet (never incremented), check these
+    /// instead of a single sample that could be misspelt.
+    fn samples(&self, name: &str) -> Vec<(String, f64)>;
+    fn admin(&self, method: &str, path: &str) -> serde_json::Value;
+    /// One replica's entry in `/admin/replicas`.
+    fn replica_state(&self, id: &str) -> serde_json::Value;
 }
 
-/// gpu0 and gpu1 started with `flags`, and the balancer in front of them.
-pub fn cluster(dir: &std::path::Path, flags: &[&str], options: LbOptions) -> (Sim, Sim, Lb) {
-    let (a, b) = two_sims(dir, flags);
-    let lb = Lb::start(dir, &[&a, &b], options);
-    (a, b, lb)
+/// The value of `sample` in the exposition `text`, if it has that exact sample.
+pub fn sample_value(text: &str, sample: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(sample)?;
+        // The name and labels must end here: `_total` must not match `_total_sum`.
+        rest.starts_with(' ').then(|| rest.trim().parse().ok())?
+    })
 }
 
-/// The balancer, with its conf written into a temporary directory.
-pub struct Lb {
-    pub port: u16,
-    pub admin_port: u16,
-    pub proc: Proc,
-    pub conf: PathBuf,
+/// Every sample of metric `name` in the exposition `text`.
+pub fn samples_of(text: &str, name: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (labels, value) = rest.rsplit_once(' ')?;
+            if !(labels.is_empty() || labels.starts_with('{')) {
+                return None;
+            }
+            Some((labels.to_string(), value.parse().ok()?))
+        })
+        .collect()
 }
 
-pub struct LbOptions<'a> {
-    pub routing: &'a str,
-    /// Extra lines for the `inferlb:` section, indented by two spaces.
-    pub extra: &'a str,
-    pub health_interval: f64,
-}
-
-impl Default for LbOptions<'_> {
-    fn default() -> Self {
-        LbOptions {
-            routing: "adaptive",
-            extra: "",
-            health_interval: 1.0,
-        }
-    }
-}
-
-pub fn write_conf(
-    dir: &std::path::Path,
-    sims: &[&Sim],
-    port: u16,
-    admin: u16,
-    o: &LbOptions,
-) -> PathBuf {
-    let replicas: String = sims
-        .iter()
-        .map(|s| format!("    - {{id: {}, address: \"{}\"}}\n", s.id, s.addr()))
-        .collect();
-    let text = format!(
-        "threads: 2\npid_file: {dir}/inferlb.pid\nupgrade_sock: {dir}/upgrade.sock\n\
-         grace_period_seconds: 5\ngraceful_shutdown_timeout_seconds: 2\nmax_retries: 4\n\
-         inferlb:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin}\n  routing: {routing}\n\
-         \x20 health: {{interval_seconds: {hi}, failures: 2, successes: 1, timeout_seconds: 0.5}}\n\
-         \x20 replicas:\n{replicas}{extra}",
-        dir = dir.display(),
-        routing = o.routing,
-        hi = o.health_interval,
-        extra = o.extra,
-    );
-    let path = dir.join("inferlb.yaml");
-    std::fs::write(&path, text).expect("write conf");
-    path
-}
-
-impl Lb {
-    pub fn start(dir: &std::path::Path, sims: &[&Sim], o: LbOptions) -> Lb {
-        let (port, admin_port) = (free_port(), free_port());
-        let conf = write_conf(dir, sims, port, admin_port, &o);
-        let log = dir.join("inferlb.log");
-        let out = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_inferlb"))
-            .arg("-c")
-            .arg(&conf)
-            .env("RUST_LOG", "info")
-            .env_remove("ROUTING")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("spawn inferlb");
-        let lb = Lb {
-            port,
-            admin_port,
-            proc: Proc { child, log },
-            conf,
-        };
-        let up = wait_until(Duration::from_secs(10), || {
-            TcpStream::connect(("127.0.0.1", port)).is_ok()
-                && TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
-        });
-        assert!(up, "inferlb did not start:\n{}", lb.proc.log_text());
-        lb
-    }
-
-    pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{}", self.port, path)
-    }
-
-    pub fn metrics(&self) -> String {
+impl LbApi for Lb {
+    fn metrics(&self) -> String {
         http()
-            .get(format!("http://127.0.0.1:{}/metrics", self.admin_port))
+            .get(self.admin_url("/metrics"))
             .send()
             .and_then(|r| r.text())
             .expect("scrape")
     }
 
-    /// The value of one sample, e.g. `inferlb_failovers_total{reason="connect_refused",replica="gpu0"}`.
-    pub fn metric(&self, sample: &str) -> f64 {
-        self.metrics()
-            .lines()
-            .find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(0.0)
+    fn metric(&self, sample: &str) -> f64 {
+        let text = self.metrics();
+        sample_value(&text, sample)
+            .unwrap_or_else(|| panic!("the scrape has no sample {sample}:\n{text}"))
     }
 
-    pub fn admin(&self, method: &str, path: &str) -> serde_json::Value {
+    fn samples(&self, name: &str) -> Vec<(String, f64)> {
+        samples_of(&self.metrics(), name)
+    }
+
+    fn admin(&self, method: &str, path: &str) -> serde_json::Value {
         let c = http();
-        let url = format!("http://127.0.0.1:{}{}", self.admin_port, path);
+        let url = self.admin_url(path);
         let req = if method == "POST" {
             c.post(url)
         } else {
@@ -288,7 +153,7 @@ impl Lb {
         req.send().and_then(|r| r.json()).expect("admin call")
     }
 
-    pub fn replica_state(&self, id: &str) -> serde_json::Value {
+    fn replica_state(&self, id: &str) -> serde_json::Value {
         let all = self.admin("GET", "/admin/replicas");
         all["replicas"]
             .as_array()

@@ -5,6 +5,7 @@ survivable. Processes start on free loopback ports and are stopped at the end of
 """
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -61,9 +62,15 @@ class Cluster:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def stop(self, name):
+        # As the Rust harness does: the signal each program stops cleanly on (inferlb: SIGINT,
+        # Pingora's quick stop; inferlb-sim: SIGTERM), SIGKILL only if it is still there after 10 s.
         p = self.procs.pop(name)
-        p.kill()
-        p.wait(timeout=10)
+        p.send_signal(signal.SIGINT if name == "lb" else signal.SIGTERM)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
 
     def close(self):
         for name in list(self.procs):
