@@ -1,9 +1,25 @@
 //! inferlb-sim: one simulated vLLM replica, for developing and measuring inferlb without a GPU.
 //!
-//! Serves vLLM's OpenAI endpoints with timing from `engine`, plus a fault switch:
-//! `POST /sim/fault {"fault": "...", "seconds": s, "count": n}` (see `Fault`).
+//! Serves, with timing from `engine`:
+//! - OpenAI chat `POST /v1/chat/completions` and `POST /v1/completions` (streamed with
+//!   `data: [DONE]` and not), `GET /v1/models`;
+//! - the OpenAI Responses API (`responses`): `POST /v1/responses` (streamed as named events),
+//!   `GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, with a bounded
+//!   in-memory store for `previous_response_id` (an unknown id is a 404, as vLLM answers);
+//! - the Anthropic Messages API (`messages`): `POST /v1/messages` (streamed as Anthropic's
+//!   events and not) and `POST /v1/messages/count_tokens`, usage split as Anthropic reports it;
+//! - `/health`, `/metrics` (vLLM's names), `/sim/stats`, `/sim/echo`, and a fault switch:
+//!   `POST /sim/fault {"fault": "...", "seconds": s, "count": n}` (see `Fault`), which applies
+//!   to every API alike, errors in each API's own shape.
+//!
+//! Every API renders its request into prompt text the same way (`render`): a conversation costs
+//! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
+//! any of them, and they all count in `/sim/stats` and `/metrics`.
 
 mod engine;
+mod messages;
+mod render;
+mod responses;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -19,6 +35,7 @@ use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use engine::{token_text, tokens, Engine, EngineConf};
+use render::{content_text, render_message, GENERATION_PROMPT};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -64,6 +81,13 @@ struct Args {
     /// Slow start: then answer /health (and requests) with 503 for this many seconds.
     #[arg(long, default_value_t = 0.0)]
     unhealthy_for: f64,
+    /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (least recently
+    /// used go first).
+    #[arg(long, default_value_t = 10_000)]
+    response_store_entries: usize,
+    /// ... and at most this many MiB of their text.
+    #[arg(long, default_value_t = 1024)]
+    response_store_mib: usize,
     /// A YAML file with any of these keys (flags given on the command line win).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
@@ -112,6 +136,8 @@ struct Sim {
     fault: Mutex<FaultState>,
     unhealthy_until: Mutex<Instant>,
     listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
+    /// The Responses API's stored responses.
+    responses: responses::Store,
 }
 
 type App = Arc<Sim>;
@@ -165,6 +191,9 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// The most tokens one reply has, whatever the request asks for.
+const MAX_TOKENS: usize = 100_000;
+
 /// A parsed completion request, chat or not.
 struct Job {
     chat: bool,
@@ -174,24 +203,6 @@ struct Job {
     stream: bool,
     include_usage: bool,
     seed: u64,
-}
-
-/// Renders chat messages so that a conversation's next turn starts with this turn's text.
-fn render_message(role: &str, content: &str) -> String {
-    format!("<|{role}|>\n{content}\n")
-}
-
-fn content_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join(""),
-        Value::Null => String::new(),
-        other => other.to_string(),
-    }
 }
 
 fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String> {
@@ -222,7 +233,7 @@ fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String>
                 &content_text(m.get("content").unwrap_or(&Value::Null)),
             ));
         }
-        text.push_str("<|assistant|>\n");
+        text.push_str(GENERATION_PROMPT);
         text
     } else {
         match obj.get("prompt") {
@@ -237,14 +248,14 @@ fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String>
         .and_then(Value::as_u64)
         .map(|n| n as usize)
         .unwrap_or(default_max)
-        .min(100_000);
+        .min(MAX_TOKENS);
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let seed = xxhash_rust::xxh3::xxh3_64(prompt.as_bytes());
+    let seed = seed_of(&prompt);
     Ok(Job {
         chat,
         model,
@@ -278,6 +289,22 @@ async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
             &format!("The model `{}` does not exist.", job.model),
         );
     }
+    let cut_after = match gate(&sim).await {
+        Ok(cut_after) => cut_after,
+        Err((status, message)) => return error(status, message),
+    };
+    let resp = if job.stream {
+        stream_response(sim.clone(), job, cut_after).await
+    } else {
+        whole_response(sim.clone(), job).await
+    };
+    tag(&sim, &body, resp)
+}
+
+/// Applies the switched-on fault to a request that is about to run: `Err` is the error to
+/// answer (each API in its own shape), `Ok` the token before which a stream is cut, if it is.
+/// Counts the request when it runs. A hang never returns; a reset drops the connection.
+async fn gate(sim: &Sim) -> Result<Option<usize>, (StatusCode, &'static str)> {
     let fault = sim.take_fault();
     match fault {
         Fault::Hang => std::future::pending::<()>().await,
@@ -286,25 +313,24 @@ async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
             std::panic::panic_any(ResetFault)
         }
         Fault::Error500 => {
-            return error(StatusCode::INTERNAL_SERVER_ERROR, "simulated engine error")
+            return Err((StatusCode::INTERNAL_SERVER_ERROR, "simulated engine error"))
         }
-        Fault::Error503 => return error(StatusCode::SERVICE_UNAVAILABLE, "simulated overload"),
+        Fault::Error503 => return Err((StatusCode::SERVICE_UNAVAILABLE, "simulated overload")),
         _ => {}
     }
     sim.engine.counters.requests.fetch_add(1, Ordering::Relaxed);
-    let cut_after = (fault == Fault::CutStream).then_some(3usize);
-    let mut resp = if job.stream {
-        stream_response(sim.clone(), job, cut_after).await
-    } else {
-        whole_response(sim.clone(), job).await
-    };
+    Ok((fault == Fault::CutStream).then_some(3usize))
+}
+
+/// The headers every answer to a request that ran carries.
+fn tag(sim: &Sim, body: &[u8], mut resp: Response) -> Response {
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&sim.args.id) {
         h.insert("x-sim-replica", v);
     }
     // Lets a test check that the body arrived intact, whatever the balancer did with it.
     h.insert("x-sim-body-bytes", HeaderValue::from(body.len()));
-    if let Ok(v) = HeaderValue::from_str(&format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body))) {
+    if let Ok(v) = HeaderValue::from_str(&format!("{:016x}", xxhash_rust::xxh3::xxh3_64(body))) {
         h.insert("x-sim-body-hash", v);
     }
     resp
@@ -391,6 +417,93 @@ async fn whole_response(sim: App, job: Job) -> Response {
 
 fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// A server-sent event with a name, as the Responses and Messages APIs send them.
+fn named_sse(event: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
+}
+
+/// The sending half of a streamed body.
+type Tx = tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>;
+
+/// A streamed answer whose body `tx` feeds.
+fn sse_response() -> (Tx, Response) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+    let resp = Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response build failed"));
+    (tx, resp)
+}
+
+/// How decoding a reply ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Decoded {
+    /// Every token was generated.
+    Done,
+    /// `cancel` was set: the reply so far stands.
+    Cancelled,
+    /// The `cut_stream` fault cut the connection.
+    Cut,
+    /// The client went away.
+    Gone,
+}
+
+/// Generates `job.max_tokens` tokens into `reply` after the prefill: the first at once, the
+/// rest at the decode interval. When streaming, `event` turns each token into the bytes sent.
+/// Returns how it ended and how many tokens were generated.
+async fn decode(
+    sim: &Sim,
+    job: &Job,
+    cut_after: Option<usize>,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+    tx: Option<&Tx>,
+    mut event: impl FnMut(&str) -> Bytes,
+    reply: &mut String,
+) -> (Decoded, usize) {
+    let mut next = Instant::now();
+    for i in 0..job.max_tokens {
+        if i > 0 {
+            next += sim.engine.decode_interval();
+            tokio::time::sleep_until(next).await;
+        }
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return (Decoded::Cancelled, i);
+        }
+        if let (Some(tx), true) = (tx, cut_after == Some(i)) {
+            // The tokens sent must reach the client first: the server drops whatever it has not
+            // written yet when the body fails, and at high speed they would still be queued.
+            let limit = Instant::now() + Duration::from_millis(200);
+            while tx.capacity() < tx.max_capacity() && Instant::now() < limit {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let _ = tx
+                .send(Err(std::io::Error::other("simulated stream cut")))
+                .await;
+            return (Decoded::Cut, i);
+        }
+        let t = token_text(job.seed, i);
+        reply.push_str(t);
+        sim.engine
+            .counters
+            .generation_tokens
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(tx) = tx {
+            if tx.send(Ok(event(t))).await.is_err() {
+                return (Decoded::Gone, i + 1);
+            }
+        }
+    }
+    (Decoded::Done, job.max_tokens)
+}
+
+/// The prompt's seed: the same prompt gets the same reply, whichever API it came through.
+fn seed_of(prompt: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(prompt.as_bytes())
 }
 
 async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Response {
@@ -646,11 +759,24 @@ async fn main() {
             Instant::now() + refuse_for + Duration::from_secs_f64(args.unhealthy_for.max(0.0)),
         ),
         listener_ctl: ctl_tx,
+        responses: responses::Store::new(
+            &args.id,
+            args.response_store_entries,
+            args.response_store_mib.saturating_mul(1 << 20),
+        ),
         args: args.clone(),
     });
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))

@@ -1,0 +1,260 @@
+//! The Anthropic Messages API: `POST /v1/messages` (streamed and not) and
+//! `POST /v1/messages/count_tokens`, with Anthropic's usage: `input_tokens` counts only the
+//! prompt tokens not read from the cache, `cache_read_input_tokens` the ones that were (the
+//! cache is automatic, as vLLM's: `cache_control` breakpoints change nothing).
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+
+use crate::engine::tokens;
+use crate::render::{self, Bad, GENERATION_PROMPT};
+use crate::{
+    decode, finish, gate, named_sse, prefill, seed_of, sse_response, tag, App, Decoded, Job, Usage,
+    MAX_TOKENS,
+};
+
+/// An error in Anthropic's shape.
+fn error(status: StatusCode, message: &str) -> Response {
+    let kind = match status.as_u16() {
+        400 => "invalid_request_error",
+        404 => "not_found_error",
+        503 | 529 => "overloaded_error",
+        _ => "api_error",
+    };
+    let body = json!({"type": "error", "error": {"type": kind, "message": message}});
+    (status, Json(body)).into_response()
+}
+
+/// A parsed `POST /v1/messages`.
+struct Request {
+    model: String,
+    prompt: String,
+    max_tokens: usize,
+    /// Whether `max_tokens` asked for more than the simulator ever generates.
+    capped: bool,
+    stream: bool,
+}
+
+fn parse(body: &[u8], default_model: &str, need_max_tokens: bool) -> Result<Request, Bad> {
+    let whole = |message: String| Bad {
+        param: String::new(),
+        message,
+    };
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| whole(format!("invalid JSON body: {e}")))?;
+    let Value::Object(obj) = v else {
+        return Err(whole("the body must be a JSON object".into()));
+    };
+    let model = match obj.get("model") {
+        None | Some(Value::Null) => default_model,
+        Some(Value::String(m)) if m.is_empty() => default_model,
+        Some(Value::String(m)) => m.as_str(),
+        Some(_) => return Err(render::bad("model", "must be a string")),
+    }
+    .to_owned();
+    let (max_tokens, capped) = match obj.get("max_tokens") {
+        None | Some(Value::Null) if need_max_tokens => {
+            return Err(Bad {
+                param: "max_tokens".into(),
+                message: "max_tokens: Field required".into(),
+            })
+        }
+        None | Some(Value::Null) => (1, false),
+        Some(v) => {
+            let n = v
+                .as_u64()
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| render::bad("max_tokens", "must be a positive integer"))?
+                as usize;
+            (n.min(MAX_TOKENS), n > MAX_TOKENS)
+        }
+    };
+    let mut prompt = render::anthropic(
+        obj.get("system"),
+        obj.get("messages").unwrap_or(&Value::Null),
+    )?;
+    prompt.push_str(GENERATION_PROMPT);
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(render::bad("stream", "must be a boolean")),
+    };
+    Ok(Request {
+        model,
+        prompt,
+        max_tokens,
+        capped,
+        stream,
+    })
+}
+
+fn usage_json(u: &Usage, output: usize) -> Value {
+    json!({
+        "input_tokens": u.prompt - u.cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached,
+        "output_tokens": output,
+    })
+}
+
+/// The request after checks common to both endpoints, or the error to answer.
+fn checked(sim: &App, body: &[u8], need_max_tokens: bool) -> Result<Request, (StatusCode, String)> {
+    if sim.unhealthy() {
+        return Err((
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine is starting".into(),
+        ));
+    }
+    let models = sim.models();
+    let default_model = models.first().map(String::as_str).unwrap_or("");
+    let req = parse(body, default_model, need_max_tokens)
+        .map_err(|b| (StatusCode::BAD_REQUEST, b.message))?;
+    if !models.contains(&req.model) {
+        return Err((StatusCode::NOT_FOUND, format!("model: {}", req.model)));
+    }
+    Ok(req)
+}
+
+pub async fn count_tokens(State(sim): State<App>, body: Bytes) -> Response {
+    match checked(&sim, &body, false) {
+        Ok(req) => Json(json!({"input_tokens": tokens(req.prompt.as_bytes())})).into_response(),
+        Err((status, message)) => error(status, &message),
+    }
+}
+
+pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
+    let req = match checked(&sim, &body, true) {
+        Ok(r) => r,
+        Err((status, message)) => return error(status, &message),
+    };
+    let cut_after = match gate(&sim).await {
+        Ok(c) => c,
+        Err((status, message)) => return error(status, message),
+    };
+    let id = sim.responses.new_id("msg");
+    // The simulated model says all it has to say in the tokens asked for: it ends its turn
+    // there, unless the simulator's own limit stopped it first.
+    let stop_reason = if req.capped { "max_tokens" } else { "end_turn" };
+    let job = Job {
+        chat: true,
+        model: req.model,
+        seed: seed_of(&req.prompt),
+        prompt: req.prompt,
+        max_tokens: req.max_tokens,
+        stream: req.stream,
+        include_usage: false,
+    };
+    let resp = if job.stream {
+        stream(sim.clone(), job, id, stop_reason, cut_after)
+    } else {
+        whole(sim.clone(), job, id, stop_reason).await
+    };
+    tag(&sim, &body, resp)
+}
+
+fn message(id: &str, job: &Job, content: Value, stop_reason: Value, usage: Value) -> Value {
+    json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": job.model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": null,
+        "usage": usage,
+    })
+}
+
+async fn whole(sim: App, job: Job, id: String, stop_reason: &str) -> Response {
+    let (running, usage) = prefill(&sim, &job).await;
+    let mut reply = String::new();
+    let (_, n) = decode(&sim, &job, None, None, None, |_| Bytes::new(), &mut reply).await;
+    drop(running);
+    finish(&sim, &job, &reply);
+    Json(message(
+        &id,
+        &job,
+        json!([{"type": "text", "text": reply}]),
+        json!(stop_reason),
+        usage_json(&usage, n),
+    ))
+    .into_response()
+}
+
+fn event(kind: &str, data: Value) -> Bytes {
+    let mut data = match data {
+        Value::Object(m) => m,
+        _ => Map::new(),
+    };
+    data.insert("type".into(), json!(kind));
+    named_sse(kind, &Value::Object(data))
+}
+
+fn stream(
+    sim: App,
+    job: Job,
+    id: String,
+    stop_reason: &'static str,
+    cut_after: Option<usize>,
+) -> Response {
+    let (tx, resp) = sse_response();
+    tokio::spawn(async move {
+        let (running, usage) = tokio::select! {
+            done = prefill(&sim, &job) => done,
+            _ = tx.closed() => return,
+        };
+        let start = message(&id, &job, json!([]), Value::Null, usage_json(&usage, 1));
+        let opening = [
+            event("message_start", json!({"message": start})),
+            event(
+                "content_block_start",
+                json!({"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ),
+            event("ping", json!({})),
+        ];
+        for ev in opening {
+            if tx.send(Ok(ev)).await.is_err() {
+                return;
+            }
+        }
+        let mut reply = String::new();
+        let (how, n) = decode(
+            &sim,
+            &job,
+            cut_after,
+            None,
+            Some(&tx),
+            |t| {
+                event(
+                    "content_block_delta",
+                    json!({"index": 0, "delta": {"type": "text_delta", "text": t}}),
+                )
+            },
+            &mut reply,
+        )
+        .await;
+        if how != Decoded::Done {
+            return;
+        }
+        drop(running);
+        finish(&sim, &job, &reply);
+        let closing = [
+            event("content_block_stop", json!({"index": 0})),
+            event(
+                "message_delta",
+                json!({"delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": n}}),
+            ),
+            event("message_stop", json!({})),
+        ];
+        for ev in closing {
+            if tx.send(Ok(ev)).await.is_err() {
+                return;
+            }
+        }
+    });
+    resp
+}

@@ -1,0 +1,842 @@
+//! The OpenAI Responses API: `POST /v1/responses` (streamed and not), `GET` and `DELETE
+//! /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, and the in-memory store that
+//! `previous_response_id` reads, one per replica as vLLM keeps it.
+//!
+//! A continuation's prompt is the stored response's whole prompt (its instructions and input,
+//! and before them its own previous ones) followed by its output, then the new input: what the
+//! replica renders, so a conversation chained by id finds its history warm, as a chat
+//! conversation resending its history does. The instructions in force are the request's own
+//! when it gives some (they replace the previous ones, as OpenAI's do), else the previous
+//! response's; sent again unchanged, they keep the whole prompt warm.
+
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use lru::LruCache;
+use serde_json::{json, Map, Value};
+
+use crate::render::{self, render_message, Bad, GENERATION_PROMPT};
+use crate::{
+    decode, finish, gate, named_sse, now_secs, prefill, seed_of, sse_response, tag, App, Decoded,
+    Job, Usage, MAX_TOKENS,
+};
+
+/// An error in OpenAI's shape.
+fn oai_error(
+    status: StatusCode,
+    message: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Response {
+    let kind = if status.is_client_error() {
+        "invalid_request_error"
+    } else {
+        "server_error"
+    };
+    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
+    (status, Json(body)).into_response()
+}
+
+fn bad_request(b: Bad) -> Response {
+    let param = (!b.param.is_empty()).then_some(b.param.as_str());
+    oai_error(StatusCode::BAD_REQUEST, &b.message, param, None)
+}
+
+fn not_found(id: &str, param: Option<&str>) -> Response {
+    oai_error(
+        StatusCode::NOT_FOUND,
+        &format!("Response with id '{id}' not found."),
+        param,
+        None,
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Status {
+    InProgress,
+    Completed,
+    Cancelled,
+    Failed,
+}
+
+impl Status {
+    fn as_str(self) -> &'static str {
+        match self {
+            Status::InProgress => "in_progress",
+            Status::Completed => "completed",
+            Status::Cancelled => "cancelled",
+            Status::Failed => "failed",
+        }
+    }
+}
+
+/// One request of a conversation, rendered: what a continuation of it starts with. Turns are
+/// shared: a conversation's history is its chain of parents, each held as long as a stored
+/// response continues it.
+pub struct Turn {
+    /// The instructions in force, rendered first as the system message.
+    instructions: Option<Arc<str>>,
+    parent: Option<Arc<Turn>>,
+    /// This request's input items and its output, rendered.
+    text: String,
+    /// Bytes this turn holds alone, counted in the store's budget while it lives.
+    bytes: usize,
+    live: Arc<AtomicUsize>,
+}
+
+impl Turn {
+    /// The conversation up to and including this turn, without the instructions.
+    fn history(&self) -> String {
+        let mut parts = vec![self.text.as_str()];
+        let mut up = self.parent.as_deref();
+        while let Some(t) = up {
+            parts.push(&t.text);
+            up = t.parent.as_deref();
+        }
+        parts.into_iter().rev().collect()
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.bytes, Ordering::Relaxed);
+        // Unlinks a long chain one turn at a time instead of recursing through it.
+        let mut up = self.parent.take();
+        while let Some(p) = up {
+            up = match Arc::try_unwrap(p) {
+                Ok(mut t) => t.parent.take(),
+                Err(_) => None,
+            };
+        }
+    }
+}
+
+struct Entry {
+    /// The response object as last recorded.
+    json: String,
+    status: Status,
+    /// Set once the response is over, for `previous_response_id`.
+    turn: Option<Arc<Turn>>,
+    cancel: Arc<AtomicBool>,
+    live: Arc<AtomicUsize>,
+}
+
+impl Entry {
+    fn set_json(&mut self, json: String) {
+        self.live.fetch_add(json.len(), Ordering::Relaxed);
+        self.live.fetch_sub(self.json.len(), Ordering::Relaxed);
+        self.json = json;
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.json.len(), Ordering::Relaxed);
+    }
+}
+
+/// Why a `previous_response_id` cannot be continued.
+enum Unusable {
+    Missing,
+    Status(Status),
+}
+
+/// The stored responses: least recently used go first, past a count or a byte budget.
+pub struct Store {
+    entries: Mutex<LruCache<String, Entry>>,
+    /// Bytes of text held by entries and the turns they keep alive.
+    live: Arc<AtomicUsize>,
+    max_bytes: usize,
+    /// Tells this process's ids apart from every other simulator's, restarts included.
+    instance: u64,
+    counter: AtomicU64,
+}
+
+impl Store {
+    pub fn new(sim_id: &str, max_entries: usize, max_bytes: usize) -> Store {
+        let started = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let instance = xxhash_rust::xxh3::xxh3_64(
+            format!("{sim_id}\0{}\0{started}", std::process::id()).as_bytes(),
+        );
+        Store {
+            entries: Mutex::new(LruCache::new(
+                NonZeroUsize::new(max_entries).unwrap_or(NonZeroUsize::MIN),
+            )),
+            live: Arc::new(AtomicUsize::new(0)),
+            max_bytes,
+            instance,
+            counter: AtomicU64::new(0),
+        }
+    }
+
+    /// A new id, `{prefix}_` and 32 hex digits, unique across simulator processes.
+    pub fn new_id(&self, prefix: &str) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}_{:016x}{n:016x}", self.instance)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LruCache<String, Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn shrink(&self, entries: &mut LruCache<String, Entry>) {
+        while self.live.load(Ordering::Relaxed) > self.max_bytes && entries.len() > 1 {
+            entries.pop_lru();
+        }
+    }
+
+    fn turn(
+        &self,
+        instructions: Option<Arc<str>>,
+        fresh_instructions: bool,
+        parent: Option<Arc<Turn>>,
+        text: String,
+    ) -> Arc<Turn> {
+        let mut bytes = text.len();
+        if fresh_instructions {
+            bytes += instructions.as_deref().map_or(0, str::len);
+        }
+        self.live.fetch_add(bytes, Ordering::Relaxed);
+        Arc::new(Turn {
+            instructions,
+            parent,
+            text,
+            bytes,
+            live: self.live.clone(),
+        })
+    }
+
+    fn insert(&self, id: &str, json: String, cancel: Arc<AtomicBool>) {
+        self.live.fetch_add(json.len(), Ordering::Relaxed);
+        let entry = Entry {
+            json,
+            status: Status::InProgress,
+            turn: None,
+            cancel,
+            live: self.live.clone(),
+        };
+        let mut entries = self.lock();
+        entries.put(id.to_owned(), entry);
+        self.shrink(&mut entries);
+    }
+
+    /// Records how a response ended; one deleted (or evicted) meanwhile stays gone.
+    fn record(&self, id: &str, json: String, status: Status, turn: Option<Arc<Turn>>) {
+        let mut entries = self.lock();
+        if let Some(e) = entries.peek_mut(id) {
+            e.set_json(json);
+            e.status = status;
+            e.turn = turn;
+        }
+        self.shrink(&mut entries);
+    }
+
+    fn get(&self, id: &str) -> Option<String> {
+        self.lock().get(id).map(|e| e.json.clone())
+    }
+
+    fn delete(&self, id: &str) -> bool {
+        self.lock().pop(id).is_some()
+    }
+
+    /// Cancels a response in progress (its generation stops at the next token); the object as
+    /// it then stands.
+    fn cancel(&self, id: &str) -> Option<String> {
+        let mut entries = self.lock();
+        let e = entries.get_mut(id)?;
+        if e.status == Status::InProgress {
+            e.cancel.store(true, Ordering::Relaxed);
+            e.status = Status::Cancelled;
+            if let Ok(mut v) = serde_json::from_str::<Value>(&e.json) {
+                v["status"] = json!(Status::Cancelled.as_str());
+                e.set_json(v.to_string());
+            }
+        }
+        Some(e.json.clone())
+    }
+
+    fn continuation(&self, id: &str) -> Result<Arc<Turn>, Unusable> {
+        let mut entries = self.lock();
+        let e = entries.get(id).ok_or(Unusable::Missing)?;
+        e.turn.clone().ok_or(Unusable::Status(e.status))
+    }
+}
+
+/// A parsed `POST /v1/responses`.
+struct Request {
+    model: String,
+    instructions: Option<String>,
+    /// The input items, rendered.
+    input: String,
+    previous: Option<String>,
+    max_tokens: usize,
+    stream: bool,
+    store: bool,
+    /// The request, for the fields the response object repeats.
+    body: Map<String, Value>,
+}
+
+fn opt_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, Bad> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(render::bad(key, "must be a string")),
+    }
+}
+
+fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, Bad> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(render::bad(key, "must be a boolean")),
+    }
+}
+
+fn parse(body: &[u8], default_model: &str, default_max: usize) -> Result<Request, Bad> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| Bad {
+        param: String::new(),
+        message: format!("invalid JSON body: {e}"),
+    })?;
+    let Value::Object(obj) = v else {
+        return Err(Bad {
+            param: String::new(),
+            message: "the body must be a JSON object".into(),
+        });
+    };
+    let model = opt_str(&obj, "model")?
+        .filter(|m| !m.is_empty())
+        .unwrap_or(default_model)
+        .to_owned();
+    let instructions = opt_str(&obj, "instructions")?.map(str::to_owned);
+    let input = render::responses_input(obj.get("input").unwrap_or(&Value::Null))?;
+    let previous = opt_str(&obj, "previous_response_id")?.map(str::to_owned);
+    let max_tokens = match obj.get("max_output_tokens") {
+        None | Some(Value::Null) => default_max,
+        Some(v) => v
+            .as_u64()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| render::bad("max_output_tokens", "must be a positive integer"))?
+            as usize,
+    }
+    .min(MAX_TOKENS);
+    let stream = opt_bool(&obj, "stream")?.unwrap_or(false);
+    let store = opt_bool(&obj, "store")?.unwrap_or(true);
+    if obj
+        .get("tools")
+        .is_some_and(|t| !t.is_null() && !t.is_array())
+    {
+        return Err(render::bad("tools", "must be a list"));
+    }
+    Ok(Request {
+        model,
+        instructions,
+        input,
+        previous,
+        max_tokens,
+        stream,
+        store,
+        body: obj,
+    })
+}
+
+/// What every version of one response object shares.
+struct Meta {
+    id: String,
+    msg_id: String,
+    created_at: u64,
+    model: String,
+    instructions: Option<Arc<str>>,
+    previous: Option<String>,
+    store: bool,
+    request: Map<String, Value>,
+}
+
+impl Meta {
+    fn object(&self, status: Status, output: Value, usage: Value) -> Value {
+        let echo = |key: &str, default: Value| {
+            self.request
+                .get(key)
+                .filter(|v| !v.is_null())
+                .cloned()
+                .unwrap_or(default)
+        };
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status.as_str(),
+            "background": false,
+            "error": null,
+            "incomplete_details": null,
+            "instructions": self.instructions.as_deref(),
+            "max_output_tokens": echo("max_output_tokens", Value::Null),
+            "max_tool_calls": null,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": echo("parallel_tool_calls", json!(true)),
+            "previous_response_id": self.previous,
+            "reasoning": echo("reasoning", json!({"effort": null, "summary": null})),
+            "service_tier": "default",
+            "store": self.store,
+            "temperature": echo("temperature", json!(1.0)),
+            "text": echo("text", json!({"format": {"type": "text"}})),
+            "tool_choice": echo("tool_choice", json!("auto")),
+            "tools": echo("tools", json!([])),
+            "top_logprobs": 0,
+            "top_p": echo("top_p", json!(1.0)),
+            "truncation": echo("truncation", json!("disabled")),
+            "usage": usage,
+            "user": echo("user", Value::Null),
+            "metadata": echo("metadata", json!({})),
+        })
+    }
+
+    fn message(&self, status: &str, text: Option<&str>) -> Value {
+        let content = match text {
+            Some(t) => json!([text_part(t)]),
+            None => json!([]),
+        };
+        json!({"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content})
+    }
+
+    /// The object once generation is over, and its status.
+    fn finished(&self, how: Decoded, reply: &str, usage: &Usage, output: usize) -> (Value, Status) {
+        let (status, item) = if how == Decoded::Cancelled {
+            (Status::Cancelled, "incomplete")
+        } else {
+            (Status::Completed, "completed")
+        };
+        let output_items = json!([self.message(item, Some(reply))]);
+        let usage = json!({
+            "input_tokens": usage.prompt,
+            "input_tokens_details": {"cached_tokens": usage.cached},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt + output,
+        });
+        (self.object(status, output_items, usage), status)
+    }
+}
+
+fn text_part(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+/// A stored response whose request runs: if the request ends without recording how it ended
+/// (the client gone, the handler dropped), the store says it was cancelled.
+struct Pending {
+    sim: App,
+    id: String,
+    in_progress: Value,
+    armed: bool,
+}
+
+impl Pending {
+    fn record(mut self, obj: &Value, status: Status, turn: Option<Arc<Turn>>) {
+        self.armed = false;
+        self.sim
+            .responses
+            .record(&self.id, obj.to_string(), status, turn);
+    }
+
+    fn fail(self, message: &str) {
+        let mut obj = self.in_progress.clone();
+        obj["status"] = json!(Status::Failed.as_str());
+        obj["error"] = json!({"code": "server_error", "message": message});
+        self.record(&obj, Status::Failed, None);
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut obj = self.in_progress.clone();
+            obj["status"] = json!(Status::Cancelled.as_str());
+            self.sim
+                .responses
+                .record(&self.id, obj.to_string(), Status::Cancelled, None);
+        }
+    }
+}
+
+/// One `POST /v1/responses` admitted to run.
+struct Run {
+    sim: App,
+    job: Job,
+    meta: Meta,
+    parent: Option<Arc<Turn>>,
+    fresh_instructions: bool,
+    /// This request's input, rendered.
+    input: String,
+    cancel: Arc<AtomicBool>,
+    pending: Option<Pending>,
+}
+
+impl Run {
+    /// The stored conversation after this request: its input and `reply`.
+    fn turn(&self, reply: &str) -> Arc<Turn> {
+        let mut text = self.input.clone();
+        text.push_str(&render_message("assistant", reply));
+        self.sim.responses.turn(
+            self.meta.instructions.clone(),
+            self.fresh_instructions,
+            self.parent.clone(),
+            text,
+        )
+    }
+
+    fn record(&mut self, obj: &Value, status: Status, reply: &str) {
+        if let Some(p) = self.pending.take() {
+            let turn = self.turn(reply);
+            p.record(obj, status, Some(turn));
+        }
+    }
+}
+
+pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
+    if sim.unhealthy() {
+        return oai_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine is starting",
+            None,
+            None,
+        );
+    }
+    let models = sim.models();
+    let default_model = models.first().map(String::as_str).unwrap_or("");
+    let req = match parse(&body, default_model, sim.args.default_max_tokens) {
+        Ok(r) => r,
+        Err(b) => return bad_request(b),
+    };
+    if !models.contains(&req.model) {
+        return oai_error(
+            StatusCode::NOT_FOUND,
+            &format!("The model `{}` does not exist.", req.model),
+            Some("model"),
+            Some("model_not_found"),
+        );
+    }
+    let parent = match &req.previous {
+        None => None,
+        Some(id) => match sim.responses.continuation(id) {
+            Ok(t) => Some(t),
+            Err(Unusable::Missing) => return not_found(id, Some("previous_response_id")),
+            Err(Unusable::Status(s)) => {
+                return oai_error(
+                    StatusCode::BAD_REQUEST,
+                    &format!(
+                        "Previous response with id '{id}' has status '{}' and cannot be continued.",
+                        s.as_str()
+                    ),
+                    Some("previous_response_id"),
+                    None,
+                )
+            }
+        },
+    };
+    // The instructions in force: the request's, else those of the response it continues.
+    let inherited = parent.as_ref().and_then(|p| p.instructions.clone());
+    let (instructions, fresh_instructions) = match (&req.instructions, inherited) {
+        (Some(new), Some(old)) if *new == *old => (Some(old), false),
+        (Some(new), _) => (Some(Arc::<str>::from(new.as_str())), true),
+        (None, old) => (old, false),
+    };
+    let mut prompt = String::new();
+    if let Some(i) = &instructions {
+        prompt.push_str(&render_message("system", i));
+    }
+    if let Some(p) = &parent {
+        prompt.push_str(&p.history());
+    }
+    prompt.push_str(&req.input);
+    if prompt.is_empty() {
+        return bad_request(Bad {
+            param: "input".into(),
+            message: "Missing required parameter: 'input'.".into(),
+        });
+    }
+    prompt.push_str(GENERATION_PROMPT);
+    let cut_after = match gate(&sim).await {
+        Ok(c) => c,
+        Err((status, message)) => return oai_error(status, message, None, None),
+    };
+    let meta = Meta {
+        id: sim.responses.new_id("resp"),
+        msg_id: sim.responses.new_id("msg"),
+        created_at: now_secs(),
+        model: req.model.clone(),
+        instructions,
+        previous: req.previous.clone(),
+        store: req.store,
+        request: req.body,
+    };
+    let cancel = Arc::new(AtomicBool::new(false));
+    let in_progress = meta.object(Status::InProgress, json!([]), Value::Null);
+    let pending = req.store.then(|| {
+        sim.responses
+            .insert(&meta.id, in_progress.to_string(), cancel.clone());
+        Pending {
+            sim: sim.clone(),
+            id: meta.id.clone(),
+            in_progress,
+            armed: true,
+        }
+    });
+    let run = Run {
+        sim: sim.clone(),
+        job: Job {
+            chat: true,
+            model: req.model,
+            seed: seed_of(&prompt),
+            prompt,
+            max_tokens: req.max_tokens,
+            stream: req.stream,
+            include_usage: false,
+        },
+        meta,
+        parent,
+        fresh_instructions,
+        input: req.input,
+        cancel,
+        pending,
+    };
+    let resp = if run.job.stream {
+        stream(run, cut_after)
+    } else {
+        whole(run).await
+    };
+    tag(&sim, &body, resp)
+}
+
+async fn whole(mut run: Run) -> Response {
+    let sim = run.sim.clone();
+    let (running, usage) = prefill(&sim, &run.job).await;
+    let mut reply = String::new();
+    let (how, n) = decode(
+        &sim,
+        &run.job,
+        None,
+        Some(&run.cancel),
+        None,
+        |_| Bytes::new(),
+        &mut reply,
+    )
+    .await;
+    drop(running);
+    finish(&sim, &run.job, &reply);
+    let (obj, status) = run.meta.finished(how, &reply, &usage, n);
+    run.record(&obj, status, &reply);
+    Json(obj).into_response()
+}
+
+/// Numbers the events of one stream.
+struct Events(u64);
+
+impl Events {
+    fn next(&mut self, kind: &str, mut data: Value) -> Bytes {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.0);
+        self.0 += 1;
+        named_sse(kind, &data)
+    }
+}
+
+fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
+    let (tx, resp) = sse_response();
+    tokio::spawn(async move {
+        let sim = run.sim.clone();
+        let mut events = Events(0);
+        // Created at once, before the prefill, as OpenAI and vLLM announce it.
+        let created = run.meta.object(Status::InProgress, json!([]), Value::Null);
+        for kind in ["response.created", "response.in_progress"] {
+            let ev = events.next(kind, json!({"response": created}));
+            if tx.send(Ok(ev)).await.is_err() {
+                return;
+            }
+        }
+        let (running, usage) = tokio::select! {
+            done = prefill(&sim, &run.job) => done,
+            _ = tx.closed() => return,
+        };
+        let msg_id = run.meta.msg_id.clone();
+        let at = json!({"item_id": msg_id, "output_index": 0, "content_index": 0});
+        let with = |extra: Value| {
+            let mut v = at.clone();
+            if let (Some(v), Value::Object(extra)) = (v.as_object_mut(), extra) {
+                v.extend(extra);
+            }
+            v
+        };
+        let opening = [
+            events.next(
+                "response.output_item.added",
+                json!({"output_index": 0, "item": run.meta.message("in_progress", None)}),
+            ),
+            events.next(
+                "response.content_part.added",
+                with(json!({"part": text_part("")})),
+            ),
+        ];
+        for ev in opening {
+            if tx.send(Ok(ev)).await.is_err() {
+                return;
+            }
+        }
+        let mut reply = String::new();
+        let (how, n) = decode(
+            &sim,
+            &run.job,
+            cut_after,
+            Some(&run.cancel),
+            Some(&tx),
+            |t| {
+                events.next(
+                    "response.output_text.delta",
+                    with(json!({"delta": t, "logprobs": []})),
+                )
+            },
+            &mut reply,
+        )
+        .await;
+        match how {
+            Decoded::Gone => return,
+            Decoded::Cut => {
+                if let Some(p) = run.pending.take() {
+                    p.fail("simulated stream cut");
+                }
+                return;
+            }
+            Decoded::Done | Decoded::Cancelled => {}
+        }
+        drop(running);
+        finish(&sim, &run.job, &reply);
+        let (obj, status) = run.meta.finished(how, &reply, &usage, n);
+        run.record(&obj, status, &reply);
+        if how == Decoded::Cancelled {
+            return;
+        }
+        let closing = [
+            events.next(
+                "response.output_text.done",
+                with(json!({"text": reply, "logprobs": []})),
+            ),
+            events.next(
+                "response.content_part.done",
+                with(json!({"part": text_part(&reply)})),
+            ),
+            events.next(
+                "response.output_item.done",
+                json!({"output_index": 0, "item": obj["output"][0]}),
+            ),
+            events.next("response.completed", json!({"response": obj})),
+        ];
+        for ev in closing {
+            if tx.send(Ok(ev)).await.is_err() {
+                return;
+            }
+        }
+    });
+    resp
+}
+
+pub async fn retrieve(State(sim): State<App>, Path(id): Path<String>) -> Response {
+    match sim.responses.get(&id) {
+        Some(json) => ([("content-type", "application/json")], json).into_response(),
+        None => not_found(&id, None),
+    }
+}
+
+pub async fn delete(State(sim): State<App>, Path(id): Path<String>) -> Response {
+    if sim.responses.delete(&id) {
+        Json(json!({"id": id, "object": "response.deleted", "deleted": true})).into_response()
+    } else {
+        not_found(&id, None)
+    }
+}
+
+pub async fn cancel(State(sim): State<App>, Path(id): Path<String>) -> Response {
+    match sim.responses.cancel(&id) {
+        Some(json) => ([("content-type", "application/json")], json).into_response(),
+        None => not_found(&id, None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_unique_per_process_and_instance() {
+        let a = Store::new("s0", 10, 1 << 20);
+        let b = Store::new("s0", 10, 1 << 20);
+        let (a1, a2, b1) = (a.new_id("resp"), a.new_id("resp"), b.new_id("resp"));
+        assert_ne!(a1, a2);
+        assert_ne!(a1, b1);
+        assert!(a1.starts_with("resp_") && a1.len() == 5 + 32);
+        assert!(a1[5..].chars().all(|c| c.is_ascii_hexdigit()));
+    }
+
+    #[test]
+    fn a_chain_keeps_its_history_and_the_byte_budget_evicts() {
+        let s = Store::new("s", 10, 100);
+        let t1 = s.turn(Some("sys".into()), true, None, "one ".into());
+        let t2 = s.turn(
+            t1.instructions.clone(),
+            false,
+            Some(t1.clone()),
+            "two".into(),
+        );
+        assert_eq!(t2.history(), "one two");
+        s.insert("a", "x".repeat(10), Arc::default());
+        s.record("a", "y".repeat(10), Status::Completed, Some(t2.clone()));
+        assert!(s.continuation("a").is_ok());
+        drop((t1, t2));
+        // The entry holds the chain: 3 + 4 + 3 bytes of turns and its 10 of JSON.
+        assert_eq!(s.live.load(Ordering::Relaxed), 20);
+        s.insert("b", "z".repeat(90), Arc::default());
+        assert!(matches!(s.continuation("a"), Err(Unusable::Missing)));
+        assert_eq!(
+            s.live.load(Ordering::Relaxed),
+            90,
+            "evicting freed the chain"
+        );
+        assert!(s.delete("b"));
+        assert_eq!(s.live.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn cancel_marks_only_a_response_in_progress() {
+        let s = Store::new("s", 10, 1 << 20);
+        let flag = Arc::new(AtomicBool::new(false));
+        s.insert(
+            "a",
+            json!({"status": "in_progress"}).to_string(),
+            flag.clone(),
+        );
+        assert!(s.cancel("a").unwrap().contains("\"cancelled\""));
+        assert!(flag.load(Ordering::Relaxed));
+        s.insert(
+            "b",
+            json!({"status": "in_progress"}).to_string(),
+            Arc::default(),
+        );
+        s.record(
+            "b",
+            json!({"status": "completed"}).to_string(),
+            Status::Completed,
+            None,
+        );
+        assert!(s.cancel("b").unwrap().contains("\"completed\""));
+        assert!(s.cancel("c").is_none());
+    }
+}
