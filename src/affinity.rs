@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lru::LruCache;
-
-use crate::metrics::METRICS;
+use pingora_prometheus::prometheus::IntGauge;
 
 /// Entries a shard holds at most, and so the most work done under one lock.
 pub const SHARD_ENTRIES: usize = 2048;
@@ -25,6 +24,8 @@ pub struct AffinityTable {
     /// `log2(shards.len())`: a hash's top bits pick its shard.
     shard_bits: u32,
     entries: AtomicI64,
+    /// Where the size is reported.
+    gauge: Option<IntGauge>,
     /// Bumped on every change, so the table is saved only when it changed.
     generation: AtomicU64,
     /// The most entries one bulk operation handled under a single lock (for the tests).
@@ -32,7 +33,8 @@ pub struct AffinityTable {
 }
 
 impl AffinityTable {
-    pub fn new(capacity: usize) -> AffinityTable {
+    /// A table of at most about `capacity` entries that reports its size to `gauge`.
+    pub fn new(capacity: usize, gauge: Option<IntGauge>) -> AffinityTable {
         let capacity = capacity.max(1);
         let shards = capacity.div_ceil(SHARD_ENTRIES).next_power_of_two();
         let per_shard = NonZeroUsize::new(capacity.div_ceil(shards)).unwrap_or(NonZeroUsize::MIN);
@@ -42,6 +44,7 @@ impl AffinityTable {
                 .collect(),
             shard_bits: shards.trailing_zeros(),
             entries: AtomicI64::new(0),
+            gauge,
             generation: AtomicU64::new(0),
             most_under_one_lock: AtomicUsize::new(0),
         }
@@ -72,7 +75,9 @@ impl AffinityTable {
 
     fn count(&self, delta: i64) {
         let n = self.entries.fetch_add(delta, Ordering::Relaxed) + delta;
-        METRICS.affinity_entries.set(n);
+        if let Some(g) = &self.gauge {
+            g.set(n);
+        }
     }
 
     fn held(&self, entries: usize) {
@@ -152,7 +157,7 @@ mod tests {
 
     #[test]
     fn records_and_answers_and_evicts_least_recent() {
-        let t = AffinityTable::new(3);
+        let t = AffinityTable::new(3, None);
         let (a, b) = (id("a"), id("b"));
         for h in 1..=3 {
             t.record(h, &a);
@@ -168,7 +173,7 @@ mod tests {
 
     #[test]
     fn a_merge_keeps_own_pins_and_drops_unknown_replicas() {
-        let t = AffinityTable::new(100);
+        let t = AffinityTable::new(100, None);
         t.record(1, &id("mine"));
         let theirs = [(1, "theirs"), (2, "theirs"), (3, "gone")];
         let learnt = t.merge(theirs.iter().map(|(h, s)| (*h, *s)), |s| {
@@ -182,14 +187,14 @@ mod tests {
 
     #[test]
     fn a_snapshot_merged_into_a_new_table_gives_the_same_answers() {
-        let t = AffinityTable::new(10_000);
+        let t = AffinityTable::new(10_000, None);
         let r = id("r");
         for h in 0..5_000u64 {
             t.record(xxhash_rust::xxh3::xxh3_64(&h.to_le_bytes()), &r);
         }
         let snap = t.snapshot();
         assert_eq!(snap.len(), 5_000);
-        let u = AffinityTable::new(10_000);
+        let u = AffinityTable::new(10_000, None);
         let learnt = u.merge(snap.iter().map(|(h, s)| (*h, &**s)), |s| Some(id(s)));
         assert_eq!(learnt, 5_000);
         assert!(snap.iter().all(|(h, _)| u.served_by(*h).is_some()));
@@ -201,7 +206,7 @@ mod tests {
     #[test]
     fn no_lock_is_held_for_more_than_a_slice_of_a_large_table() {
         let n = 100_000u64;
-        let t = AffinityTable::new(n as usize);
+        let t = AffinityTable::new(n as usize, None);
         let r = id("r");
         for i in 0..n {
             t.record(xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes()), &r);

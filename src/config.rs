@@ -35,6 +35,12 @@ pub struct Config {
     /// Request headers larger than this in total get 431.
     pub max_header_bytes: usize,
     pub access_log: crate::access::Format,
+    /// A request header whose value pins a session to its first replica (lower case).
+    pub session_header: Option<String>,
+    /// Stored Responses ids remembered (LRU), each naming the replica that stores it.
+    pub stored_responses_capacity: usize,
+    /// How long to ask the replicas about a stored response id inferlb does not know.
+    pub stored_lookup_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -93,6 +99,9 @@ struct RawSection {
     api_keys: Vec<String>,
     max_header_bytes: usize,
     access_log: crate::access::Format,
+    session_header: Option<String>,
+    stored_responses_capacity: usize,
+    stored_lookup_timeout_seconds: f64,
 }
 
 impl Default for RawSection {
@@ -112,6 +121,9 @@ impl Default for RawSection {
             api_keys: vec![],
             max_header_bytes: 64 * 1024,
             access_log: crate::access::Format::Kv,
+            session_header: None,
+            stored_responses_capacity: 100_000,
+            stored_lookup_timeout_seconds: 2.0,
         }
     }
 }
@@ -348,6 +360,20 @@ fn validate(raw: RawSection) -> Result<Config, String> {
     if raw.affinity_capacity == 0 {
         return Err("inferlb.affinity_capacity must be positive".into());
     }
+    if raw.stored_responses_capacity == 0 {
+        return Err("inferlb.stored_responses_capacity must be positive".into());
+    }
+    let session_header = match raw.session_header.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(name) => match http::HeaderName::from_bytes(name.as_bytes()) {
+            Ok(h) => Some(h.as_str().to_owned()),
+            Err(_) => {
+                return Err(format!(
+                    "inferlb.session_header: {name:?} is not a valid header name"
+                ))
+            }
+        },
+    };
     Ok(Config {
         listen: raw.listen,
         admin_listen: raw.admin_listen,
@@ -363,6 +389,12 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         api_keys: raw.api_keys,
         max_header_bytes: raw.max_header_bytes.max(1024),
         access_log: raw.access_log,
+        session_header,
+        stored_responses_capacity: raw.stored_responses_capacity,
+        stored_lookup_timeout: seconds(
+            "stored_lookup_timeout_seconds",
+            raw.stored_lookup_timeout_seconds,
+        )?,
     })
 }
 
@@ -433,6 +465,18 @@ inferlb:
             ),
             (format!("{GOOD}  max_body_bytes: lots\n"), "max_body_bytes"),
             (format!("max_retries: 0\n{GOOD}"), "max_retries"),
+            (
+                format!("{GOOD}  session_header: \"x session\"\n"),
+                "session_header",
+            ),
+            (
+                format!("{GOOD}  stored_responses_capacity: 0\n"),
+                "stored_responses_capacity",
+            ),
+            (
+                format!("{GOOD}  stored_lookup_timeout_seconds: -1\n"),
+                "stored_lookup_timeout_seconds",
+            ),
         ];
         for (text, needle) in cases {
             let e = parse(&text, None)

@@ -5,7 +5,6 @@
 //! are each checked and re-admitted.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::join_all;
@@ -13,7 +12,6 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use pingora_http::RequestHeader;
 use pingora_load_balancing::health_check::{HealthCheck, HttpHealthCheck};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::config::HealthConf;
 use crate::registry::Registry;
@@ -61,7 +59,7 @@ impl HealthChecker {
         }
         // Learn what it serves when it comes up, then now and then (a redeploy may change it).
         if ok && !r.models_configured && (r.models().is_empty() || passed % 60 == 0) {
-            if let Some(models) = fetch_models(r, self.conf.timeout).await {
+            if let Some(models) = crate::probe::models(r, self.conf.timeout).await {
                 r.set_models(models);
             }
         }
@@ -81,35 +79,4 @@ impl BackgroundService for HealthChecker {
             join_all(self.registry.all().iter().map(|r| self.check(r))).await;
         }
     }
-}
-
-/// `GET /v1/models` of a replica: the ids it lists, or None when it does not answer sensibly.
-async fn fetch_models(r: &Replica, timeout: Duration) -> Option<Vec<String>> {
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(r.socket).await.ok()?;
-        let auth = r
-            .api_key
-            .as_ref()
-            .map_or(String::new(), |k| format!("authorization: Bearer {k}\r\n"));
-        let req = format!(
-            "GET /v1/models HTTP/1.0\r\nhost: {}\r\n{auth}\r\n",
-            r.address
-        );
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut out = Vec::new();
-        s.take(1 << 20).read_to_end(&mut out).await.ok()?;
-        Some(out)
-    };
-    let out = tokio::time::timeout(timeout, exchange).await.ok()??;
-    let split = out.windows(4).position(|w| w == b"\r\n\r\n")?;
-    if !out.starts_with(b"HTTP/1.1 200") && !out.starts_with(b"HTTP/1.0 200") {
-        return None;
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out[split + 4..]).ok()?;
-    let ids: Vec<String> = v["data"]
-        .as_array()?
-        .iter()
-        .filter_map(|m| m["id"].as_str().map(str::to_owned))
-        .collect();
-    (!ids.is_empty()).then_some(ids)
 }

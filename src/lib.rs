@@ -6,10 +6,12 @@
 pub mod access;
 pub mod admin;
 pub mod affinity;
+pub mod api;
 pub mod body;
 pub mod config;
 pub mod health;
 pub mod metrics;
+pub mod probe;
 pub mod proxy;
 pub mod registry;
 pub mod replica;

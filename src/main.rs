@@ -67,15 +67,25 @@ fn main() {
     });
 
     let registry = Arc::new(Registry::new(&conf.replicas, &conf.upstream));
-    let affinity = Arc::new(AffinityTable::new(conf.affinity_capacity));
+    let metrics = &inferlb::metrics::METRICS;
+    let affinity = Arc::new(AffinityTable::new(
+        conf.affinity_capacity,
+        Some(metrics.affinity_entries.clone()),
+    ));
+    let stored = Arc::new(AffinityTable::new(
+        conf.stored_responses_capacity,
+        Some(metrics.stored_responses.clone()),
+    ));
     let health = background_service("health", HealthChecker::new(&conf.health, registry.clone()));
 
     let keeper = StateKeeper {
         affinity: affinity.clone(),
+        stored: stored.clone(),
         registry: registry.clone(),
         path: conf.state_file.clone(),
         interval: std::time::Duration::from_secs(2),
         leaving: leaving.clone(),
+        other_version_seen: Default::default(),
     };
     let learnt = keeper.load();
     if learnt > 0 {
@@ -91,6 +101,7 @@ fn main() {
         Balancer::new(
             registry.clone(),
             affinity,
+            stored,
             conf.clone(),
             max_attempts,
             leaving,

@@ -16,6 +16,7 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     pub draining: IntGaugeVec,
     pub affinity_entries: IntGauge,
+    pub stored_responses: IntGauge,
     pub ttfb: HistogramVec,
     pub stream_errors: IntCounter,
     pub rejected: IntCounterVec,
@@ -54,6 +55,10 @@ fn build() -> Result<Metrics, prometheus::Error> {
         affinity_entries: register_int_gauge!(
             "inferlb_affinity_entries",
             "Served message lists remembered in the affinity table."
+        )?,
+        stored_responses: register_int_gauge!(
+            "inferlb_stored_responses",
+            "Stored Responses ids remembered, each with the replica that stores it."
         )?,
         ttfb: register_histogram_vec!(
             "inferlb_time_to_first_byte_seconds",

@@ -47,12 +47,25 @@ impl Registry {
         self.list
             .iter()
             .filter(|r| model.is_none_or(|m| r.serves(m)))
-            .map(|r| Candidate {
-                handle: r,
-                id: &r.id,
-                available: r.is_live() && !tried.iter().any(|t| Arc::ptr_eq(t, r)),
-                in_flight: r.in_flight(),
+            .map(|r| {
+                let fresh = !tried.iter().any(|t| Arc::ptr_eq(t, r));
+                Candidate {
+                    handle: r,
+                    id: &r.id,
+                    available: fresh && r.is_live(),
+                    reachable: fresh && r.is_reachable(),
+                    in_flight: r.in_flight(),
+                }
             })
+            .collect()
+    }
+
+    /// The replicas that can serve what they hold (drained or not).
+    pub fn reachable(&self) -> Vec<Arc<Replica>> {
+        self.list
+            .iter()
+            .filter(|r| r.is_reachable())
+            .cloned()
             .collect()
     }
 

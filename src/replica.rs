@@ -134,6 +134,10 @@ impl Replica {
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
     }
+    /// Healthy by the checks and not demoted: it can serve what it already holds.
+    pub fn is_reachable(&self) -> bool {
+        self.is_healthy() && !self.is_demoted()
+    }
     /// Healthy by the checks, not demoted by a failed connection, not drained.
     pub fn is_live(&self) -> bool {
         self.is_healthy() && !self.is_demoted() && !self.is_draining()

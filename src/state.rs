@@ -1,4 +1,5 @@
-//! Keeps the affinity table across a binary upgrade (or a restart).
+//! Keeps the affinity table and the stored-responses table across a binary upgrade (or a
+//! restart).
 //!
 //! Each process writes its table to `state_file` every couple of seconds when it changed, and
 //! once more when it shuts down; each process reads the file at start and merges what another
@@ -19,23 +20,37 @@ use pingora_core::services::background::BackgroundService;
 use serde::{Deserialize, Serialize};
 
 use crate::affinity::AffinityTable;
+use crate::api::prompt::HASH_VERSION;
 use crate::registry::Registry;
 
 #[derive(Serialize, Deserialize)]
 struct Snapshot {
+    /// The prompt hash version of `entries`; files from before versions were written are 1.
+    #[serde(default = "first_version")]
+    version: u32,
     /// The writer, so a process does not merge its own snapshot.
     pid: u32,
-    /// (hash of a served message list, replica id), least recently used first.
+    /// (hash of a served prompt, replica id), least recently used first.
     entries: Vec<(u64, String)>,
+    /// (hash of a stored response id, replica id): ids do not depend on the prompt hash.
+    #[serde(default)]
+    stored: Vec<(u64, String)>,
+}
+
+fn first_version() -> u32 {
+    1
 }
 
 pub struct StateKeeper {
     pub affinity: Arc<AffinityTable>,
+    pub stored: Arc<AffinityTable>,
     pub registry: Arc<Registry>,
     pub path: PathBuf,
     pub interval: Duration,
     /// Set when the process starts handing over: save at once, the new process is waiting.
     pub leaving: Arc<AtomicBool>,
+    /// A file of another hash version was seen (and logged) already.
+    pub other_version_seen: AtomicBool,
 }
 
 fn modified(path: &Path) -> Option<SystemTime> {
@@ -43,6 +58,10 @@ fn modified(path: &Path) -> Option<SystemTime> {
 }
 
 impl StateKeeper {
+    fn generation(&self) -> u64 {
+        self.affinity.generation() + self.stored.generation()
+    }
+
     /// Merges the file if another process wrote it; returns how many pins were learnt.
     pub fn load(&self) -> usize {
         let Ok(bytes) = std::fs::read(&self.path) else {
@@ -58,21 +77,36 @@ impl StateKeeper {
         if snapshot.pid == std::process::id() {
             return 0;
         }
-        let entries = snapshot.entries.iter().map(|(h, id)| (*h, id.as_str()));
-        self.affinity
-            .merge(entries, |id| self.registry.get(id).map(|r| r.id.clone()))
+        let resolve = |id: &str| self.registry.get(id).map(|r| r.id.clone());
+        let stored = snapshot.stored.iter().map(|(h, id)| (*h, id.as_str()));
+        let mut learnt = self.stored.merge(stored, resolve);
+        if snapshot.version == HASH_VERSION {
+            let entries = snapshot.entries.iter().map(|(h, id)| (*h, id.as_str()));
+            learnt += self.affinity.merge(entries, resolve);
+        } else if !self.other_version_seen.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "{} holds prompt hashes of version {}, this process uses {HASH_VERSION}: \
+                 its affinity pins are not used (each conversation pays one cold prefill)",
+                self.path.display(),
+                snapshot.version
+            );
+        }
+        learnt
     }
 
     /// Writes the table atomically (a reader never sees half a file).
     pub fn save(&self) -> std::io::Result<()> {
-        let snapshot = Snapshot {
-            pid: std::process::id(),
-            entries: self
-                .affinity
-                .snapshot()
+        let owned = |entries: Vec<(u64, Arc<str>)>| {
+            entries
                 .into_iter()
                 .map(|(h, id)| (h, id.to_string()))
-                .collect(),
+                .collect()
+        };
+        let snapshot = Snapshot {
+            version: HASH_VERSION,
+            pid: std::process::id(),
+            entries: owned(self.affinity.snapshot()),
+            stored: owned(self.stored.snapshot()),
         };
         let tmp = self
             .path
@@ -86,7 +120,7 @@ impl StateKeeper {
 impl BackgroundService for StateKeeper {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut seen = modified(&self.path);
-        let mut saved_generation = self.affinity.generation();
+        let mut saved_generation = self.generation();
         let mut tick = tokio::time::interval(self.interval.min(Duration::from_millis(500)));
         let mut last_save = tokio::time::Instant::now();
         let mut handed_over = false;
@@ -103,7 +137,7 @@ impl BackgroundService for StateKeeper {
                     log::info!("learnt {learnt} affinity pins from {}", self.path.display());
                 }
             }
-            let generation = self.affinity.generation();
+            let generation = self.generation();
             let handing_over = self.leaving.load(Ordering::Relaxed) && !handed_over;
             handed_over |= handing_over;
             if generation != saved_generation
@@ -124,5 +158,81 @@ impl BackgroundService for StateKeeper {
             Ok(()) => log::info!("affinity table saved to {}", self.path.display()),
             Err(e) => log::warn!("cannot write {}: {e}", self.path.display()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{ReplicaConf, UpstreamConf};
+
+    fn keeper(path: PathBuf) -> StateKeeper {
+        let conf = ReplicaConf {
+            id: "gpu0".into(),
+            address: "127.0.0.1:1".into(),
+            api_key: None,
+            models: vec![],
+            socket: "127.0.0.1:1".parse().ok(),
+        };
+        let t = Duration::from_secs(1);
+        let upstream = UpstreamConf {
+            connect_timeout: t,
+            read_timeout: t,
+            write_timeout: t,
+            idle_timeout: t,
+        };
+        StateKeeper {
+            affinity: Arc::new(AffinityTable::new(100, None)),
+            stored: Arc::new(AffinityTable::new(100, None)),
+            registry: Arc::new(Registry::new(&[conf], &upstream)),
+            path,
+            interval: t,
+            leaving: Arc::new(AtomicBool::new(false)),
+            other_version_seen: AtomicBool::new(false),
+        }
+    }
+
+    fn write(path: &Path, version: Option<u32>) {
+        let mut v = serde_json::json!({
+            "pid": 1,
+            "entries": [[7, "gpu0"], [8, "gone"]],
+            "stored": [[9, "gpu0"]],
+        });
+        if let Some(version) = version {
+            v["version"] = version.into();
+        }
+        std::fs::write(path, v.to_string()).expect("write");
+    }
+
+    #[test]
+    fn pins_of_this_hash_version_are_merged_and_unknown_replicas_dropped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        write(&path, Some(HASH_VERSION));
+        let k = keeper(path);
+        assert_eq!(k.load(), 2, "one pin and one stored id");
+        assert_eq!(k.affinity.served_by(7).as_deref(), Some("gpu0"));
+        assert_eq!(k.affinity.served_by(8), None);
+        assert_eq!(k.stored.served_by(9).as_deref(), Some("gpu0"));
+    }
+
+    #[test]
+    fn another_versions_pins_are_not_used_but_stored_ids_are() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        // A file from before versions were written: version 1.
+        write(&path, None);
+        let k = keeper(path.clone());
+        assert_eq!(k.load(), 1);
+        assert!(k.affinity.is_empty());
+        assert_eq!(k.stored.served_by(9).as_deref(), Some("gpu0"));
+        assert!(k.other_version_seen.load(Ordering::Relaxed), "logged");
+        // What this process saves carries its version, and reads back.
+        k.affinity.record(5, &Arc::from("gpu0"));
+        k.save().expect("save");
+        let text = std::fs::read_to_string(&path).expect("read");
+        let saved: Snapshot = serde_json::from_str(&text).expect("json");
+        assert_eq!(saved.version, HASH_VERSION);
+        assert_eq!(saved.entries, vec![(5, "gpu0".to_string())]);
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use inferlb::routing::{Candidate, Mode, Policy};
-use inferlb::shape::classify;
+use inferlb::api::{classify, Family};
 use libfuzzer_sys::fuzz_target;
 
 const IDS: [&str; 5] = ["a", "b", "c", "d", "e"];
@@ -27,10 +27,10 @@ fuzz_target!(|data: &[u8]| {
         let candidates: Vec<Candidate<usize>> = IDS[..count]
             .iter()
             .enumerate()
-            .map(|(i, id)| Candidate { handle: i, id, available: state & (1 << (i + 3)) != 0 || i == 4, in_flight: in_flight[i] })
+            .map(|(i, id)| { let available = state & (1 << (i + 3)) != 0 || i == 4; Candidate { handle: i, id, available, reachable: available, in_flight: in_flight[i] } })
             .collect();
-        let info = classify(body);
-        let decision = policy.decide(&info.shape, &candidates, |h| served.get(&h).copied(), tick);
+        let info = classify(Family::Chat, body);
+        let decision = policy.decide(&info.shape, None, &candidates, |h| served.get(&h).copied(), tick);
         tick += 1;
         match decision {
             Some(d) => {

@@ -2,15 +2,19 @@
 #![no_main]
 
 use inferlb::body::JsonEnd;
-use inferlb::shape::{classify, Shape};
+use inferlb::api::{classify, Family};
+use inferlb::shape::Shape;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let info = classify(data);
+    let family = [Family::Chat, Family::Completions, Family::Responses, Family::Messages]
+        [data.first().map_or(0, |b| *b as usize) % 4];
+    let info = classify(family, data);
     let _ = info.shape.affinity_key();
-    if let Shape::Chat { prefixes } = &info.shape {
-        assert!(!prefixes.is_empty());
-        assert_eq!(info.shape.strict_prefixes().count(), prefixes.len() - 1);
+    if let Shape::Prompt { links } = &info.shape {
+        assert!(links.last().is_some_and(|l| l.part_end));
+        let parts = info.shape.part_ends().count();
+        assert_eq!(info.shape.strict_prefixes().count(), parts - 1);
     }
     let mut whole = JsonEnd::default();
     whole.feed(data);

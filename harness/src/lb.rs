@@ -81,6 +81,10 @@ pub struct LbConf {
     pub api_keys: Vec<String>,
     /// kv | json | off
     pub access_log: Option<String>,
+    /// A request header naming a session (e.g. `x-session-id`).
+    pub session_header: Option<String>,
+    pub stored_responses_capacity: Option<usize>,
+    pub stored_lookup_timeout_seconds: Option<f64>,
     /// After the replicas [`Lb::start`] adds for the sims it is given.
     pub replicas: Vec<Replica>,
     /// Further lines at the end of the `inferlb:` section, indented by two spaces, for rare keys.
@@ -175,6 +179,15 @@ impl LbConf {
         }
         if let Some(v) = &self.access_log {
             line!("  access_log: {v}");
+        }
+        if let Some(v) = &self.session_header {
+            line!("  session_header: {}", yaml_str(v));
+        }
+        if let Some(v) = self.stored_responses_capacity {
+            line!("  stored_responses_capacity: {v}");
+        }
+        if let Some(v) = self.stored_lookup_timeout_seconds {
+            line!("  stored_lookup_timeout_seconds: {v}");
         }
         line!("  replicas:");
         for r in &self.replicas {
@@ -365,6 +378,9 @@ mod tests {
             state_file: Some("/d/state.json".into()),
             api_keys: vec!["k1".into(), "k2".into()],
             access_log: Some("json".into()),
+            session_header: Some("x-session-id".into()),
+            stored_responses_capacity: Some(5),
+            stored_lookup_timeout_seconds: Some(0.5),
             replicas: vec![
                 Replica::new("gpu0", "127.0.0.1:3"),
                 Replica {
@@ -397,6 +413,9 @@ mod tests {
             \x20 state_file: \"/d/state.json\"\n\
             \x20 api_keys: [\"k1\", \"k2\"]\n\
             \x20 access_log: json\n\
+            \x20 session_header: \"x-session-id\"\n\
+            \x20 stored_responses_capacity: 5\n\
+            \x20 stored_lookup_timeout_seconds: 0.5\n\
             \x20 replicas:\n\
             \x20   - {id: \"gpu0\", address: \"127.0.0.1:3\"}\n\
             \x20   - {id: \"gpu1\", address: \"127.0.0.1:4\", api_key: \"secret\", models: [\"a\", \"b\"], weight: 2}\n\

@@ -1,11 +1,13 @@
-//! The answers inferlb writes itself, in OpenAI's shapes: errors, `/v1/models`, and the error
-//! event that ends a stream a replica cut.
+//! The answers inferlb writes itself, in the caller's API's shapes (OpenAI's, or Anthropic's
+//! on `/v1/messages`): errors, `/v1/models`, and the error event that ends a stream a replica
+//! cut.
 
 use bytes::Bytes;
 use pingora_core::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 
+use crate::api::Family;
 use crate::metrics::METRICS;
 
 /// A request answered before any replica saw it.
@@ -32,12 +34,52 @@ pub fn openai_error(status: u16, message: &str) -> Bytes {
     Bytes::from(body.to_string())
 }
 
-/// The SSE event that ends a stream its replica cut, so the client sees an error, never a
-/// silent truncation that looks like success.
-pub fn stream_error_event(message: &str) -> Bytes {
-    let mut event = b"data: ".to_vec();
-    event.extend_from_slice(&openai_error(502, message));
-    event.extend_from_slice(b"\n\n");
+/// An error body in Anthropic's JSON shape, its type named as Anthropic names them.
+pub fn anthropic_error(status: u16, message: &str) -> Bytes {
+    let kind = match status {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        503 | 529 => "overloaded_error",
+        _ => "api_error",
+    };
+    let body = serde_json::json!({"type": "error", "error": {"type": kind, "message": message}});
+    Bytes::from(body.to_string())
+}
+
+/// An error body in the shape of `family`'s API.
+pub fn error_body(family: Family, status: u16, message: &str) -> Bytes {
+    if family.is_anthropic() {
+        anthropic_error(status, message)
+    } else {
+        openai_error(status, message)
+    }
+}
+
+/// The SSE event that ends a stream its replica cut, in the stream's own API's shape, so the
+/// client sees an error, never a silent truncation that looks like success.
+pub fn stream_error_event(family: Family, message: &str) -> Bytes {
+    let event = match family {
+        Family::Chat | Family::Completions => {
+            format!(
+                "data: {}\n\n",
+                String::from_utf8_lossy(&openai_error(502, message))
+            )
+        }
+        Family::Messages => format!(
+            "event: error\ndata: {}\n\n",
+            String::from_utf8_lossy(&anthropic_error(502, message))
+        ),
+        Family::Responses => {
+            let body = serde_json::json!({
+                "type": "error", "code": "server_error", "message": message, "param": null
+            });
+            format!("event: error\ndata: {body}\n\n")
+        }
+    };
     Bytes::from(event)
 }
 
@@ -58,17 +100,22 @@ pub async fn respond_json(session: &mut Session, status: u16, body: Bytes) -> Re
     session.write_response_body(Some(body), true).await
 }
 
-pub async fn respond_error(session: &mut Session, status: u16, message: &str) -> Result<()> {
-    respond_json(session, status, openai_error(status, message)).await
+pub async fn respond_error(
+    session: &mut Session,
+    family: Family,
+    status: u16,
+    message: &str,
+) -> Result<()> {
+    respond_json(session, status, error_body(family, status, message)).await
 }
 
 /// Answers a refused request and counts it.
-pub async fn refuse(session: &mut Session, r: &Refusal) -> Result<()> {
+pub async fn refuse(session: &mut Session, family: Family, r: &Refusal) -> Result<()> {
     METRICS.rejected.with_label_values(&[r.reason]).inc();
     if r.close {
         session.set_keepalive(None);
     }
-    respond_error(session, r.status, &r.message).await?;
+    respond_error(session, family, r.status, &r.message).await?;
     // Read and drop what the client is still sending, for a moment, before closing: closing on
     // unread data resets the connection, and a client still uploading would see the reset
     // instead of this answer (a lingering close, as nginx does). Not when it waits for
@@ -103,13 +150,42 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_error_is_one_sse_data_event() {
-        let e = stream_error_event("cut");
-        let text = std::str::from_utf8(&e).expect("utf-8");
-        assert!(
-            text.starts_with("data: {") && text.ends_with("}\n\n"),
-            "{text}"
-        );
+    fn anthropic_errors_have_anthropic_shape() {
+        for (status, kind) in [
+            (400, "invalid_request_error"),
+            (401, "authentication_error"),
+            (404, "not_found_error"),
+            (413, "request_too_large"),
+            (502, "api_error"),
+            (503, "overloaded_error"),
+        ] {
+            let v: serde_json::Value =
+                serde_json::from_slice(&error_body(Family::Messages, status, "why")).expect("json");
+            assert_eq!(v["type"], "error");
+            assert_eq!(v["error"]["type"], kind, "{status}");
+            assert_eq!(v["error"]["message"], "why");
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(&error_body(Family::Responses, 503, "x")).expect("json");
+        assert_eq!(v["error"]["type"], "service_unavailable");
+    }
+
+    #[test]
+    fn a_stream_error_is_one_sse_event_in_each_apis_shape() {
+        for (family, head, kind) in [
+            (Family::Chat, "data: ", None),
+            (Family::Completions, "data: ", None),
+            (Family::Messages, "event: error\ndata: ", Some("error")),
+            (Family::Responses, "event: error\ndata: ", Some("error")),
+        ] {
+            let e = stream_error_event(family, "cut");
+            let text = std::str::from_utf8(&e).expect("utf-8");
+            let data = text.strip_prefix(head).expect(head);
+            let data = data.strip_suffix("\n\n").expect("one event");
+            let v: serde_json::Value = serde_json::from_str(data).expect("json");
+            assert_eq!(v["type"].as_str(), kind, "{family:?}");
+            assert!(data.contains("cut"));
+        }
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! - a pooled connection the replica had already closed: try again without blaming it;
 //! - a replica slow to answer is still working: no retry (it would double its load), 504;
 //! - once the client got a byte, or the body cannot be sent again: never retry;
-//! - the client's own failure blames no replica.
+//! - the client's own failure blames no replica;
+//! - a request about a stored response is stateful: only the replica that stores it can serve
+//!   it, so it is never sent elsewhere.
 
 /// What went wrong with one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +44,8 @@ pub struct Attempt {
     pub attempt: u32,
     /// Attempts allowed for one request (`max_retries`).
     pub max_attempts: u32,
+    /// Only this replica can serve it (a stored response).
+    pub stateful: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,12 +76,10 @@ pub fn verdict(a: &Attempt) -> Verdict {
         demote: false,
         retry: Retry::No,
     };
-    let retry_if_allowed = |retry| {
-        if a.attempt < a.max_attempts {
-            retry
-        } else {
-            Retry::No
-        }
+    let retry_if_allowed = |retry| match retry {
+        _ if a.attempt >= a.max_attempts => Retry::No,
+        Retry::Elsewhere if a.stateful => Retry::No,
+        retry => retry,
     };
     match a.failure {
         // Nothing was sent: demoting is always right, retrying even after the client got
@@ -142,6 +144,17 @@ mod tests {
     /// (what failed, client got bytes, body replayable, attempt of 4) → verdict, final status.
     type Row = (Failure, bool, bool, u32, Verdict, Option<u16>, &'static str);
 
+    fn attempt(failure: Failure, client_got_bytes: bool, body_replayable: bool, n: u32) -> Attempt {
+        Attempt {
+            failure,
+            client_got_bytes,
+            body_replayable,
+            attempt: n,
+            max_attempts: 4,
+            stateful: false,
+        }
+    }
+
     #[test]
     fn every_failover_rule_of_the_readme() {
         use Failure::*;
@@ -166,16 +179,28 @@ mod tests {
             (ClientBad, false, true, 1, END, Some(400), "nor does a bad request"),
             (Internal, false, true, 1, END, Some(500), "nor does inferlb's own failure"),
         ];
-        for &(failure, client_got_bytes, body_replayable, attempt, want, status, why) in rows {
-            let a = Attempt {
-                failure,
-                client_got_bytes,
-                body_replayable,
-                attempt,
-                max_attempts: 4,
-            };
+        for &(failure, client_got_bytes, body_replayable, n, want, status, why) in rows {
+            let a = attempt(failure, client_got_bytes, body_replayable, n);
             assert_eq!(verdict(&a), want, "{why}: {a:?}");
             assert_eq!(final_status(failure), status, "{why}");
+        }
+    }
+
+    #[test]
+    fn a_stored_response_never_fails_over_but_its_replica_is_still_demoted() {
+        use Failure::*;
+        for (failure, want) in [
+            (Connect, DEMOTE_END),
+            (Broken, DEMOTE_END),
+            (Status(503), DEMOTE_END),
+            (ReadTimeout, END),
+            (StalePooled, SAME),
+        ] {
+            let a = Attempt {
+                stateful: true,
+                ..attempt(failure, false, true, 1)
+            };
+            assert_eq!(verdict(&a), want, "{failure:?}");
         }
     }
 

@@ -20,13 +20,14 @@ use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 
 use crate::access;
 use crate::affinity::AffinityTable;
+use crate::api::{classify, stored_response_path, Family, RequestInfo};
 use crate::body::{BodyLimits, BodyReplay};
 use crate::config::Config;
 use crate::metrics::{code_class, METRICS};
 use crate::registry::Registry;
 use crate::replica::{InFlight, Replica};
-use crate::routing::{Policy, Route};
-use crate::shape::{classify, RequestInfo, Shape};
+use crate::routing::{self, Policy, Route};
+use crate::shape::Shape;
 use crate::usage::{Usage, UsageReader};
 use answers::Refusal;
 use errors::{failure_of, reason, Seen};
@@ -35,6 +36,8 @@ use failover::{Attempt, Failure, Retry, Verdict};
 pub struct Balancer {
     registry: Arc<Registry>,
     affinity: Arc<AffinityTable>,
+    /// Stored Responses ids (hashed, see [`stored_key`]) → the replica that stores each.
+    stored: Arc<AffinityTable>,
     policy: Policy,
     conf: Arc<Config>,
     /// Attempts allowed for one request (Pingora's `max_retries`).
@@ -47,6 +50,7 @@ impl Balancer {
     pub fn new(
         registry: Arc<Registry>,
         affinity: Arc<AffinityTable>,
+        stored: Arc<AffinityTable>,
         conf: Arc<Config>,
         max_attempts: usize,
         leaving: Arc<AtomicBool>,
@@ -58,6 +62,7 @@ impl Balancer {
             },
             registry,
             affinity,
+            stored,
             conf,
             max_attempts: max_attempts.try_into().unwrap_or(u32::MAX),
             leaving,
@@ -65,12 +70,24 @@ impl Balancer {
     }
 }
 
+/// The key of a stored response id in the `stored` table.
+pub fn stored_key(id: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(id.as_bytes())
+}
+
 /// One request's life.
 pub struct Ctx {
     arrived: Instant,
     request_id: String,
+    family: Family,
     body: BodyReplay,
     info: Option<RequestInfo>,
+    /// The session key from the configured session header.
+    session: Option<u64>,
+    /// The replica that stores the response this request is about.
+    owner: Option<Arc<Replica>>,
+    /// This answer's stored response id was recorded.
+    id_learnt: bool,
     /// Replicas this request already tried, in order; the last one is the current attempt.
     tried: Vec<Arc<Replica>>,
     in_flight: Option<InFlight>,
@@ -133,13 +150,46 @@ impl Balancer {
             }
         }
         if !ctx.body.bytes().is_empty() {
-            ctx.info = Some(classify(ctx.body.bytes()));
+            ctx.info = Some(classify(ctx.family, ctx.body.bytes()));
         }
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref())?;
         (!self.registry.knows_model(model)).then(|| Refusal {
             status: 404,
             reason: "unknown_model",
             message: format!("The model `{model}` does not exist."),
+            close: false,
+        })
+    }
+
+    /// The replica that stores the response this request continues or names, if inferlb knows
+    /// it or a replica says so when asked; a refusal when that replica is unavailable (no other
+    /// replica has it, and a silent 404 from one would mislead).
+    async fn find_owner(&self, path: &str, ctx: &mut Ctx) -> Option<Refusal> {
+        let info = ctx.info.as_ref();
+        let id = info.and_then(|i| i.previous_response_id.as_deref());
+        let id = id.or_else(|| stored_response_path(path))?.to_owned();
+        let known = self.stored.served_by(stored_key(&id));
+        let owner = match known.and_then(|owner| self.registry.get(&owner).cloned()) {
+            Some(owner) => owner,
+            None => {
+                let among = self.registry.reachable();
+                let timeout = self.conf.stored_lookup_timeout;
+                let found = crate::probe::stored_response(&among, &id, timeout).await?;
+                self.stored.record(stored_key(&id), &found.id);
+                found
+            }
+        };
+        if owner.is_reachable() {
+            ctx.owner = Some(owner);
+            return None;
+        }
+        Some(Refusal {
+            status: 503,
+            reason: "stored_unavailable",
+            message: format!(
+                "the stored response {id} is on replica {}, which is unavailable; no other replica has it",
+                owner.id
+            ),
             close: false,
         })
     }
@@ -181,6 +231,7 @@ impl Balancer {
             body_replayable: ctx.body.replayable(session),
             attempt: ctx.attempts,
             max_attempts: self.max_attempts,
+            stateful: ctx.owner.is_some(),
         }
     }
 
@@ -192,6 +243,14 @@ impl Balancer {
             }
             if end_of_stream {
                 ctx.usage = reader.finish();
+            }
+            // A stream announces its id first; a JSON answer has it once finished.
+            let replica = ctx.in_flight.as_ref().map(InFlight::replica);
+            if let (false, Some(id), Some(r)) = (ctx.id_learnt, reader.response_id(), replica) {
+                self.stored.record(stored_key(id), &r.id);
+                ctx.id_learnt = true;
+            }
+            if end_of_stream {
                 ctx.usage_reader = None;
                 if let (Some(u), Some(r)) = (ctx.usage, ctx.current()) {
                     METRICS
@@ -231,8 +290,10 @@ impl Balancer {
         }
         let served_whole = e.is_none() && (200..300).contains(&status);
         let key = ctx.info.as_ref().and_then(|i| i.shape.served_key());
-        if let (true, Some(key), Some(r)) = (served_whole, key, served_by.as_ref()) {
-            self.affinity.record(key, &r.id);
+        if let (true, Some(r)) = (served_whole, served_by.as_ref()) {
+            for key in key.into_iter().chain(ctx.session) {
+                self.affinity.record(key, &r.id);
+            }
         }
         if !log::log_enabled!(target: "access", log::Level::Info) {
             return;
@@ -268,8 +329,12 @@ impl ProxyHttp for Balancer {
         Ctx {
             arrived: Instant::now(),
             request_id: String::new(),
+            family: Family::Chat,
             body: BodyReplay::default(),
             info: None,
+            session: None,
+            owner: None,
+            id_learnt: false,
             tried: Vec::new(),
             in_flight: None,
             route: None,
@@ -283,13 +348,23 @@ impl ProxyHttp for Balancer {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.arrived = Instant::now();
-        ctx.request_id = request::request_id(session.req_header().headers.get("x-request-id"));
+        let req = session.req_header();
+        ctx.request_id = request::request_id(req.headers.get("x-request-id"));
+        ctx.family = Family::of(req.uri.path());
+        ctx.session = request::session_key(self.conf.session_header.as_deref(), req);
         let refusal = match self.check_head(session.req_header()) {
             Some(r) => Some(r),
             None => self.read_request(session, ctx).await,
         };
+        let refusal = match refusal {
+            Some(r) => Some(r),
+            None => {
+                let path = session.req_header().uri.path().to_owned();
+                self.find_owner(&path, ctx).await
+            }
+        };
         if let Some(r) = refusal {
-            answers::refuse(session, &r).await?;
+            answers::refuse(session, ctx.family, &r).await?;
             return Ok(true);
         }
         let req = session.req_header();
@@ -306,9 +381,16 @@ impl ProxyHttp for Balancer {
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
         let candidates = self.registry.candidates(&ctx.tried, model);
         let served_by = |h| self.affinity.served_by(h);
-        let decision = self
-            .policy
-            .decide(shape, &candidates, served_by, self.registry.tick());
+        let decision = match &ctx.owner {
+            Some(owner) => routing::stored(&owner.id, &candidates),
+            None => self.policy.decide(
+                shape,
+                ctx.session,
+                &candidates,
+                served_by,
+                self.registry.tick(),
+            ),
+        };
         let Some(decision) = decision else {
             let (path, tried) = (session.req_header().uri.path(), ctx.tried.len());
             log::warn!("no live replica for {path} (tried {tried})");
@@ -402,7 +484,7 @@ impl ProxyHttp for Balancer {
                 .headers
                 .get("content-type")
                 .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-            ctx.usage_reader = Some(UsageReader::new(sse));
+            ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
         }
         Ok(())
     }
@@ -474,8 +556,8 @@ impl ProxyHttp for Balancer {
             // request in that race.
             METRICS.stream_errors.inc();
             if ctx.info.as_ref().is_some_and(|i| i.stream) {
-                let event =
-                    answers::stream_error_event(&format!("the replica's stream broke: {e}"));
+                let message = format!("the replica's stream broke: {e}");
+                let event = answers::stream_error_event(ctx.family, &message);
                 let _ = session.write_response_body(Some(event), false).await;
             }
             return done;
@@ -488,7 +570,7 @@ impl ProxyHttp for Balancer {
             504 => format!("the replica did not answer in time: {e}"),
             _ => format!("{e}"),
         };
-        let _ = answers::respond_error(session, code, &message).await;
+        let _ = answers::respond_error(session, ctx.family, code, &message).await;
         FailToProxy {
             error_code: code,
             ..done

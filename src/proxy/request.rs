@@ -56,6 +56,15 @@ pub fn request_id(given: Option<&http::HeaderValue>) -> String {
     format!("{}-{:x}", *PREFIX, NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
+/// The session key of a request that carries the configured session header.
+pub fn session_key(header: Option<&str>, req: &RequestHeader) -> Option<u64> {
+    let value = req.headers.get(header?)?.as_bytes();
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(b"inferlb-session\0");
+    h.update(value);
+    (!value.is_empty()).then(|| h.digest())
+}
+
 /// Bytes of the header block, roughly as sent.
 pub fn header_bytes(req: &RequestHeader) -> usize {
     req.headers
@@ -64,8 +73,9 @@ pub fn header_bytes(req: &RequestHeader) -> usize {
         .sum()
 }
 
-/// Client keys guard the OpenAI API (`/v1/...`), as vLLM's `--api-key` does. Every key is
-/// compared in constant time, so timing does not reveal how much of a key matched.
+/// Client keys guard the API (`/v1/...`), as vLLM's `--api-key` does: `Authorization: Bearer`
+/// as OpenAI's SDKs send it, or `x-api-key` as Anthropic's do. Every key is compared in
+/// constant time, so timing does not reveal how much of a key matched.
 pub fn authorized(keys: &[String], req: &RequestHeader) -> bool {
     if keys.is_empty() || !req.uri.path().starts_with("/v1") {
         return true;
@@ -74,6 +84,7 @@ pub fn authorized(keys: &[String], req: &RequestHeader) -> bool {
         .headers
         .get("authorization")
         .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .or_else(|| req.headers.get("x-api-key").map(|v| v.as_bytes()))
         .unwrap_or(b"");
     keys.iter()
         .fold(subtle::Choice::from(0), |ok, key| {
@@ -125,6 +136,23 @@ mod tests {
     }
 
     #[test]
+    fn a_session_key_comes_from_the_configured_header_only() {
+        let r = req("/v1/x", &[("x-session-id", "abc")]);
+        assert!(session_key(Some("x-session-id"), &r).is_some());
+        assert_eq!(session_key(None, &r), None);
+        assert_eq!(session_key(Some("x-other"), &r), None);
+        let other = req("/v1/x", &[("x-session-id", "abd")]);
+        assert_ne!(
+            session_key(Some("x-session-id"), &r),
+            session_key(Some("x-session-id"), &other)
+        );
+        assert_eq!(
+            session_key(Some("x-session-id"), &req("/", &[("x-session-id", "")])),
+            None
+        );
+    }
+
+    #[test]
     fn keys_guard_only_the_api() {
         let keys = vec!["sk-secret-1".to_string()];
         assert!(authorized(&[], &req("/v1/chat/completions", &[])));
@@ -137,5 +165,11 @@ mod tests {
         let wrong = req("/v1/models", &[("authorization", "Bearer sk-secret-2")]);
         assert!(!authorized(&keys, &wrong));
         assert!(authorized(&keys, &req("/health", &[])));
+        let anthropic = req("/v1/messages", &[("x-api-key", "sk-secret-1")]);
+        assert!(authorized(&keys, &anthropic));
+        assert!(!authorized(
+            &keys,
+            &req("/v1/messages", &[("x-api-key", "sk-secret")])
+        ));
     }
 }

@@ -3,18 +3,18 @@
 
 use super::spread::least_busy;
 use super::{Candidate, Route};
-use crate::shape::Shape;
 
-/// `available` is never empty.
+/// `homes` are the keys that may name a home, strongest first (the session, then the longest
+/// strict prefix); `available` is never empty.
 pub fn decide<'c, 'a, H, S: AsRef<str>>(
     spill_margin: Option<usize>,
-    shape: &Shape,
+    mut homes: impl Iterator<Item = u64>,
     available: &[&'c Candidate<'a, H>],
     served_by: impl Fn(u64) -> Option<S>,
     tick: u64,
 ) -> (&'c Candidate<'a, H>, Route) {
-    // The longest strict prefix that was served names the warm replica.
-    let Some(home) = shape.strict_prefixes().find_map(&served_by) else {
+    // The first key that was served names the warm replica.
+    let Some(home) = homes.find_map(&served_by) else {
         return (least_busy(available, tick), Route::Spread);
     };
     let Some(home) = available.iter().find(|c| c.id == home.as_ref()) else {

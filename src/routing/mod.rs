@@ -53,6 +53,8 @@ pub enum Route {
     Spread,
     /// `affinity` mode: chosen by the hash of the prefix.
     Hashed,
+    /// A request about a stored response (Responses API), sent to the replica that stores it.
+    Stored,
     /// `roundrobin` mode.
     RoundRobin,
 }
@@ -65,6 +67,7 @@ impl Route {
             Route::Spilled => "spilled",
             Route::Spread => "spread",
             Route::Hashed => "hashed",
+            Route::Stored => "stored",
             Route::RoundRobin => "roundrobin",
         }
     }
@@ -84,6 +87,8 @@ pub struct Candidate<'a, H> {
     pub id: &'a str,
     /// Healthy, not demoted, not drained, and not already tried by this request.
     pub available: bool,
+    /// Healthy, not demoted and not tried, drained or not: it can still serve what it stores.
+    pub reachable: bool,
     pub in_flight: usize,
 }
 
@@ -105,11 +110,14 @@ pub struct Policy {
 impl Policy {
     /// Chooses a replica, or `None` when no candidate is available.
     ///
-    /// `served_by(h)` answers which replica (by id) served the message list whose hash is `h`;
-    /// `tick` is a fresh value of the caller's counter (it breaks ties and drives roundrobin).
+    /// `served_by(h)` answers which replica (by id) served the prompt whose hash is `h`, or
+    /// the session whose key is `h`; `session` is the request's session key, which names its
+    /// home before any prompt prefix does. `tick` is a fresh value of the caller's counter (it
+    /// breaks ties and drives roundrobin).
     pub fn decide<H: Copy, S: AsRef<str>>(
         &self,
         shape: &Shape,
+        session: Option<u64>,
         candidates: &[Candidate<'_, H>],
         served_by: impl Fn(u64) -> Option<S>,
         tick: u64,
@@ -125,7 +133,8 @@ impl Policy {
                 Route::Hashed,
             ),
             Mode::Adaptive => {
-                adaptive::decide(self.spill_margin, shape, &available, served_by, tick)
+                let homes = session.into_iter().chain(shape.strict_prefixes());
+                adaptive::decide(self.spill_margin, homes, &available, served_by, tick)
             }
         };
         Some(Decision {
@@ -133,6 +142,16 @@ impl Policy {
             route,
         })
     }
+}
+
+/// A request about a stored response goes to the replica that stores it, drained or not, and
+/// nowhere else: `None` when that replica cannot be reached.
+pub fn stored<H: Copy>(owner: &str, candidates: &[Candidate<'_, H>]) -> Option<Decision<H>> {
+    let c = candidates.iter().find(|c| c.id == owner && c.reachable)?;
+    Some(Decision {
+        replica: c.handle,
+        route: Route::Stored,
+    })
 }
 
 #[cfg(test)]

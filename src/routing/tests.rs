@@ -1,7 +1,11 @@
 //! Table and property tests of the policies, replayed on a stand-in for the balancer's state.
 
 use super::*;
-use crate::shape::classify;
+use crate::api::{classify as classify_in, Family};
+
+fn classify(body: &[u8]) -> crate::api::RequestInfo {
+    classify_in(Family::Chat, body)
+}
 use proptest::prelude::*;
 use std::collections::HashMap;
 
@@ -13,6 +17,8 @@ struct Bench {
     in_flight: HashMap<String, usize>,
     served: HashMap<u64, String>,
     tick: u64,
+    /// The session key the next requests carry.
+    session: Option<u64>,
 }
 
 impl Bench {
@@ -27,6 +33,7 @@ impl Bench {
             in_flight: HashMap::new(),
             served: HashMap::new(),
             tick: 0,
+            session: None,
         }
     }
 
@@ -40,12 +47,14 @@ impl Bench {
                 handle: id.as_str(),
                 id,
                 available: !self.down.contains(id),
+                reachable: !self.down.contains(id),
                 in_flight: *self.in_flight.get(id).unwrap_or(&0),
             })
             .collect();
         let served = &self.served;
         let d = self.policy.decide(
             &info.shape,
+            self.session,
             &candidates,
             |h| served.get(&h).map(|s| s.as_str()),
             self.tick,
@@ -53,7 +62,7 @@ impl Bench {
         let (replica, route) = (d.replica.to_string(), d.route);
         self.tick += 1;
         *self.in_flight.entry(replica.clone()).or_default() += 1;
-        if let Some(k) = info.shape.served_key() {
+        for k in info.shape.served_key().into_iter().chain(self.session) {
             self.served.insert(k, replica.clone());
         }
         Some((replica, route))
@@ -276,4 +285,63 @@ proptest! {
             if flags & 0x80 != 0 { b.finish_all(); }
         }
     }
+
+}
+
+#[test]
+fn a_session_key_pins_unrelated_prompts_to_its_first_replica() {
+    let mut b = Bench::new(Mode::Adaptive, &["gpu0", "gpu1", "gpu2"]);
+    b.session = Some(42);
+    let (home, route) = b.route(&chat(&["first"])).expect("routed");
+    assert_eq!(route, Route::Spread);
+    for i in 0..5 {
+        // Fresh prompts that share nothing: the session alone names the home.
+        let (r, route) = b.route(&chat(&[&format!("other {i}")])).expect("routed");
+        assert_eq!(
+            (r.as_str(), route),
+            (home.as_str(), Route::Pinned),
+            "request {i}"
+        );
+    }
+    // Its home goes down: it moves, and the pin follows.
+    b.down = vec![home.clone()];
+    let (moved, route) = b.route(&chat(&["again"])).expect("routed");
+    assert_eq!(route, Route::Repinned);
+    b.down.clear();
+    let (r, route) = b.route(&chat(&["and again"])).expect("routed");
+    assert_eq!((r, route), (moved, Route::Pinned));
+    // Without the key, content decides again.
+    b.session = None;
+    assert_eq!(b.route(&chat(&["new"])).expect("routed").1, Route::Spread);
+}
+
+#[test]
+fn a_stored_response_goes_to_its_owner_drained_or_not_and_nowhere_else() {
+    let c = |id: &'static str, available: bool, reachable: bool| Candidate {
+        handle: id,
+        id,
+        available,
+        reachable,
+        in_flight: 0,
+    };
+    let fleet = [
+        c("a", true, true),
+        c("b", false, true),
+        c("c", false, false),
+    ];
+    assert_eq!(
+        stored("a", &fleet).map(|d| (d.replica, d.route)),
+        Some(("a", Route::Stored))
+    );
+    assert_eq!(
+        stored("b", &fleet).map(|d| d.replica),
+        Some("b"),
+        "a drained owner still serves it"
+    );
+    assert_eq!(
+        stored("c", &fleet),
+        None,
+        "down or already tried: no other replica has it"
+    );
+    assert_eq!(stored("z", &fleet), None);
 }
