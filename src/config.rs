@@ -41,6 +41,8 @@ pub struct Config {
     pub stored_responses_capacity: usize,
     /// How long to ask the replicas about a stored response id inferlb does not know.
     pub stored_lookup_timeout: Duration,
+    /// How often each replica's `/metrics` is read for its load (`prefill_cost`).
+    pub load_poll_interval: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -59,6 +61,9 @@ pub struct ReplicaConf {
     /// `address`, resolved once by validation.
     #[serde(skip)]
     pub socket: Option<SocketAddr>,
+    /// Its prefix cache's capacity in tokens; when omitted, learnt from its `/metrics`.
+    #[serde(default)]
+    pub cache_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -102,6 +107,7 @@ struct RawSection {
     session_header: Option<String>,
     stored_responses_capacity: usize,
     stored_lookup_timeout_seconds: f64,
+    load_poll_interval_seconds: f64,
 }
 
 impl Default for RawSection {
@@ -124,6 +130,7 @@ impl Default for RawSection {
             session_header: None,
             stored_responses_capacity: 100_000,
             stored_lookup_timeout_seconds: 2.0,
+            load_poll_interval_seconds: 0.25,
         }
     }
 }
@@ -311,6 +318,13 @@ fn validate(raw: RawSection) -> Result<Config, String> {
             ));
         }
         use std::net::ToSocketAddrs;
+        if let Some(t) = r.cache_tokens {
+            if !(1024..=1_000_000_000).contains(&t) {
+                return Err(format!(
+                    "inferlb.replicas[{i}].cache_tokens: {t} is not a cache size (1024 to 1e9 tokens)"
+                ));
+            }
+        }
         match r.address.to_socket_addrs().map(|mut a| a.next()) {
             Ok(Some(socket)) => r.socket = Some(socket),
             _ => {
@@ -395,6 +409,7 @@ fn validate(raw: RawSection) -> Result<Config, String> {
             "stored_lookup_timeout_seconds",
             raw.stored_lookup_timeout_seconds,
         )?,
+        load_poll_interval: seconds("load_poll_interval_seconds", raw.load_poll_interval_seconds)?,
     })
 }
 
@@ -472,6 +487,14 @@ inferlb:
             (
                 format!("{GOOD}  stored_responses_capacity: 0\n"),
                 "stored_responses_capacity",
+            ),
+            (
+                GOOD.replace("8002}", "8002, cache_tokens: 0}"),
+                "replicas[1].cache_tokens",
+            ),
+            (
+                GOOD.replace("8001}", "8001, cache_tokens: 99999999999999}"),
+                "replicas[0].cache_tokens",
             ),
             (
                 format!("{GOOD}  stored_lookup_timeout_seconds: -1\n"),

@@ -10,6 +10,8 @@ pub mod api;
 pub mod body;
 pub mod config;
 pub mod health;
+pub mod index;
+pub mod load;
 pub mod metrics;
 pub mod probe;
 pub mod proxy;

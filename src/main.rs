@@ -77,6 +77,7 @@ fn main() {
         Some(metrics.stored_responses.clone()),
     ));
     let health = background_service("health", HealthChecker::new(&conf.health, registry.clone()));
+    let registry_for_load = registry.clone();
 
     let keeper = StateKeeper {
         affinity: affinity.clone(),
@@ -120,6 +121,13 @@ fn main() {
         conf.routing,
         conf.replicas.len()
     );
+    if conf.routing == inferlb::routing::Mode::PrefillCost {
+        let load = inferlb::load::LoadReader {
+            registry: registry_for_load,
+            interval: conf.load_poll_interval,
+        };
+        server.add_service(background_service("replica load", load));
+    }
     server.add_service(health);
     server.add_service(state);
     server.add_service(proxy);

@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::replica::Replica;
 
 /// `GET path` on `r`: the status and body, or None when it does not answer in time.
-async fn get(r: &Replica, path: &str, timeout: Duration) -> Option<(u16, Vec<u8>)> {
+pub(crate) async fn get(r: &Replica, path: &str, timeout: Duration) -> Option<(u16, Vec<u8>)> {
     let exchange = async {
         let mut s = tokio::net::TcpStream::connect(r.socket).await.ok()?;
         let auth = r

@@ -7,6 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::api::prompt::Link;
 use crate::config::{ReplicaConf, UpstreamConf};
 use crate::replica::Replica;
 use crate::routing::Candidate;
@@ -38,11 +39,13 @@ impl Registry {
 
     /// The policy's view of the pool serving `model`; `tried` replicas are not available to
     /// this request again. Each candidate carries its replica as the handle the decision
-    /// hands back.
+    /// hands back. With the prompt's `links`, each says how much of it the replica likely
+    /// holds (its prefix index); without, nothing is looked up.
     pub fn candidates<'a>(
         &'a self,
         tried: &[Arc<Replica>],
         model: Option<&str>,
+        links: &[Link],
     ) -> Vec<Candidate<'a, &'a Arc<Replica>>> {
         self.list
             .iter()
@@ -55,6 +58,13 @@ impl Registry {
                     available: fresh && r.is_live(),
                     reachable: fresh && r.is_reachable(),
                     in_flight: r.in_flight(),
+                    cached_tokens: if links.is_empty() {
+                        0
+                    } else {
+                        r.index.cached_tokens(links)
+                    },
+                    queued_tokens: r.queued_tokens(),
+                    running: r.running(),
                 }
             })
             .collect()

@@ -14,7 +14,11 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::Backend;
 
 use crate::config::{ReplicaConf, UpstreamConf};
+use crate::index::PrefixIndex;
 use crate::metrics::METRICS;
+
+/// The cache capacity assumed for a replica that neither the conf nor its `/metrics` sizes.
+pub const DEFAULT_CACHE_TOKENS: u64 = 1_000_000;
 
 pub struct Replica {
     /// The configured id: metrics, logs, headers and the affinity table name it.
@@ -46,6 +50,26 @@ pub struct Replica {
     models: RwLock<Arc<[String]>>,
     /// Passing health checks since start: models are re-learnt every so often.
     checks_passed: AtomicU64,
+    /// What it was sent, bounded by its cache capacity.
+    pub index: PrefixIndex,
+    /// The conf fixed `cache_tokens`: never replaced by what the replica says.
+    pub cache_configured: bool,
+    load: Load,
+}
+
+/// Prefill queued and decodes running, as this process sees them and as the replica reports.
+#[derive(Default)]
+struct Load {
+    /// Uncached prompt tokens of requests sent from here that have no first byte yet.
+    queued_tokens: AtomicU64,
+    /// How many such requests.
+    waiting: AtomicUsize,
+    /// A running mean of the uncached tokens of a request sent from here.
+    mean_uncached: AtomicU64,
+    /// From the replica's `/metrics` (all clients, all balancers), while fresh.
+    reported_waiting: AtomicU64,
+    reported_running: AtomicU64,
+    reported: AtomicBool,
 }
 
 /// Consecutive check results, as Pingora's checker counts them: `threshold` results against
@@ -119,6 +143,9 @@ impl Replica {
             in_flight: AtomicUsize::new(0),
             models: RwLock::new(Arc::from(conf.models.clone())),
             checks_passed: AtomicU64::new(0),
+            index: PrefixIndex::new(conf.cache_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
+            cache_configured: conf.cache_tokens.is_some(),
+            load: Load::default(),
         }
     }
 
@@ -171,6 +198,64 @@ impl Replica {
             .with_label_values(&[&self.id])
             .set(n as i64);
         InFlight(self.clone())
+    }
+
+    /// Prefill tokens queued on it: what this process sent that has no first byte yet, plus,
+    /// when the replica reports more requests waiting than that, the others at the mean size.
+    pub fn queued_tokens(&self) -> u64 {
+        let l = &self.load;
+        let local = l.queued_tokens.load(Ordering::Relaxed);
+        if !l.reported.load(Ordering::Relaxed) {
+            return local;
+        }
+        let mine = l.waiting.load(Ordering::Relaxed) as u64;
+        let others = l
+            .reported_waiting
+            .load(Ordering::Relaxed)
+            .saturating_sub(mine);
+        local + others * l.mean_uncached.load(Ordering::Relaxed)
+    }
+
+    /// Requests it runs: past their first byte here, or as it reports, whichever is more.
+    pub fn running(&self) -> usize {
+        let l = &self.load;
+        let local = self
+            .in_flight()
+            .saturating_sub(l.waiting.load(Ordering::Relaxed));
+        if !l.reported.load(Ordering::Relaxed) {
+            return local;
+        }
+        local.max(l.reported_running.load(Ordering::Relaxed) as usize)
+    }
+
+    /// What its `/metrics` says now; `None` when it could not be read (local counts only).
+    pub fn set_reported_load(&self, waiting_running: Option<(u64, u64)>) {
+        let l = &self.load;
+        if let Some((waiting, running)) = waiting_running {
+            l.reported_waiting.store(waiting, Ordering::Relaxed);
+            l.reported_running.store(running, Ordering::Relaxed);
+        }
+        l.reported
+            .store(waiting_running.is_some(), Ordering::Relaxed);
+    }
+
+    /// Counts `uncached` prompt tokens as queued on it until the guard is released or drops.
+    pub fn queue_prefill(self: &Arc<Self>, uncached: u64) -> QueuedPrefill {
+        let l = &self.load;
+        l.queued_tokens.fetch_add(uncached, Ordering::Relaxed);
+        l.waiting.fetch_add(1, Ordering::Relaxed);
+        // A mean over roughly the last 16 requests.
+        let mean = l.mean_uncached.load(Ordering::Relaxed);
+        let next = if mean == 0 {
+            uncached
+        } else {
+            (mean * 15 + uncached) / 16
+        };
+        l.mean_uncached.store(next, Ordering::Relaxed);
+        QueuedPrefill {
+            replica: self.clone(),
+            tokens: uncached,
+        }
     }
 
     /// A connection to it failed: it gets no new requests until a health check passes.
@@ -235,6 +320,20 @@ impl Replica {
             .draining
             .with_label_values(&[&self.id])
             .set(draining as i64);
+    }
+}
+
+/// Prefill a request still waits for on a replica; released at its first byte (or its end).
+pub struct QueuedPrefill {
+    replica: Arc<Replica>,
+    tokens: u64,
+}
+
+impl Drop for QueuedPrefill {
+    fn drop(&mut self) {
+        let l = &self.replica.load;
+        l.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        l.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -328,6 +427,7 @@ mod tests {
             api_key: None,
             models: vec![],
             socket: address.parse().ok(),
+            cache_tokens: None,
         };
         let upstream = crate::config::UpstreamConf {
             connect_timeout: std::time::Duration::from_secs(1),
@@ -361,5 +461,25 @@ mod tests {
         assert!(a.is_live() && b.is_live());
         b.set_draining(true);
         assert!(a.is_live() && !b.is_live());
+    }
+
+    #[test]
+    fn queued_prefill_is_local_until_the_replica_reports_more() {
+        let r = Arc::new(replica("a", "127.0.0.1:1"));
+        let a = r.queue_prefill(1000);
+        let _flight = r.start();
+        let _flight2 = r.start();
+        assert_eq!((r.queued_tokens(), r.running()), (1000, 1));
+        // The replica reports 3 waiting (one is ours) and 5 running: two others at the mean.
+        r.set_reported_load(Some((3, 5)));
+        assert_eq!((r.queued_tokens(), r.running()), (3000, 5));
+        drop(a);
+        assert_eq!(r.queued_tokens(), 3 * 1000, "now three others, at the mean");
+        r.set_reported_load(None);
+        assert_eq!(
+            (r.queued_tokens(), r.running()),
+            (0, 2),
+            "stale: local counts only"
+        );
     }
 }

@@ -17,11 +17,7 @@ pub enum Shape {
 impl Shape {
     /// The hashes naming each prefix of whole parts: `i` names parts `0..=i`.
     pub fn part_ends(&self) -> impl DoubleEndedIterator<Item = u64> + '_ {
-        let links: &[Link] = match self {
-            Shape::Prompt { links } => links,
-            Shape::Other { .. } => &[],
-        };
-        links.iter().filter(|l| l.part_end).map(|l| l.hash)
+        self.links().iter().filter(|l| l.part_end).map(|l| l.hash)
     }
 
     /// The hash the `affinity` policy pins by: the first part, or the first bytes.
@@ -39,7 +35,25 @@ impl Shape {
 
     /// Hashes of strict prefixes (at least one part shorter), longest first.
     pub fn strict_prefixes(&self) -> impl Iterator<Item = u64> + '_ {
-        self.part_ends().rev().skip(1)
+        self.strict_prefix_links().map(|l| l.hash)
+    }
+
+    /// The links ending strict prefixes of whole parts, longest first.
+    pub fn strict_prefix_links(&self) -> impl Iterator<Item = &Link> + '_ {
+        self.links().iter().filter(|l| l.part_end).rev().skip(1)
+    }
+
+    /// Every link of the prompt's chain (none for `Other`).
+    pub fn links(&self) -> &[Link] {
+        match self {
+            Shape::Prompt { links } => links,
+            Shape::Other { .. } => &[],
+        }
+    }
+
+    /// The prompt's size in tokens, estimated at 4 bytes a token.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.links().last().map_or(0, |l| l.bytes / 4)
     }
 }
 

@@ -173,6 +173,7 @@ mod tests {
             api_key: None,
             models: vec![],
             socket: "127.0.0.1:1".parse().ok(),
+            cache_tokens: None,
         };
         let t = Duration::from_secs(1);
         let upstream = UpstreamConf {

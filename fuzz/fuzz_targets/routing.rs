@@ -12,7 +12,7 @@ const IDS: [&str; 5] = ["a", "b", "c", "d", "e"];
 
 fuzz_target!(|data: &[u8]| {
     let Some((&head, rest)) = data.split_first() else { return };
-    let mode = [Mode::Adaptive, Mode::Affinity, Mode::RoundRobin][head as usize % 3];
+    let mode = [Mode::Adaptive, Mode::Affinity, Mode::RoundRobin, Mode::PrefillCost][head as usize % 4];
     let policy = Policy { mode, spill_margin: (head & 8 != 0).then_some(1 + (head as usize >> 4)) };
     let mut served: HashMap<u64, &str> = HashMap::new();
     let mut in_flight = [0usize; 5];
@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
         let candidates: Vec<Candidate<usize>> = IDS[..count]
             .iter()
             .enumerate()
-            .map(|(i, id)| { let available = state & (1 << (i + 3)) != 0 || i == 4; Candidate { handle: i, id, available, reachable: available, in_flight: in_flight[i] } })
+            .map(|(i, id)| { let available = state & (1 << (i + 3)) != 0 || i == 4; Candidate { handle: i, id, available, reachable: available, in_flight: in_flight[i], cached_tokens: (state as u64) << i, queued_tokens: in_flight[i] as u64 * 1000, running: in_flight[i] } })
             .collect();
         let info = classify(Family::Chat, body);
         let decision = policy.decide(&info.shape, None, &candidates, |h| served.get(&h).copied(), tick);

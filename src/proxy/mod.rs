@@ -25,8 +25,8 @@ use crate::body::{BodyLimits, BodyReplay};
 use crate::config::Config;
 use crate::metrics::{code_class, METRICS};
 use crate::registry::Registry;
-use crate::replica::{InFlight, Replica};
-use crate::routing::{self, Policy, Route};
+use crate::replica::{InFlight, QueuedPrefill, Replica};
+use crate::routing::{self, Mode, Policy, Route};
 use crate::shape::Shape;
 use crate::usage::{Usage, UsageReader};
 use answers::Refusal;
@@ -91,6 +91,8 @@ pub struct Ctx {
     /// Replicas this request already tried, in order; the last one is the current attempt.
     tried: Vec<Arc<Replica>>,
     in_flight: Option<InFlight>,
+    /// The current attempt's prefill, queued on its replica until the first byte.
+    prefill: Option<QueuedPrefill>,
     route: Option<Route>,
     attempts: u32,
     /// Set once the first response byte went to the client: nothing is retried after it.
@@ -267,6 +269,7 @@ impl Balancer {
         if ctx.first_byte_at.is_none() {
             let now = Instant::now();
             ctx.first_byte_at = Some(now);
+            ctx.prefill = None;
             let route = ctx.route.map_or("none", Route::as_str);
             METRICS
                 .ttfb
@@ -278,7 +281,8 @@ impl Balancer {
     /// The request is over: count it, remember what was served, write the access log.
     fn finish(&self, session: &Session, e: Option<&Error>, ctx: &mut Ctx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        // Taking the guard releases the in-flight count now, not when Pingora drops the ctx.
+        // Taking the guards releases the counts now, not when Pingora drops the ctx.
+        ctx.prefill = None;
         let served_by = ctx.in_flight.take().map(|f| f.replica().clone());
         let replica = served_by.as_ref().map_or("none", |r| &*r.id);
         let route = ctx.route.map_or("none", Route::as_str);
@@ -337,6 +341,7 @@ impl ProxyHttp for Balancer {
             id_learnt: false,
             tried: Vec::new(),
             in_flight: None,
+            prefill: None,
             route: None,
             attempts: 0,
             first_byte_at: None,
@@ -379,7 +384,10 @@ impl ProxyHttp for Balancer {
     async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
         let shape = ctx.info.as_ref().map_or(&NOT_CHAT, |i| &i.shape);
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
-        let candidates = self.registry.candidates(&ctx.tried, model);
+        // Only the cost policy looks at what each replica holds and has queued.
+        let cost = self.policy.mode == Mode::PrefillCost;
+        let links = if cost { shape.links() } else { &[] };
+        let candidates = self.registry.candidates(&ctx.tried, model, links);
         let served_by = |h| self.affinity.served_by(h);
         let decision = match &ctx.owner {
             Some(owner) => routing::stored(&owner.id, &candidates),
@@ -400,6 +408,14 @@ impl ProxyHttp for Balancer {
             ));
         };
         let replica = decision.replica.clone();
+        if cost {
+            let held = candidates.iter().find(|c| Arc::ptr_eq(c.handle, &replica));
+            let uncached = shape
+                .prompt_tokens()
+                .saturating_sub(held.map_or(0, |c| c.cached_tokens));
+            ctx.prefill = Some(replica.queue_prefill(uncached));
+            replica.index.record(links);
+        }
         let peer = Box::new(replica.peer.clone());
         ctx.attempts += 1;
         ctx.route = Some(decision.route);

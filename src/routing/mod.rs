@@ -12,6 +12,7 @@ use std::fmt;
 use crate::shape::Shape;
 
 mod adaptive;
+pub mod cost;
 mod spread;
 
 /// Which policy the balancer runs.
@@ -24,6 +25,9 @@ pub enum Mode {
     Affinity,
     /// Continuations go back to the replica that served their prefix; the rest spreads.
     Adaptive,
+    /// The replica with the least prefill to do for this request, its queue included.
+    #[serde(rename = "prefill_cost")]
+    PrefillCost,
 }
 
 impl std::str::FromStr for Mode {
@@ -33,8 +37,9 @@ impl std::str::FromStr for Mode {
             "roundrobin" => Ok(Mode::RoundRobin),
             "affinity" => Ok(Mode::Affinity),
             "adaptive" => Ok(Mode::Adaptive),
+            "prefill_cost" => Ok(Mode::PrefillCost),
             other => Err(format!(
-                "unknown routing mode {other:?}: expected roundrobin, affinity or adaptive"
+                "unknown routing mode {other:?}: expected roundrobin, affinity, adaptive or prefill_cost"
             )),
         }
     }
@@ -55,6 +60,8 @@ pub enum Route {
     Hashed,
     /// A request about a stored response (Responses API), sent to the replica that stores it.
     Stored,
+    /// `prefill_cost`: to the replica likely holding the longest prefix of the prompt.
+    Prefix,
     /// `roundrobin` mode.
     RoundRobin,
 }
@@ -68,6 +75,7 @@ impl Route {
             Route::Spread => "spread",
             Route::Hashed => "hashed",
             Route::Stored => "stored",
+            Route::Prefix => "prefix",
             Route::RoundRobin => "roundrobin",
         }
     }
@@ -90,6 +98,12 @@ pub struct Candidate<'a, H> {
     /// Healthy, not demoted and not tried, drained or not: it can still serve what it stores.
     pub reachable: bool,
     pub in_flight: usize,
+    /// Tokens of this request's prompt it likely holds in its prefix cache (`prefill_cost`).
+    pub cached_tokens: u64,
+    /// Prefill tokens already queued on it: requests that have not produced a first token.
+    pub queued_tokens: u64,
+    /// Requests it is running (decoding or prefilling).
+    pub running: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,6 +149,18 @@ impl Policy {
             Mode::Adaptive => {
                 let homes = session.into_iter().chain(shape.strict_prefixes());
                 adaptive::decide(self.spill_margin, homes, &available, served_by, tick)
+            }
+            Mode::PrefillCost => {
+                // The session names its home outright; an exact continuation with the tokens
+                // of the prefix its home served.
+                let session_home = session.and_then(&served_by).map(|id| (id, 0));
+                let home = session_home.or_else(|| {
+                    shape
+                        .strict_prefix_links()
+                        .find_map(|l| served_by(l.hash).map(|id| (id, l.bytes / 4)))
+                });
+                let home = home.as_ref().map(|(id, tokens)| (id.as_ref(), *tokens));
+                cost::decide(shape.prompt_tokens(), home, &available, tick)
             }
         };
         Some(Decision {

@@ -1,0 +1,148 @@
+//! The prefix index: per replica, the chained chunk hashes of every prompt it was sent, bounded
+//! by its cache capacity in tokens and evicted least recently used first, as the replica's own
+//! prefix cache evicts. Lookup gives the tokens of the longest prefix of a prompt the replica
+//! likely still holds.
+//!
+//! A link's hash names the whole prompt up to it (see `api::prompt`), so holding link `i`
+//! means the replica was sent everything before it: the held links of a prompt are a leading
+//! run, found by binary search. One lock per replica, held for that search or for one
+//! prompt's links: work bounded by the prompt, never by the index.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use lru::LruCache;
+
+use crate::api::prompt::Link;
+
+/// Bytes of prompt per token, as the estimate everywhere else in inferlb.
+pub const BYTES_PER_TOKEN: u64 = 4;
+
+pub struct PrefixIndex {
+    inner: Mutex<Held>,
+    capacity_tokens: AtomicU64,
+}
+
+struct Held {
+    /// Link hash → the tokens it covers beyond the previous link.
+    links: LruCache<u64, u32>,
+    tokens: u64,
+}
+
+impl PrefixIndex {
+    pub fn new(capacity_tokens: u64) -> PrefixIndex {
+        PrefixIndex {
+            inner: Mutex::new(Held {
+                links: LruCache::unbounded(),
+                tokens: 0,
+            }),
+            capacity_tokens: AtomicU64::new(capacity_tokens),
+        }
+    }
+
+    pub fn capacity_tokens(&self) -> u64 {
+        self.capacity_tokens.load(Ordering::Relaxed)
+    }
+
+    /// A new capacity (learnt from the replica); takes effect at the next record.
+    pub fn set_capacity_tokens(&self, tokens: u64) {
+        self.capacity_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Tokens of the longest prefix of `links` this replica likely holds.
+    pub fn cached_tokens(&self, links: &[Link]) -> u64 {
+        let Ok(held) = self.inner.lock() else {
+            return 0;
+        };
+        let n = links.partition_point(|l| held.links.contains(&l.hash));
+        n.checked_sub(1)
+            .map_or(0, |i| links[i].bytes / BYTES_PER_TOKEN)
+    }
+
+    /// The replica was sent the prompt `links`: each link becomes most recently used, and the
+    /// least recently used go while over capacity. Links are touched from the last to the
+    /// first, so a prompt's tail goes before its beginning, as vLLM evicts a sequence's later
+    /// blocks first.
+    pub fn record(&self, links: &[Link]) {
+        let capacity = self.capacity_tokens();
+        let Ok(mut held) = self.inner.lock() else {
+            return;
+        };
+        for (i, l) in links.iter().enumerate().rev() {
+            let before = i.checked_sub(1).map_or(0, |p| links[p].bytes);
+            let tokens = (l.bytes.saturating_sub(before) / BYTES_PER_TOKEN).max(1) as u32;
+            if held.links.put(l.hash, tokens).is_none() {
+                held.tokens += u64::from(tokens);
+            }
+        }
+        while held.tokens > capacity {
+            match held.links.pop_lru() {
+                Some((_, t)) => held.tokens -= u64::from(t),
+                None => break,
+            }
+        }
+    }
+
+    /// (links held, tokens they cover).
+    pub fn size(&self) -> (usize, u64) {
+        self.inner
+            .lock()
+            .map_or((0, 0), |h| (h.links.len(), h.tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::prompt::{PromptHasher, CHUNK_BYTES};
+
+    fn prompt(parts: &[&str]) -> Vec<Link> {
+        let mut h = PromptHasher::new("m");
+        for p in parts {
+            h.begin_part("user");
+            h.text(p);
+        }
+        h.finish()
+    }
+
+    #[test]
+    fn the_longest_held_prefix_in_tokens() {
+        let idx = PrefixIndex::new(1_000_000);
+        let history = "h".repeat(8 * CHUNK_BYTES);
+        let a = prompt(&[&history, "question a"]);
+        assert_eq!(idx.cached_tokens(&a), 0);
+        idx.record(&a);
+        assert_eq!(idx.cached_tokens(&a), a.last().expect("links").bytes / 4);
+        // A sibling that shares the history: held up to the history's end.
+        let b = prompt(&[&history, "question b"]);
+        let history_end = a.iter().find(|l| l.part_end).expect("a part end").bytes / 4;
+        assert_eq!(idx.cached_tokens(&b), history_end);
+        // An edit inside the history: held up to the last whole chunk before it.
+        let mut edited = history.clone();
+        edited.replace_range(5 * CHUNK_BYTES..5 * CHUNK_BYTES + 1, "X");
+        let c = prompt(&[&edited, "question a"]);
+        let held = idx.cached_tokens(&c);
+        assert!(
+            held >= 4 * CHUNK_BYTES as u64 / 4 && held <= 5 * CHUNK_BYTES as u64 / 4,
+            "{held}"
+        );
+    }
+
+    #[test]
+    fn capacity_bounds_it_and_the_least_recent_go_first() {
+        // Room for about two 4-chunk prompts.
+        let idx = PrefixIndex::new(2 * 4 * CHUNK_BYTES as u64 / 4 + 10);
+        let p: Vec<Vec<Link>> = (0..3)
+            .map(|i| prompt(&[&format!("{i}").repeat(4 * CHUNK_BYTES - 8)]))
+            .collect();
+        idx.record(&p[0]);
+        idx.record(&p[1]);
+        idx.record(&p[0]); // p0 used again: p1 is now the least recent
+        idx.record(&p[2]);
+        assert!(idx.cached_tokens(&p[0]) > 0);
+        assert_eq!(idx.cached_tokens(&p[1]), 0);
+        assert!(idx.cached_tokens(&p[2]) > 0);
+        let (_, tokens) = idx.size();
+        assert!(tokens <= idx.capacity_tokens(), "{tokens}");
+    }
+}
