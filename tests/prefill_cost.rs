@@ -1,0 +1,109 @@
+//! `prefill_cost` routing against real simulated replicas: a same-prefix burst still splits,
+//! an agent loop stays on its warm replica, a fork of a long history goes home while home is
+//! idle, and each replica's cache size is learnt from its `/metrics`.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use serde_json::Value;
+
+fn conf() -> LbConf {
+    LbConf {
+        routing: Some("prefill_cost".into()),
+        ..test_conf()
+    }
+}
+
+/// About `tokens` simulator tokens (4 bytes each), distinct per `seed`.
+fn text(seed: &str, tokens: usize) -> String {
+    let mut t = String::new();
+    let mut i = 0;
+    while t.len() < tokens * 4 {
+        t.push_str(&format!("{seed}-{i} "));
+        i += 1;
+    }
+    t.truncate(tokens * 4);
+    t
+}
+
+fn send(lb: &Lb, messages: &[(&str, &str)]) -> (String, String, Value) {
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(messages, false, 2))
+        .send()
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
+    let (replica, route) = (h("x-inferlb-replica"), h("x-inferlb-route"));
+    (replica, route, r.json().expect("json"))
+}
+
+#[test]
+fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Slow enough that the burst's prefills overlap.
+    let (_a, _b, lb) = cluster(dir.path(), &["--speed", "2"], conf());
+    let system = text("shared system prompt", 4000);
+    let port = lb.port;
+    let burst: Vec<_> = (0..16)
+        .map(|i| {
+            let system = system.clone();
+            std::thread::spawn(move || {
+                let body = chat_body(&[("system", &system), ("user", &format!("task {i}"))], false, 2);
+                let r = http()
+                    .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .expect("send");
+                r.headers()["x-inferlb-replica"].to_str().expect("header").to_string()
+            })
+        })
+        .collect();
+    let mut count: HashMap<String, usize> = HashMap::new();
+    for t in burst {
+        *count.entry(t.join().expect("thread")).or_default() += 1;
+    }
+    let most = count.values().copied().max().unwrap_or(0);
+    assert!(most <= 10, "a same-prefix burst must not pile onto one card: {count:?}");
+
+    // An agent loop: every turn after the first on the first turn's replica.
+    let context = text("agent context", 6000);
+    let mut history = vec![("system".to_string(), context), ("user".to_string(), "go".to_string())];
+    let mut home = String::new();
+    for turn in 0..5 {
+        let refs: Vec<(&str, &str)> = history.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        let (replica, route, resp) = send(&lb, &refs);
+        if turn == 0 {
+            home = replica;
+        } else {
+            assert_eq!((replica.as_str(), route.as_str()), (home.as_str(), "pinned"), "turn {turn}");
+            let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+            assert!(cached.unwrap_or(0) >= 5000, "turn {turn} warm: {resp}");
+        }
+        let reply = resp["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
+        history.push(("assistant".into(), reply));
+        history.push(("user".into(), format!("turn {turn}")));
+    }
+}
+
+#[test]
+fn a_fork_of_a_long_history_goes_to_the_replica_that_holds_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_a, _b, lb) = cluster(dir.path(), &[], conf());
+    let long = text("long history", 15_000);
+    let (home, _, _) = send(&lb, &[("user", &long), ("assistant", "ok"), ("user", "first")]);
+    for s in 0..6 {
+        // Siblings: the same history, another last question; sent one after another (idle home).
+        let q = format!("sibling {s}");
+        let (replica, route, resp) = send(&lb, &[("user", &long), ("assistant", "ok"), ("user", &q)]);
+        assert_eq!(replica, home, "sibling {s} ({route})");
+        assert!(route == "pinned" || route == "prefix", "{route}");
+        let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+        assert!(cached.unwrap_or(0) >= 14_000, "sibling {s}: {resp}");
+    }
+    // Fresh work shares nothing with it: it spreads.
+    let (_, route, _) = send(&lb, &[("user", "something unrelated")]);
+    assert_eq!(route, "spread");
+}
