@@ -25,11 +25,11 @@ deps:
 build: deps
 	$(CARGO) build --$(PROFILE) --workspace --bins
 
-# The openai SDK and pytest, in a virtual environment under the build tree.
+# The openai and anthropic SDKs and pytest, in a virtual environment under the build tree.
 VENV := target/venv
 $(VENV)/.done:
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check openai pytest
+	$(VENV)/bin/pip install -q --disable-pip-version-check openai anthropic pytest
 	touch $@
 
 # Two simulated replicas on :8001/:8002 and the balancer on :7770 (admin/metrics on :7771).
