@@ -27,7 +27,8 @@ build: deps
 
 # The openai and anthropic SDKs and pytest, in a virtual environment under the build tree.
 VENV := target/venv
-$(VENV)/.done:
+# Rebuilt when this Makefile changes (a package added here reaches existing venvs too).
+$(VENV)/.done: Makefile
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check openai anthropic pytest
 	touch $@

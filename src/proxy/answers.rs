@@ -92,30 +92,44 @@ pub fn models_list(models: &[String]) -> Bytes {
     Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string())
 }
 
-pub async fn respond_json(session: &mut Session, status: u16, body: Bytes) -> Result<()> {
-    let mut resp = ResponseHeader::build(status, Some(3))?;
+/// An answer with no replica behind it; it carries the request's id like every other.
+pub async fn respond_json(
+    session: &mut Session,
+    request_id: &str,
+    status: u16,
+    body: Bytes,
+) -> Result<()> {
+    let mut resp = ResponseHeader::build(status, Some(4))?;
     resp.insert_header("content-type", "application/json")?;
     resp.insert_header("content-length", body.len().to_string())?;
+    resp.insert_header("x-request-id", request_id)?;
     session.write_response_header(Box::new(resp), false).await?;
     session.write_response_body(Some(body), true).await
 }
 
 pub async fn respond_error(
     session: &mut Session,
+    request_id: &str,
     family: Family,
     status: u16,
     message: &str,
 ) -> Result<()> {
-    respond_json(session, status, error_body(family, status, message)).await
+    let body = error_body(family, status, message);
+    respond_json(session, request_id, status, body).await
 }
 
 /// Answers a refused request and counts it.
-pub async fn refuse(session: &mut Session, family: Family, r: &Refusal) -> Result<()> {
+pub async fn refuse(
+    session: &mut Session,
+    request_id: &str,
+    family: Family,
+    r: &Refusal,
+) -> Result<()> {
     METRICS.rejected.with_label_values(&[r.reason]).inc();
     if r.close {
         session.set_keepalive(None);
     }
-    respond_error(session, family, r.status, &r.message).await?;
+    respond_error(session, request_id, family, r.status, &r.message).await?;
     // Read and drop what the client is still sending, for a moment, before closing: closing on
     // unread data resets the connection, and a client still uploading would see the reset
     // instead of this answer (a lingering close, as nginx does). Not when it waits for

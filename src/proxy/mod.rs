@@ -84,8 +84,9 @@ pub struct Ctx {
     info: Option<RequestInfo>,
     /// The session key from the configured session header.
     session: Option<u64>,
-    /// The replica that stores the response this request is about.
+    /// The replica that stores the response this request is about, and that response's id.
     owner: Option<Arc<Replica>>,
+    stored_id: Option<String>,
     /// This answer's stored response id was recorded.
     id_learnt: bool,
     /// Replicas this request already tried, in order; the last one is the current attempt.
@@ -183,6 +184,7 @@ impl Balancer {
         };
         if owner.is_reachable() {
             ctx.owner = Some(owner);
+            ctx.stored_id = Some(id);
             return None;
         }
         Some(Refusal {
@@ -193,6 +195,46 @@ impl Balancer {
                 owner.id
             ),
             close: false,
+        })
+    }
+
+    /// The status and message a request that failed before any byte ends with; `None` when
+    /// the client is gone. Messages name the replica and the reason, never its address.
+    fn final_answer(&self, e: &Error, ctx: &Ctx) -> Option<(u16, String)> {
+        let code = failover::final_status(failure_of(e, Seen::Final))?;
+        let replica = ctx.current().map_or("none", |r| &*r.id);
+        let why = reason(e);
+        Some(match (code, &ctx.stored_id) {
+            // Only that replica has the response: say so, whatever broke.
+            (502..=504, Some(id)) => {
+                let owner = ctx.owner.as_ref().map_or(replica, |o| &*o.id);
+                let message = format!(
+                    "the stored response {id} is on replica {owner}, which is unavailable ({why}); no other replica has it"
+                );
+                (503, message)
+            }
+            (503, _) if ctx.current().is_none() => {
+                (503, "no live replica can serve this request".into())
+            }
+            (503, _) => {
+                let message = format!(
+                    "replica {replica} answered 503 and no other replica could take the request"
+                );
+                (503, message)
+            }
+            (504, _) => {
+                let limit = self.conf.upstream.read_timeout;
+                (
+                    504,
+                    format!("replica {replica} did not answer within {limit:?}"),
+                )
+            }
+            (502, _) => (
+                502,
+                format!("replica {replica} failed before answering ({why})"),
+            ),
+            (400, _) => (400, format!("the request could not be read ({why})")),
+            (code, _) => (code, format!("inferlb could not serve the request ({why})")),
         })
     }
 
@@ -338,6 +380,7 @@ impl ProxyHttp for Balancer {
             info: None,
             session: None,
             owner: None,
+            stored_id: None,
             id_learnt: false,
             tried: Vec::new(),
             in_flight: None,
@@ -369,13 +412,13 @@ impl ProxyHttp for Balancer {
             }
         };
         if let Some(r) = refusal {
-            answers::refuse(session, ctx.family, &r).await?;
+            answers::refuse(session, &ctx.request_id, ctx.family, &r).await?;
             return Ok(true);
         }
         let req = session.req_header();
         if req.method == http::Method::GET && req.uri.path() == "/v1/models" {
             let body = answers::models_list(&self.registry.all_models());
-            answers::respond_json(session, 200, body).await?;
+            answers::respond_json(session, &ctx.request_id, 200, body).await?;
             return Ok(true);
         }
         Ok(false)
@@ -402,6 +445,9 @@ impl ProxyHttp for Balancer {
         let Some(decision) = decision else {
             let (path, tried) = (session.req_header().uri.path(), ctx.tried.len());
             log::warn!("no live replica for {path} (tried {tried})");
+            // No replica holds this request any more.
+            ctx.in_flight = None;
+            ctx.prefill = None;
             return Err(Error::explain(
                 ErrorType::HTTPStatus(503),
                 "no live replica",
@@ -572,21 +618,17 @@ impl ProxyHttp for Balancer {
             // request in that race.
             METRICS.stream_errors.inc();
             if ctx.info.as_ref().is_some_and(|i| i.stream) {
-                let message = format!("the replica's stream broke: {e}");
+                let replica = ctx.current().map_or("none", |r| &*r.id);
+                let message = format!("replica {replica}'s stream broke ({})", reason(e));
                 let event = answers::stream_error_event(ctx.family, &message);
                 let _ = session.write_response_body(Some(event), false).await;
             }
             return done;
         }
-        let Some(code) = failover::final_status(failure_of(e, Seen::Final)) else {
+        let Some((code, message)) = self.final_answer(e, ctx) else {
             return done;
         };
-        let message = match code {
-            503 => "no live replica can serve this request".to_string(),
-            504 => format!("the replica did not answer in time: {e}"),
-            _ => format!("{e}"),
-        };
-        let _ = answers::respond_error(session, ctx.family, code, &message).await;
+        let _ = answers::respond_error(session, &ctx.request_id, ctx.family, code, &message).await;
         FailToProxy {
             error_code: code,
             ..done
