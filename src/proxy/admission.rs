@@ -1,0 +1,102 @@
+//! What is settled before a replica is chosen: the request head (size, key), the body and what
+//! routing reads from it, and for a stored response, the replica that stores it.
+
+use pingora_http::RequestHeader;
+use pingora_proxy::Session;
+
+use super::answers::Refusal;
+use super::{request, stored_key, Balancer, Ctx};
+use crate::api::{classify, stored_response_path};
+use crate::body::{BodyLimits, BodyReplay};
+
+impl Balancer {
+    /// What the request head alone settles: its size and its key.
+    pub(super) fn check_head(&self, req: &RequestHeader) -> Option<Refusal> {
+        let limit = self.conf.max_header_bytes;
+        if request::header_bytes(req) > limit {
+            return Some(Refusal {
+                status: 431,
+                reason: "headers_too_large",
+                message: format!("request headers are larger than the limit of {limit} bytes"),
+                close: true,
+            });
+        }
+        if !request::authorized(&self.conf.api_keys, req) {
+            return Some(Refusal {
+                status: 401,
+                reason: "unauthorized",
+                message: "Incorrect API key provided: send `Authorization: Bearer <key>`".into(),
+                close: true,
+            });
+        }
+        None
+    }
+
+    /// Reads the body and learns what routing needs from it; or why not.
+    pub(super) async fn read_request(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+    ) -> Option<Refusal> {
+        let limits = BodyLimits {
+            max_bytes: self.conf.max_body_bytes,
+            read_timeout: self.conf.body_read_timeout,
+        };
+        match BodyReplay::read(session, limits).await {
+            Ok(body) => ctx.body = body,
+            // The rest of an unread body may still be on the wire: close after answering.
+            Err(e) => {
+                return Some(Refusal {
+                    status: e.status(),
+                    reason: e.reason(),
+                    message: e.message(),
+                    close: true,
+                })
+            }
+        }
+        if !ctx.body.bytes().is_empty() {
+            ctx.info = Some(classify(ctx.family, ctx.body.bytes()));
+        }
+        let model = ctx.info.as_ref().and_then(|i| i.model.as_deref())?;
+        (!self.registry.knows_model(model)).then(|| Refusal {
+            status: 404,
+            reason: "unknown_model",
+            message: format!("The model `{model}` does not exist."),
+            close: false,
+        })
+    }
+
+    /// The replica that stores the response this request continues or names, if inferlb knows
+    /// it or a replica says so when asked; a refusal when that replica is unavailable (no other
+    /// replica has it, and a silent 404 from one would mislead).
+    pub(super) async fn find_owner(&self, path: &str, ctx: &mut Ctx) -> Option<Refusal> {
+        let info = ctx.info.as_ref();
+        let id = info.and_then(|i| i.previous_response_id.as_deref());
+        let id = id.or_else(|| stored_response_path(path))?.to_owned();
+        let known = self.stored.served_by(stored_key(&id));
+        let owner = match known.and_then(|owner| self.registry.get(&owner).cloned()) {
+            Some(owner) => owner,
+            None => {
+                let among = self.registry.reachable();
+                let timeout = self.conf.stored_lookup_timeout;
+                let found = crate::probe::stored_response(&among, &id, timeout).await?;
+                self.stored.record(stored_key(&id), &found.id);
+                found
+            }
+        };
+        if owner.is_reachable() {
+            ctx.owner = Some(owner);
+            ctx.stored_id = Some(id);
+            return None;
+        }
+        Some(Refusal {
+            status: 503,
+            reason: "stored_unavailable",
+            message: format!(
+                "the stored response {id} is on replica {}, which is unavailable; no other replica has it",
+                owner.id
+            ),
+            close: false,
+        })
+    }
+}

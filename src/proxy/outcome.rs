@@ -1,0 +1,221 @@
+//! Choosing a replica for an attempt, and what became of it: a failed attempt's verdict
+//! applied, the final answer when nothing reached the client, the response observed as it
+//! passes, and the request's end (counts, the affinity table, the access log).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use pingora_core::Error;
+use pingora_proxy::Session;
+
+use super::errors::{failure_of, reason, Seen};
+use super::failover::{self, Attempt, Failure, Retry, Verdict};
+use super::{stored_key, Balancer, Ctx, NOT_CHAT};
+use crate::access;
+use crate::metrics::{code_class, METRICS};
+use crate::replica::{InFlight, Replica};
+use crate::routing::{self, Mode, Route};
+
+impl Balancer {
+    /// The replica for the next attempt and why; `None` when no replica can take it. Under
+    /// `prefill_cost` the chosen replica's index and queued prefill account for it at once, so
+    /// the next request of a burst sees it.
+    pub(super) fn choose(&self, ctx: &mut Ctx) -> Option<(Arc<Replica>, Route)> {
+        let shape = ctx.info.as_ref().map_or(&NOT_CHAT, |i| &i.shape);
+        let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
+        // Only the cost policy looks at what each replica holds and has queued.
+        let cost = self.policy.mode == Mode::PrefillCost;
+        let links = if cost { shape.links() } else { &[] };
+        let candidates = self.registry.candidates(&ctx.tried, model, links);
+        let served_by = |h| self.affinity.served_by(h);
+        let tick = self.registry.tick();
+        let decision = match &ctx.owner {
+            Some(owner) => routing::stored(&owner.id, &candidates),
+            None => self
+                .policy
+                .decide(shape, ctx.session, &candidates, served_by, tick),
+        }?;
+        let replica = decision.replica.clone();
+        if cost {
+            let held = candidates.iter().find(|c| Arc::ptr_eq(c.handle, &replica));
+            let cached = held.map_or(0, |c| c.cached_tokens);
+            ctx.prefill = Some(replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));
+            replica.index.record(links);
+        }
+        Some((replica, decision.route))
+    }
+
+    /// The status and message a request that failed before any byte ends with; `None` when
+    /// the client is gone. Messages name the replica and the reason, never its address.
+    pub(super) fn final_answer(&self, e: &Error, ctx: &Ctx) -> Option<(u16, String)> {
+        let code = failover::final_status(failure_of(e, Seen::Final))?;
+        let replica = ctx.current().map_or("none", |r| &*r.id);
+        let why = reason(e);
+        Some(match (code, &ctx.stored_id) {
+            // Only that replica has the response: say so, whatever broke.
+            (502..=504, Some(id)) => {
+                let owner = ctx.owner.as_ref().map_or(replica, |o| &*o.id);
+                let message = format!(
+                    "the stored response {id} is on replica {owner}, which is unavailable ({why}); no other replica has it"
+                );
+                (503, message)
+            }
+            (503, _) if ctx.current().is_none() => {
+                (503, "no live replica can serve this request".into())
+            }
+            (503, _) => {
+                let message = format!(
+                    "replica {replica} answered 503 and no other replica could take the request"
+                );
+                (503, message)
+            }
+            (504, _) => {
+                let limit = self.conf.upstream.read_timeout;
+                (
+                    504,
+                    format!("replica {replica} did not answer within {limit:?}"),
+                )
+            }
+            (502, _) => (
+                502,
+                format!("replica {replica} failed before answering ({why})"),
+            ),
+            (400, _) => (400, format!("the request could not be read ({why})")),
+            (code, _) => (code, format!("inferlb could not serve the request ({why})")),
+        })
+    }
+
+    /// Applies a failed attempt's verdict: demotion, the failover count and log line, and
+    /// whether Pingora tries again.
+    pub(super) fn apply(&self, session: &Session, ctx: &mut Ctx, e: &mut Error, v: Verdict) {
+        let replica = ctx.current().cloned();
+        if let (true, Some(r)) = (v.demote, &replica) {
+            r.demote();
+        }
+        match (v.retry, &replica) {
+            (Retry::Elsewhere, Some(r)) => {
+                ctx.failovers += 1;
+                let why = reason(e);
+                METRICS.failovers.with_label_values(&[&r.id, why]).inc();
+                log::warn!(
+                    "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica",
+                    r.id,
+                    why,
+                    session.req_header().uri.path(),
+                    ctx.attempts
+                );
+            }
+            (Retry::Same, Some(r)) => {
+                // Not tried in earnest: it may be chosen again.
+                ctx.tried.pop();
+                log::debug!("stale pooled connection to {}, retrying", r.id);
+            }
+            _ => {}
+        }
+        e.set_retry(v.retry != Retry::No);
+    }
+
+    pub(super) fn attempt(&self, session: &mut Session, ctx: &Ctx, failure: Failure) -> Attempt {
+        Attempt {
+            failure,
+            client_got_bytes: session.response_written().is_some() || ctx.first_byte_at.is_some(),
+            body_replayable: ctx.body.replayable(session),
+            attempt: ctx.attempts,
+            max_attempts: self.max_attempts,
+            stateful: ctx.owner.is_some(),
+        }
+    }
+
+    /// A response body chunk passed: read its usage, time the first byte.
+    pub(super) fn observe_response(
+        &self,
+        body: Option<&Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) {
+        if let Some(reader) = ctx.usage_reader.as_mut() {
+            if let Some(b) = body {
+                reader.feed(b);
+            }
+            if end_of_stream {
+                ctx.usage = reader.finish();
+            }
+            // A stream announces its id first; a JSON answer has it once finished.
+            let replica = ctx.in_flight.as_ref().map(InFlight::replica);
+            if let (false, Some(id), Some(r)) = (ctx.id_learnt, reader.response_id(), replica) {
+                self.stored.record(stored_key(id), &r.id);
+                ctx.id_learnt = true;
+            }
+            if end_of_stream {
+                ctx.usage_reader = None;
+                if let (Some(u), Some(r)) = (ctx.usage, ctx.current()) {
+                    METRICS
+                        .prompt_tokens
+                        .with_label_values(&[&r.id])
+                        .inc_by(u.prompt_tokens);
+                    METRICS
+                        .cached_tokens
+                        .with_label_values(&[&r.id])
+                        .inc_by(u.cached_tokens);
+                }
+            }
+        }
+        if ctx.first_byte_at.is_none() {
+            let now = Instant::now();
+            ctx.first_byte_at = Some(now);
+            ctx.prefill = None;
+            let route = ctx.route.map_or("none", Route::as_str);
+            METRICS
+                .ttfb
+                .with_label_values(&[route])
+                .observe((now - ctx.arrived).as_secs_f64());
+        }
+    }
+
+    /// The request is over: count it, remember what was served, write the access log.
+    pub(super) fn finish(&self, session: &Session, e: Option<&Error>, ctx: &mut Ctx) {
+        let status = session.response_written().map_or(0, |r| r.status.as_u16());
+        // Taking the guards releases the counts now, not when Pingora drops the ctx.
+        ctx.prefill = None;
+        let served_by = ctx.in_flight.take().map(|f| f.replica().clone());
+        let replica = served_by.as_ref().map_or("none", |r| &*r.id);
+        let route = ctx.route.map_or("none", Route::as_str);
+        if ctx.route.is_some() {
+            METRICS
+                .requests
+                .with_label_values(&[replica, route, code_class(status)])
+                .inc();
+        }
+        let served_whole = e.is_none() && (200..300).contains(&status);
+        let key = ctx.info.as_ref().and_then(|i| i.shape.served_key());
+        if let (true, Some(r)) = (served_whole, served_by.as_ref()) {
+            for key in key.into_iter().chain(ctx.session) {
+                self.affinity.record(key, &r.id);
+            }
+        }
+        if !log::log_enabled!(target: "access", log::Level::Info) {
+            return;
+        }
+        let record = access::Record {
+            request_id: &ctx.request_id,
+            method: session.req_header().method.as_str(),
+            path: session.req_header().uri.path(),
+            model: ctx.info.as_ref().and_then(|i| i.model.as_deref()),
+            route,
+            replica,
+            attempts: ctx.attempts,
+            failovers: ctx.failovers,
+            status,
+            ttfb_ms: ctx
+                .first_byte_at
+                .map(|t| (t - ctx.arrived).as_secs_f64() * 1e3),
+            duration_ms: ctx.arrived.elapsed().as_secs_f64() * 1e3,
+            prompt_tokens: ctx.usage.map(|u| u.prompt_tokens),
+            cached_tokens: ctx.usage.map(|u| u.cached_tokens),
+        };
+        if let Some(line) = record.render(self.conf.access_log) {
+            log::info!(target: "access", "{line}");
+        }
+    }
+}
