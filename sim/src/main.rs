@@ -8,9 +8,20 @@
 //!   in-memory store for `previous_response_id` (an unknown id is a 404, as vLLM answers);
 //! - the Anthropic Messages API (`messages`): `POST /v1/messages` (streamed as Anthropic's
 //!   events and not) and `POST /v1/messages/count_tokens`, usage split as Anthropic reports it;
-//! - `/health`, `/metrics` (vLLM's names), `/sim/stats`, `/sim/echo`, and a fault switch:
+//! - `/health`, `/metrics` (vLLM's names and shapes: `vllm:num_requests_running` and
+//!   `_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total` and `_hits_total`
+//!   in tokens, ..., and `vllm:cache_config_info`), `/sim/stats` (the same, plus what the engine
+//!   knows that a router estimates: requests decoding, uncached prompt tokens still to prefill),
+//!   `/sim/echo`, and a fault switch:
 //!   `POST /sim/fault {"fault": "...", "seconds": s, "count": n}` (see `Fault`), which applies
 //!   to every API alike, errors in each API's own shape.
+//!
+//! The engine (`engine`) times every request the same way whatever its API, under one of three
+//! schedulers (`--scheduler`): `fcfs` (the default: one first-come-first-served prefill
+//! resource, decoding apart from it), `chunked` (vLLM's chunked prefill: steps of at most
+//! `--max-num-batched-tokens`, decodes first, then prefill chunks in arrival order) and
+//! `prefill-first` (vLLM without chunked prefill: a waiting prompt is prefilled whole while
+//! every running stream stalls). See the engine's docs for the rules.
 //!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
@@ -34,7 +45,7 @@ use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
-use engine::{token_text, tokens, Engine, EngineConf};
+use engine::{token_text, Engine, EngineConf, Scheduler};
 use render::{content_text, render_message, GENERATION_PROMPT};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -60,15 +71,26 @@ struct Args {
     /// Milliseconds between generated tokens of one request.
     #[arg(long, default_value_t = 20.0)]
     decode_interval_ms: f64,
-    /// Requests decoding at once; the rest wait.
+    /// Requests in the engine at once (vLLM's max_num_seqs): in `fcfs`, admitted (queued for
+    /// prefill, prefilling or decoding); in the stepped schedulers, running (prefilling or
+    /// decoding). The rest wait.
     #[arg(long, default_value_t = 64)]
     max_batch: usize,
     /// Tokens per prefix-cache block.
     #[arg(long, default_value_t = 16)]
     block_tokens: usize,
-    /// Prefix-cache capacity in tokens.
+    /// Prefix-cache capacity in tokens (vLLM's num_gpu_blocks × block size).
     #[arg(long, default_value_t = 1_000_000)]
     cache_tokens: usize,
+    /// How prefill and decode share the engine: `fcfs` (one first-come-first-served prefill
+    /// resource, decoding apart), `chunked` (vLLM's chunked-prefill steps: decodes first, then
+    /// prefill chunks, within --max-num-batched-tokens a step) or `prefill-first` (steps where
+    /// waiting prompts are prefilled whole, stalling decodes, as vLLM without chunked prefill).
+    #[arg(long, value_enum, default_value_t = Scheduler::Fcfs)]
+    scheduler: Scheduler,
+    /// Tokens one step may carry (decodes and prefill chunks), in the stepped schedulers.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
     /// Divides every duration (10 = ten times faster than the modelled engine).
     #[arg(long, default_value_t = 1.0)]
     speed: f64,
@@ -132,7 +154,7 @@ struct FaultState {
 
 struct Sim {
     args: Args,
-    engine: Engine,
+    engine: Arc<Engine>,
     fault: Mutex<FaultState>,
     unhealthy_until: Mutex<Instant>,
     listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
@@ -344,21 +366,14 @@ struct Usage {
     cached: usize,
 }
 
-/// Prefill: admit to the batch, find the cached prefix, pay for the rest.
-async fn prefill<'a>(sim: &'a Sim, job: &Job) -> (engine::Running<'a>, Usage) {
-    let running = sim.engine.admit().await;
-    let prompt = tokens(job.prompt.as_bytes());
-    let cached = sim
+/// Prefill: the engine admits the request, finds its cached prefix and pays for the rest;
+/// returns when the first token is out. The request leaves the engine when the `Seq` drops.
+async fn prefill<'a>(sim: &'a Sim, job: &Job) -> (engine::Seq<'a>, Usage) {
+    let (seq, prompt, cached) = sim
         .engine
-        .lookup(job.prompt.as_bytes())
-        .min(prompt.saturating_sub(1));
-    let done = sim.engine.book_prefill(prompt - cached);
-    tokio::time::sleep_until(done).await;
-    sim.engine.insert(job.prompt.as_bytes());
-    let c = &sim.engine.counters;
-    c.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
-    c.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
-    (running, Usage { prompt, cached })
+        .prefill(job.prompt.as_bytes(), job.max_tokens)
+        .await;
+    (seq, Usage { prompt, cached })
 }
 
 /// After generation the reply enters the cache, as the next turn's history will contain it.
@@ -381,22 +396,20 @@ fn usage_json(u: &Usage, completion: usize) -> Value {
 }
 
 async fn whole_response(sim: App, job: Job) -> Response {
-    let (running, usage) = prefill(&sim, &job).await;
+    let (mut running, usage) = prefill(&sim, &job).await;
     let mut reply = String::new();
-    let mut next = Instant::now();
-    // The first token comes out of the prefill itself; the rest at the decode interval.
-    for i in 0..job.max_tokens {
-        if i > 0 {
-            next += sim.engine.decode_interval();
-            tokio::time::sleep_until(next).await;
-        }
-        reply.push_str(token_text(job.seed, i));
-    }
+    decode(
+        &sim,
+        &job,
+        &mut running,
+        None,
+        None,
+        None,
+        |_| Bytes::new(),
+        &mut reply,
+    )
+    .await;
     drop(running);
-    sim.engine
-        .counters
-        .generation_tokens
-        .fetch_add(job.max_tokens as u64, Ordering::Relaxed);
     finish(&sim, &job, &reply);
     let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
     let choice = if job.chat {
@@ -453,23 +466,21 @@ enum Decoded {
 }
 
 /// Generates `job.max_tokens` tokens into `reply` after the prefill: the first at once, the
-/// rest at the decode interval. When streaming, `event` turns each token into the bytes sent.
-/// Returns how it ended and how many tokens were generated.
+/// rest as the engine's scheduler lets `seq` have them. When streaming, `event` turns each
+/// token into the bytes sent. Returns how it ended and how many tokens were generated.
+#[allow(clippy::too_many_arguments)]
 async fn decode(
     sim: &Sim,
     job: &Job,
+    seq: &mut engine::Seq<'_>,
     cut_after: Option<usize>,
     cancel: Option<&std::sync::atomic::AtomicBool>,
     tx: Option<&Tx>,
     mut event: impl FnMut(&str) -> Bytes,
     reply: &mut String,
 ) -> (Decoded, usize) {
-    let mut next = Instant::now();
     for i in 0..job.max_tokens {
-        if i > 0 {
-            next += sim.engine.decode_interval();
-            tokio::time::sleep_until(next).await;
-        }
+        seq.next_token().await;
         if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
             return (Decoded::Cancelled, i);
         }
@@ -511,7 +522,7 @@ async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Respon
     tokio::spawn(async move {
         // The request is aborted as soon as the client is gone, even during prefill, as vLLM
         // aborts a request whose connection closed.
-        let (running, usage) = tokio::select! {
+        let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &job) => done,
             _ = tx.closed() => return,
         };
@@ -541,31 +552,19 @@ async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Respon
             return;
         }
         let mut reply = String::new();
-        let mut next = Instant::now();
-        for i in 0..job.max_tokens {
-            if i > 0 {
-                next += sim.engine.decode_interval();
-                tokio::time::sleep_until(next).await;
-            }
-            if cut_after == Some(i) {
-                let _ = tx
-                    .send(Err(std::io::Error::other("simulated stream cut")))
-                    .await;
-                return;
-            }
-            let t = token_text(job.seed, i);
-            reply.push_str(t);
-            sim.engine
-                .counters
-                .generation_tokens
-                .fetch_add(1, Ordering::Relaxed);
-            if tx
-                .send(Ok(sse(&chunk(json!({"content": t}), Value::Null))))
-                .await
-                .is_err()
-            {
-                return;
-            }
+        let (how, _) = decode(
+            &sim,
+            &job,
+            &mut running,
+            cut_after,
+            None,
+            Some(&tx),
+            |t| sse(&chunk(json!({"content": t}), Value::Null)),
+            &mut reply,
+        )
+        .await;
+        if how != Decoded::Done {
+            return;
         }
         drop(running);
         finish(&sim, &job, &reply);
@@ -602,10 +601,22 @@ async fn health(State(sim): State<App>) -> Response {
     StatusCode::OK.into_response()
 }
 
+/// `/metrics` in vLLM's names and shapes: the engine's gauges and counters with vLLM's
+/// `model_name` label, and `vllm:cache_config_info`, the info-style gauge (always 1) whose
+/// labels are vLLM's CacheConfig as strings (vLLM gives it no `model_name`).
 async fn metrics(State(sim): State<App>) -> Response {
     let c = &sim.engine.counters;
     let model = sim.models().first().cloned().unwrap_or_default();
     let l = format!("model_name=\"{model}\"");
+    let conf = &sim.engine.conf;
+    let cache_config = format!(
+        "block_size=\"{}\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",\
+         cpu_offload_gb=\"0\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",\
+         is_attention_free=\"False\",num_cpu_blocks=\"0\",num_gpu_blocks=\"{}\",\
+         num_gpu_blocks_override=\"None\",sliding_window=\"None\",swap_space_bytes=\"0\"",
+        conf.block_tokens,
+        sim.engine.num_blocks(),
+    );
     let body = format!(
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
          # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{l}}} {}\n\
@@ -622,10 +633,12 @@ async fn metrics(State(sim): State<App>) -> Response {
          # HELP vllm:generation_tokens_total Number of generation tokens processed.\n\
          # TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{{l}}} {}\n\
          # HELP vllm:request_success_total Count of successfully processed requests.\n\
-         # TYPE vllm:request_success_total counter\nvllm:request_success_total{{{l}}} {}\n",
+         # TYPE vllm:request_success_total counter\nvllm:request_success_total{{{l}}} {}\n\
+         # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{cache_config}}} 1\n",
         c.running.load(Ordering::Relaxed),
         c.waiting.load(Ordering::Relaxed),
-        sim.engine.cache_usage(),
+        sim.engine.kv_usage(),
         c.prompt_tokens.load(Ordering::Relaxed),
         c.cached_tokens.load(Ordering::Relaxed),
         c.prompt_tokens.load(Ordering::Relaxed),
@@ -635,14 +648,22 @@ async fn metrics(State(sim): State<App>) -> Response {
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
 }
 
-/// The simulator's own counters as JSON, for tests and the bench.
+/// The simulator's own counters as JSON, for tests and the bench: besides the gauges of
+/// `/metrics`, what a routing policy estimates, as the engine knows it: `decoding` (running
+/// requests past their prefill) and `prefill_backlog_tokens` (uncached prompt tokens admitted
+/// and not prefilled yet); `prefix_cache_usage` is how full the prefix cache is.
 async fn stats(State(sim): State<App>) -> Response {
     let c = &sim.engine.counters;
     Json(json!({
         "id": sim.args.id,
         "requests": c.requests.load(Ordering::Relaxed),
+        "scheduler": sim.engine.conf.scheduler.name(),
         "running": c.running.load(Ordering::Relaxed),
         "waiting": c.waiting.load(Ordering::Relaxed),
+        "decoding": c.decoding.load(Ordering::Relaxed),
+        "prefill_backlog_tokens": sim.engine.prefill_backlog(),
+        "kv_cache_usage": sim.engine.kv_usage(),
+        "prefix_cache_usage": sim.engine.cache_usage(),
         "prompt_tokens": c.prompt_tokens.load(Ordering::Relaxed),
         "cached_tokens": c.cached_tokens.load(Ordering::Relaxed),
         "generation_tokens": c.generation_tokens.load(Ordering::Relaxed),
@@ -746,7 +767,11 @@ async fn main() {
         block_tokens: args.block_tokens.max(1),
         cache_tokens: args.cache_tokens,
         speed: if args.speed > 0.0 { args.speed } else { 1.0 },
+        scheduler: args.scheduler,
+        max_num_batched_tokens: args.max_num_batched_tokens.max(1),
     });
+    let engine = Arc::new(engine);
+    engine.start();
     let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
     let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
     let sim = Arc::new(Sim {

@@ -170,9 +170,19 @@ fn message(id: &str, job: &Job, content: Value, stop_reason: Value, usage: Value
 }
 
 async fn whole(sim: App, job: Job, id: String, stop_reason: &str) -> Response {
-    let (running, usage) = prefill(&sim, &job).await;
+    let (mut running, usage) = prefill(&sim, &job).await;
     let mut reply = String::new();
-    let (_, n) = decode(&sim, &job, None, None, None, |_| Bytes::new(), &mut reply).await;
+    let (_, n) = decode(
+        &sim,
+        &job,
+        &mut running,
+        None,
+        None,
+        None,
+        |_| Bytes::new(),
+        &mut reply,
+    )
+    .await;
     drop(running);
     finish(&sim, &job, &reply);
     Json(message(
@@ -203,7 +213,7 @@ fn stream(
 ) -> Response {
     let (tx, resp) = sse_response();
     tokio::spawn(async move {
-        let (running, usage) = tokio::select! {
+        let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &job) => done,
             _ = tx.closed() => return,
         };
@@ -225,6 +235,7 @@ fn stream(
         let (how, n) = decode(
             &sim,
             &job,
+            &mut running,
             cut_after,
             None,
             Some(&tx),

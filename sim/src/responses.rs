@@ -620,11 +620,12 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
 
 async fn whole(mut run: Run) -> Response {
     let sim = run.sim.clone();
-    let (running, usage) = prefill(&sim, &run.job).await;
+    let (mut running, usage) = prefill(&sim, &run.job).await;
     let mut reply = String::new();
     let (how, n) = decode(
         &sim,
         &run.job,
+        &mut running,
         None,
         Some(&run.cancel),
         None,
@@ -664,7 +665,7 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
                 return;
             }
         }
-        let (running, usage) = tokio::select! {
+        let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &run.job) => done,
             _ = tx.closed() => return,
         };
@@ -696,6 +697,7 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
         let (how, n) = decode(
             &sim,
             &run.job,
+            &mut running,
             cut_after,
             Some(&run.cancel),
             Some(&tx),
