@@ -26,7 +26,13 @@ fn pieces(bytes: usize, n: usize) -> Vec<String> {
 fn body(family: Family, bytes: usize) -> Vec<u8> {
     let n = (bytes / 2000).clamp(2, 400);
     let texts = pieces(bytes, n);
-    let role = |i: usize| if i % 2 == 0 { "user" } else { "assistant" };
+    let role = |i: usize| {
+        if i.is_multiple_of(2) {
+            "user"
+        } else {
+            "assistant"
+        }
+    };
     let v: Value = match family {
         Family::Chat => json!({"model": "m", "stream": true, "messages": texts.iter().enumerate()
             .map(|(i, t)| json!({"role": role(i), "content": t})).collect::<Vec<_>>()}),
@@ -76,7 +82,7 @@ fn decision(c: &mut Criterion) {
                 let idx = PrefixIndex::new(u64::MAX / 2);
                 let filler: Vec<inferlb::api::prompt::Link> = (0..per as u64)
                     .map(|i| inferlb::api::prompt::Link {
-                        hash: (i + 1) * 0x9e37_79b9_7f4a_7c15 ^ r as u64,
+                        hash: ((i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)) ^ r as u64,
                         part_end: false,
                         bytes: (i % 400 + 1) * 1024,
                     })
