@@ -51,13 +51,20 @@ fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
         .map(|i| {
             let system = system.clone();
             std::thread::spawn(move || {
-                let body = chat_body(&[("system", &system), ("user", &format!("task {i}"))], false, 2);
+                let body = chat_body(
+                    &[("system", &system), ("user", &format!("task {i}"))],
+                    false,
+                    2,
+                );
                 let r = http()
                     .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
                     .json(&body)
                     .send()
                     .expect("send");
-                r.headers()["x-inferlb-replica"].to_str().expect("header").to_string()
+                r.headers()["x-inferlb-replica"]
+                    .to_str()
+                    .expect("header")
+                    .to_string()
             })
         })
         .collect();
@@ -66,23 +73,39 @@ fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
         *count.entry(t.join().expect("thread")).or_default() += 1;
     }
     let most = count.values().copied().max().unwrap_or(0);
-    assert!(most <= 10, "a same-prefix burst must not pile onto one card: {count:?}");
+    assert!(
+        most <= 10,
+        "a same-prefix burst must not pile onto one card: {count:?}"
+    );
 
     // An agent loop: every turn after the first on the first turn's replica.
     let context = text("agent context", 6000);
-    let mut history = vec![("system".to_string(), context), ("user".to_string(), "go".to_string())];
+    let mut history = vec![
+        ("system".to_string(), context),
+        ("user".to_string(), "go".to_string()),
+    ];
     let mut home = String::new();
     for turn in 0..5 {
-        let refs: Vec<(&str, &str)> = history.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        let refs: Vec<(&str, &str)> = history
+            .iter()
+            .map(|(r, c)| (r.as_str(), c.as_str()))
+            .collect();
         let (replica, route, resp) = send(&lb, &refs);
         if turn == 0 {
             home = replica;
         } else {
-            assert_eq!((replica.as_str(), route.as_str()), (home.as_str(), "pinned"), "turn {turn}");
+            assert_eq!(
+                (replica.as_str(), route.as_str()),
+                (home.as_str(), "pinned"),
+                "turn {turn}"
+            );
             let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
             assert!(cached.unwrap_or(0) >= 5000, "turn {turn} warm: {resp}");
         }
-        let reply = resp["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
+        let reply = resp["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
         history.push(("assistant".into(), reply));
         history.push(("user".into(), format!("turn {turn}")));
     }
@@ -93,11 +116,15 @@ fn a_fork_of_a_long_history_goes_to_the_replica_that_holds_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (_a, _b, lb) = cluster(dir.path(), &[], conf());
     let long = text("long history", 15_000);
-    let (home, _, _) = send(&lb, &[("user", &long), ("assistant", "ok"), ("user", "first")]);
+    let (home, _, _) = send(
+        &lb,
+        &[("user", &long), ("assistant", "ok"), ("user", "first")],
+    );
     for s in 0..6 {
         // Siblings: the same history, another last question; sent one after another (idle home).
         let q = format!("sibling {s}");
-        let (replica, route, resp) = send(&lb, &[("user", &long), ("assistant", "ok"), ("user", &q)]);
+        let (replica, route, resp) =
+            send(&lb, &[("user", &long), ("assistant", "ok"), ("user", &q)]);
         assert_eq!(replica, home, "sibling {s} ({route})");
         assert!(route == "pinned" || route == "prefix", "{route}");
         let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
@@ -106,4 +133,24 @@ fn a_fork_of_a_long_history_goes_to_the_replica_that_holds_it() {
     // Fresh work shares nothing with it: it spreads.
     let (_, route, _) = send(&lb, &[("user", "something unrelated")]);
     assert_eq!(route, "spread");
+}
+
+#[test]
+fn each_replicas_cache_size_and_load_are_read_from_its_metrics() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = Sim::spawn(dir.path(), "gpu0", &["--cache-tokens", "300000"]);
+    let b = Sim::spawn(dir.path(), "gpu1", &["--cache-tokens", "500000"]);
+    a.assert_healthy();
+    b.assert_healthy();
+    let lb = Lb::start(dir.path(), &[&a, &b], conf());
+    let learnt = wait_until(std::time::Duration::from_secs(10), || {
+        let log = lb.proc.log_text();
+        log.contains("replica gpu0 caches 300000 tokens")
+            && log.contains("replica gpu1 caches 500000 tokens")
+    });
+    assert!(learnt, "{}", lb.proc.log_text());
+    assert!(
+        !lb.proc.log_text().contains("/metrics missing"),
+        "the simulator's /metrics is vLLM's"
+    );
 }
