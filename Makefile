@@ -4,7 +4,7 @@ CARGO ?= cargo
 PROFILE := release
 BIN := target/$(PROFILE)
 
-.PHONY: all deps build run test lint bench bench-smoke fuzz clean
+.PHONY: all deps build run test lint peers bench bench-smoke fuzz clean
 
 all: build
 
@@ -47,9 +47,22 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-# The routing benchmark: every policy side by side against the same simulated replicas.
-bench: build
-	$(BIN)/inferlb-bench --out bench/results
+# The peer routers the bench measures inferlb against, SGLang's and vLLM's (Rust binaries on
+# PyPI), in their own virtual environment: `make bench` needs them, `make test` does not (its
+# smoke run says so and skips them when they are absent). Rebuilt when this Makefile changes.
+PEERS_VENV := target/venv-peers
+PEERS := sglang-router==0.3.2 vllm-router==0.1.17
+$(PEERS_VENV)/.done: Makefile
+	python3 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --disable-pip-version-check $(PEERS)
+	touch $@
+
+peers: $(PEERS_VENV)/.done
+
+# The routing benchmark: every policy side by side against the same simulated replicas, and
+# the peer routers in the trace replay and the fork scene (about 40 minutes on 2 cores).
+bench: build peers
+	$(BIN)/inferlb-bench --out bench/results --peers-venv $(PEERS_VENV)
 
 bench-smoke: build
 	$(BIN)/inferlb-bench --smoke --out target/bench-smoke

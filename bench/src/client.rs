@@ -186,3 +186,289 @@ pub async fn wait_replica(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The endpoint families a request can go through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+    Responses,
+    /// Anthropic Messages.
+    Messages,
+}
+
+impl Api {
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+            Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
+        }
+    }
+}
+
+/// One streamed request of any API, as the client saw it.
+#[derive(Debug, Default, Clone)]
+pub struct ApiOutcome {
+    /// Time to the first non-empty content event (chat `delta.content`, completions `text`,
+    /// Responses `response.output_text.delta`, Anthropic `text_delta`).
+    pub ttft: Option<Duration>,
+    pub total: Duration,
+    /// The generated text (only when asked for).
+    pub reply: String,
+    /// 0: no response at all.
+    pub status: u16,
+    /// No 200, or the stream did not end the way its API ends a complete answer.
+    pub failed: bool,
+    /// Prompt tokens and how many of them were cached, from the API's own usage: chat and
+    /// completions `prompt_tokens` / `prompt_tokens_details.cached_tokens` (needs
+    /// `stream_options.include_usage`), Responses `input_tokens` /
+    /// `input_tokens_details.cached_tokens`, Anthropic `input_tokens` (uncached only) +
+    /// `cache_read_input_tokens` (+ `cache_creation_input_tokens`).
+    pub usage: Option<(u64, u64)>,
+    /// The Responses API's response id.
+    pub response_id: Option<String>,
+    /// `x-inferlb-route`, when inferlb answered.
+    pub route: Option<String>,
+    /// `x-sim-replica`: the simulated replica that served it, whatever proxied it.
+    pub replica: Option<String>,
+}
+
+/// Usage in chat / completions shape.
+fn openai_usage(u: &Value) -> Option<(u64, u64)> {
+    let prompt = u["prompt_tokens"].as_u64()?;
+    let cached = u["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    Some((prompt, cached))
+}
+
+/// Usage in the Responses API's shape.
+fn responses_usage(u: &Value) -> Option<(u64, u64)> {
+    let prompt = u["input_tokens"].as_u64()?;
+    let cached = u["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    Some((prompt, cached))
+}
+
+/// Usage in Anthropic's shape: `input_tokens` counts only what was not read from the cache.
+fn anthropic_usage(u: &Value) -> Option<(u64, u64)> {
+    let uncached = u["input_tokens"].as_u64()?;
+    let read = u["cache_read_input_tokens"].as_u64().unwrap_or(0);
+    let created = u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
+    Some((uncached + read + created, read))
+}
+
+/// What one server-sent event carried.
+struct Event<'a> {
+    name: Option<&'a str>,
+    data: Option<&'a str>,
+}
+
+fn event_of(text: &str) -> Event<'_> {
+    let mut e = Event {
+        name: None,
+        data: None,
+    };
+    for line in text.lines() {
+        if let Some(v) = line.strip_prefix("event:") {
+            e.name = Some(v.trim());
+        } else if let Some(v) = line.strip_prefix("data:") {
+            e.data = Some(v.strip_prefix(' ').unwrap_or(v));
+        }
+    }
+    e
+}
+
+/// The state of one stream being read.
+struct StreamRead {
+    api: Api,
+    keep_reply: bool,
+    started: Instant,
+    out: ApiOutcome,
+    done: bool,
+}
+
+impl StreamRead {
+    fn content(&mut self, text: &str) {
+        if !text.is_empty() && self.out.ttft.is_none() {
+            self.out.ttft = Some(self.started.elapsed());
+        }
+        if self.keep_reply {
+            self.out.reply.push_str(text);
+        }
+    }
+
+    /// Handles one event. Once the first token is in, events that can only carry more text
+    /// are not parsed unless the reply is kept: a long replay stays cheap for the client.
+    fn event(&mut self, e: Event<'_>) {
+        let Some(data) = e.data else { return };
+        let quiet = self.out.ttft.is_some() && !self.keep_reply;
+        match self.api {
+            Api::Chat | Api::Completions => {
+                if data == "[DONE]" {
+                    self.done = true;
+                    return;
+                }
+                if quiet && !data.contains("\"usage\"") && !data.contains("\"error\"") {
+                    return;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    return;
+                };
+                if v.get("error").is_some() {
+                    self.out.failed = true;
+                    return;
+                }
+                let text = if self.api == Api::Chat {
+                    v["choices"][0]["delta"]["content"].as_str()
+                } else {
+                    v["choices"][0]["text"].as_str()
+                };
+                if let Some(t) = text {
+                    self.content(t);
+                }
+                if v["usage"].is_object() {
+                    self.out.usage = openai_usage(&v["usage"]).or(self.out.usage);
+                }
+            }
+            Api::Responses => {
+                let name = e.name.unwrap_or("");
+                if name == "response.output_text.delta" && quiet {
+                    return;
+                }
+                if !matches!(
+                    name,
+                    "response.output_text.delta"
+                        | "response.created"
+                        | "response.completed"
+                        | "response.failed"
+                        | "response.incomplete"
+                        | "error"
+                ) {
+                    return;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    return;
+                };
+                match name {
+                    "response.output_text.delta" => {
+                        if let Some(t) = v["delta"].as_str() {
+                            self.content(t);
+                        }
+                    }
+                    "response.created" => {
+                        self.out.response_id = v["response"]["id"].as_str().map(str::to_owned);
+                    }
+                    "response.completed" => {
+                        self.out.usage = responses_usage(&v["response"]["usage"]);
+                        if let Some(id) = v["response"]["id"].as_str() {
+                            self.out.response_id = Some(id.to_owned());
+                        }
+                        self.done = true;
+                    }
+                    _ => self.out.failed = true,
+                }
+            }
+            Api::Messages => {
+                let name = e.name.unwrap_or("");
+                match name {
+                    "message_stop" => self.done = true,
+                    "content_block_delta" if quiet => {}
+                    "content_block_delta" | "message_start" | "error" => {
+                        let Ok(v) = serde_json::from_str::<Value>(data) else {
+                            return;
+                        };
+                        match name {
+                            "content_block_delta" => {
+                                if let Some(t) = v["delta"]["text"].as_str() {
+                                    self.content(t);
+                                }
+                            }
+                            "message_start" => {
+                                self.out.usage = anthropic_usage(&v["message"]["usage"]);
+                            }
+                            _ => self.out.failed = true,
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// Sends `body` (which must ask for a stream) to `api`'s endpoint on `base` and reads the
+/// stream to its end. `keep_reply`: collect the generated text (else, after the first token,
+/// only the end of the stream and the usage are looked for).
+pub async fn stream_api(
+    client: &reqwest::Client,
+    base: &str,
+    api: Api,
+    body: &Value,
+    keep_reply: bool,
+) -> ApiOutcome {
+    let started = Instant::now();
+    let mut read = StreamRead {
+        api,
+        keep_reply,
+        started,
+        out: ApiOutcome {
+            failed: true,
+            ..ApiOutcome::default()
+        },
+        done: false,
+    };
+    let mut req = client.post(format!("{base}{}", api.path())).json(body);
+    if api == Api::Messages {
+        req = req.header("anthropic-version", "2023-06-01");
+    }
+    let resp = match req.send().await {
+        Ok(r) => r,
+        Err(_) => {
+            read.out.total = started.elapsed();
+            return read.out;
+        }
+    };
+    read.out.status = resp.status().as_u16();
+    let header = |n: &str| {
+        resp.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    read.out.route = header("x-inferlb-route");
+    read.out.replica = header("x-sim-replica");
+    if read.out.status != 200 {
+        read.out.total = started.elapsed();
+        return read.out;
+    }
+    read.out.failed = false;
+    let mut stream = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    // Where the search for the next event's end resumes.
+    let mut scanned = 0;
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else { break };
+        buf.extend_from_slice(&chunk);
+        let mut start = 0;
+        while let Some(pos) = buf[scanned.max(start)..]
+            .windows(2)
+            .position(|w| w == b"\n\n")
+        {
+            let end = scanned.max(start) + pos;
+            if let Ok(text) = std::str::from_utf8(&buf[start..end]) {
+                read.event(event_of(text));
+            }
+            start = end + 2;
+            scanned = start;
+        }
+        buf.drain(..start);
+        scanned = buf.len().saturating_sub(1);
+    }
+    read.out.total = started.elapsed();
+    read.out.failed |= !read.done;
+    read.out
+}

@@ -1,11 +1,15 @@
 //! inferlb-bench: re-measures the seed's table for every routing policy, side by side, in one
 //! run, against simulated replicas (`inferlb-sim`) on loopback.
 //!
-//! For each target (inferlb in roundrobin, affinity and adaptive mode, and a direct connection
-//! to one replica) it starts fresh replicas, so every target begins with cold caches, and runs
-//! the scenarios: agent loop, cold burst, mixed, failover. A separate pass measures the
-//! proxy's own overhead against a direct connection and nginx. Ratios measured in the same run
-//! are the result; absolute times on a shared 2-core machine are noise.
+//! For each target (inferlb in roundrobin, affinity, adaptive and prefill_cost mode, and a
+//! direct connection to one replica) it starts fresh replicas, so every target begins with
+//! cold caches, and runs the seed's scenarios: agent loop, cold burst, mixed, failover. Then:
+//! the agent loop through every agent API (chat, Responses full and chained, Anthropic
+//! Messages), a fork of a long history into staggered siblings, a replay of the Mooncake trace
+//! on four replicas (inferlb's policies and the peer routers, SGLang's and vLLM's), a rolling
+//! deploy, a soak, and the proxy's own overhead against a direct connection and nginx. Ratios
+//! measured in the same run are the result; absolute times on a shared 2-core machine are
+//! noise.
 //!
 //! Every process comes from `inferlb-harness` and is stopped when the scenario that started it
 //! ends.
@@ -21,9 +25,11 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Serialize;
 
-use cluster::{Cluster, ClusterSpec};
+use cluster::{Cluster, ClusterSpec, Front};
+use inferlb_harness::{Peer, PeerKind};
 use scenarios::agent::{agent_loops, cold_burst, AgentResult};
 use scenarios::failover::{failover, FailoverResult};
+use scenarios::trace::{Policy, Shape, TraceConf};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "inferlb's routing benchmark")]
@@ -37,8 +43,12 @@ pub struct Args {
     /// The simulator's speed factor (a 90k-token cold prefill takes 3 s / speed).
     #[arg(long, default_value_t = 10.0)]
     speed: f64,
-    /// Only these targets (comma-separated: roundrobin,affinity,adaptive,direct).
-    #[arg(long, default_value = "roundrobin,affinity,adaptive,direct")]
+    /// Only these targets of the seed's scenarios (comma-separated:
+    /// roundrobin,affinity,adaptive,prefill_cost,direct; empty: none).
+    #[arg(
+        long,
+        default_value = "roundrobin,affinity,adaptive,prefill_cost,direct"
+    )]
     targets: String,
     /// Prefix-cache capacity of each simulated replica, in tokens (default: about two and a
     /// half 90k-token contexts, as on a card whose KV memory is the scarce resource).
@@ -53,6 +63,74 @@ pub struct Args {
     /// Skip the proxy-overhead pass.
     #[arg(long)]
     no_overhead: bool,
+    /// Skip the agent loop through every agent API.
+    #[arg(long)]
+    no_agent_apis: bool,
+    /// inferlb policies of the agent-API table (comma-separated).
+    #[arg(long, default_value = "roundrobin,adaptive,prefill_cost")]
+    api_policies: String,
+    /// Skip the fork scene.
+    #[arg(long)]
+    no_fork: bool,
+    /// Targets of the fork scene (comma-separated: inferlb policies, sglang, vllm).
+    #[arg(
+        long,
+        default_value = "roundrobin,affinity,adaptive,prefill_cost,sglang,vllm"
+    )]
+    fork_targets: String,
+    /// Skip the trace replay.
+    #[arg(long)]
+    no_trace: bool,
+    /// The trace to replay (JSON lines: timestamp, input_length, output_length, hash_ids).
+    #[arg(
+        long,
+        default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
+    )]
+    trace: PathBuf,
+    /// Replay the first this many requests of the trace (smoke: 40).
+    #[arg(long)]
+    trace_requests: Option<usize>,
+    /// Prefill load of the replay, percent (comma-separated): the first at every shape, cache
+    /// and scheduler, the others at the first shape and cache only (smoke: the first).
+    #[arg(long, default_value = "70,40,90")]
+    trace_loads: String,
+    /// Prefix-cache capacity of each of the 4 replicas in the replay, tokens (comma-separated;
+    /// smoke: the first).
+    #[arg(long, default_value = "2000000,500000")]
+    trace_caches: String,
+    /// The simulator's schedulers for the replay (comma-separated: fcfs, chunked; one the
+    /// simulator does not have is skipped, said once; smoke: the last).
+    #[arg(long, default_value = "fcfs,chunked")]
+    trace_schedulers: String,
+    /// Request shapes of the replay (comma-separated: chat, completions).
+    #[arg(long, default_value = "chat,completions")]
+    trace_shapes: String,
+    /// Routers of the replay (comma-separated: inferlb policies, sglang, vllm).
+    #[arg(long, default_value = "roundrobin,adaptive,prefill_cost,sglang,vllm")]
+    trace_policies: String,
+    /// The simulator's speed factor in the replay (the load percentage is what is pinned).
+    #[arg(long, default_value_t = 20.0)]
+    trace_speed: f64,
+    /// Cap on a replayed request's max_tokens (the trace's output_length, mean 191, at most
+    /// 842). Every generated token is one event through the router and the client: with the
+    /// full lengths at speed 20 the 2-core machine, not the replicas, became the bottleneck.
+    #[arg(long, default_value_t = 64)]
+    trace_max_tokens: usize,
+    /// The virtual environment holding the peer routers (default: target/venv-peers, where
+    /// `make peers` installs them).
+    #[arg(long)]
+    peers_venv: Option<PathBuf>,
+    /// Further flags for both peer routers, space-separated (e.g. "--cache-threshold 0.5").
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    peer_flags: String,
+}
+
+/// A comma-separated flag's items.
+fn items(list: &str) -> Vec<&str> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .collect()
 }
 
 /// Scenario sizes; `smoke` shrinks them.
@@ -67,6 +145,17 @@ pub struct Sizes {
     cache_tokens: usize,
     failover_seconds: f64,
     overhead_seconds: f64,
+    /// Agent APIs: conversations, turns, context, tokens added a turn, each replica's cache.
+    api_loops: usize,
+    api_turns: usize,
+    api_context_tokens: usize,
+    api_turn_tokens: usize,
+    api_cache_tokens: usize,
+    /// Fork: the history, the siblings, ms of model time between two, each replica's cache.
+    fork_history_tokens: usize,
+    fork_siblings: usize,
+    fork_stagger_ms: f64,
+    fork_cache_tokens: usize,
 }
 
 impl Sizes {
@@ -82,6 +171,15 @@ impl Sizes {
                 cache_tokens: 100_000,
                 failover_seconds: 1.5,
                 overhead_seconds: 0.5,
+                api_loops: 2,
+                api_turns: 3,
+                api_context_tokens: 2_000,
+                api_turn_tokens: 100,
+                api_cache_tokens: 100_000,
+                fork_history_tokens: 3_000,
+                fork_siblings: 3,
+                fork_stagger_ms: 100.0,
+                fork_cache_tokens: 100_000,
             }
         } else {
             Sizes {
@@ -94,6 +192,17 @@ impl Sizes {
                 cache_tokens: 250_000,
                 failover_seconds: 6.0,
                 overhead_seconds: 5.0,
+                // Four ~26k-token conversations against 60k tokens of cache a replica: a
+                // replica holds two of them, not all four.
+                api_loops: 4,
+                api_turns: 6,
+                api_context_tokens: 20_000,
+                api_turn_tokens: 1_000,
+                api_cache_tokens: 60_000,
+                fork_history_tokens: 60_000,
+                fork_siblings: 8,
+                fork_stagger_ms: 100.0,
+                fork_cache_tokens: 250_000,
             }
         }
     }
@@ -121,7 +230,12 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     let logs = a.out.join("logs");
     let _ = std::fs::create_dir_all(&logs);
     let spec = |scenario: &str| ClusterSpec {
-        routing: (target != "direct").then_some(target),
+        front: if target == "direct" {
+            Front::Direct
+        } else {
+            Front::Inferlb(target)
+        },
+        replicas: 2,
         speed: a.speed,
         cache_tokens: s.cache_tokens,
         sim_flags: &[],
@@ -162,9 +276,30 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     r
 }
 
+/// Where a named target of the fork scene comes from.
+fn front_of<'a>(name: &'a str, venv: &'a std::path::Path) -> Option<Front<'a>> {
+    match name {
+        "direct" => Some(Front::Direct),
+        "roundrobin" | "affinity" | "adaptive" | "prefill_cost" => Some(Front::Inferlb(name)),
+        other => PeerKind::parse(other).map(|k| Front::Peer(k, venv)),
+    }
+}
+
+/// How long each part of the run took, seconds.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Timings(Vec<(String, f64)>);
+
+impl Timings {
+    fn since(&mut self, part: &str, started: std::time::Instant) {
+        self.0.push((part.into(), started.elapsed().as_secs_f64()));
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
+    let run_started = std::time::Instant::now();
+    let mut timings = Timings::default();
     let mut s = Sizes::new(a.smoke);
     if let Some(c) = a.cache_tokens {
         s.cache_tokens = c;
@@ -176,15 +311,115 @@ async fn main() {
         .timeout(Duration::from_secs(600))
         .build()
         .expect("client");
+    let venv = a.peers_venv.clone().unwrap_or_else(Peer::default_venv);
+    cluster::set_peer_flags(a.peer_flags.split_whitespace().map(str::to_owned).collect());
+    let caps = cluster::sim_caps();
+    eprintln!(
+        "[bench] inferlb-sim: schedulers {:?}; cache size in /metrics: {}",
+        caps.schedulers,
+        if caps.cache_config_info {
+            "yes (inferlb learns it)"
+        } else {
+            "no (configured in inferlb's conf)"
+        }
+    );
+
+    let t = std::time::Instant::now();
     let mut results = vec![];
-    for target in a
-        .targets
-        .split(',')
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-    {
+    for target in items(&a.targets) {
         results.push(run_target(&client, target, &a, &s).await);
     }
+    timings.since("seed scenes", t);
+
+    let t = std::time::Instant::now();
+    let apis = if a.no_agent_apis {
+        None
+    } else {
+        let policies = items(&a.api_policies);
+        Some(scenarios::agent_apis::agent_apis(&client, &a, &s, &policies).await)
+    };
+    timings.since("agent APIs", t);
+
+    let t = std::time::Instant::now();
+    let forked = if a.no_fork {
+        None
+    } else {
+        let mut fronts = vec![];
+        for name in items(&a.fork_targets) {
+            match front_of(name, &venv) {
+                Some(f) => fronts.push((name.to_string(), f)),
+                None => eprintln!("[fork] unknown target {name}: skipped"),
+            }
+        }
+        Some(scenarios::fork::fork(&client, &a, &s, &fronts).await)
+    };
+    timings.since("fork", t);
+
+    let t = std::time::Instant::now();
+    let traced = if a.no_trace {
+        None
+    } else {
+        let nums = |list: &str| -> Vec<f64> {
+            items(list)
+                .iter()
+                .filter_map(|x| match x.parse::<f64>() {
+                    Ok(v) if v > 0.0 => Some(v),
+                    _ => {
+                        eprintln!("[trace] {x}: not a positive number, ignored");
+                        None
+                    }
+                })
+                .collect()
+        };
+        let mut loads = nums(&a.trace_loads);
+        let mut caches: Vec<usize> = nums(&a.trace_caches).iter().map(|c| *c as usize).collect();
+        let mut schedulers: Vec<String> = items(&a.trace_schedulers)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        if a.smoke {
+            loads.truncate(1);
+            caches.truncate(1);
+            let last = schedulers.pop();
+            schedulers = last.into_iter().collect();
+        }
+        let shapes: Vec<Shape> = items(&a.trace_shapes)
+            .into_iter()
+            .filter_map(|x| {
+                let s = Shape::parse(x);
+                if s.is_none() {
+                    eprintln!("[trace] unknown shape {x}: ignored");
+                }
+                s
+            })
+            .collect();
+        let policies: Vec<Policy> = items(&a.trace_policies)
+            .into_iter()
+            .filter_map(|x| {
+                let p = Policy::parse(x);
+                if p.is_none() {
+                    eprintln!("[trace] unknown policy {x}: ignored");
+                }
+                p
+            })
+            .collect();
+        let tc = TraceConf {
+            path: a.trace.clone(),
+            requests: a.trace_requests.unwrap_or(if a.smoke { 40 } else { 2000 }),
+            loads,
+            caches,
+            schedulers,
+            shapes,
+            policies,
+            speed: a.trace_speed,
+            max_tokens: a.trace_max_tokens.max(1),
+            peers_venv: venv.clone(),
+        };
+        scenarios::trace::trace(&client, &a, &tc).await
+    };
+    timings.since("trace replay", t);
+
+    let t = std::time::Instant::now();
     let deploys = if a.no_deploy {
         vec![]
     } else {
@@ -194,6 +429,9 @@ async fn main() {
         let spill = scenarios::deploy::deploy(&client, &a, &s, 4).await;
         vec![naive, spill]
     };
+    timings.since("rolling deploy", t);
+
+    let t = std::time::Instant::now();
     let soaked = if a.soak_seconds > 0.0 {
         let (connections, seconds) = if a.smoke {
             (50, 2.0)
@@ -205,11 +443,17 @@ async fn main() {
     } else {
         None
     };
+    timings.since("soak", t);
+
+    let t = std::time::Instant::now();
     let lat = if a.no_overhead {
         vec![]
     } else {
         scenarios::overhead::overhead(&client, &s).await
     };
+    timings.since("proxy overhead", t);
+    timings.since("total", run_started);
+
     let report = report::Report {
         args: &a,
         sizes: &s,
@@ -217,16 +461,52 @@ async fn main() {
         overhead: &lat,
         deploys: &deploys,
         soak: soaked.as_ref(),
+        apis: apis.as_ref(),
+        fork: forked.as_ref(),
+        trace: traced.as_ref(),
+        timings: &timings,
     }
     .write(&a.out);
     println!("{report}");
     // The smoke run is a test: every scenario must have produced numbers.
     if a.smoke {
-        let broken = results.iter().any(|r| {
-            r.agent.warm_ttft_ms.is_empty() || r.burst_makespan_s <= 0.0 || r.failover.requests == 0
-        });
-        if broken {
-            eprintln!("smoke run: a scenario produced no measurement");
+        let mut broken: Vec<String> = vec![];
+        for r in &results {
+            if r.agent.warm_ttft_ms.is_empty()
+                || r.burst_makespan_s <= 0.0
+                || r.failover.requests == 0
+            {
+                broken.push(format!("seed scenes, {}", r.target));
+            }
+        }
+        for r in apis.iter().flat_map(|x| &x.rows) {
+            if r.warm_ttft_ms.is_empty() || r.missing_usage > 0 || r.errors > 0 {
+                broken.push(format!("agent APIs, {} via {}", r.api, r.policy));
+            }
+        }
+        for r in forked.iter().flat_map(|x| &x.rows) {
+            if r.skipped.is_none() && (r.ttft_ms.is_empty() || r.errors > 0) {
+                broken.push(format!("fork, {}", r.target));
+            }
+        }
+        if let Some(t) = &traced {
+            if t.references.is_empty() {
+                broken.push("trace replay, the reference".into());
+            }
+            for r in &t.rows {
+                if r.skipped.is_none() && (r.ttft_p50_ms.is_nan() || r.errors > 0) {
+                    broken.push(format!(
+                        "trace replay, {} {} {}",
+                        r.shape, r.scheduler, r.policy
+                    ));
+                }
+            }
+        }
+        if !broken.is_empty() {
+            eprintln!(
+                "smoke run: no measurement (or errors) from: {}",
+                broken.join("; ")
+            );
             std::process::exit(1);
         }
     }

@@ -19,6 +19,9 @@ pub struct Replica {
     pub address: String,
     pub api_key: Option<String>,
     pub models: Vec<String>,
+    /// Its prefix cache's capacity in tokens (`cache_tokens`); None: inferlb learns it from the
+    /// replica's `/metrics`.
+    pub cache_tokens: Option<u64>,
     /// Further keys of this entry, YAML flow style (`"weight: 2"`), for rare keys.
     pub extra: String,
 }
@@ -60,7 +63,7 @@ pub struct LbConf {
     pub listen_port: u16,
     /// Port of `admin_listen` on 127.0.0.1; 0: a free one, picked by [`Lb::start`].
     pub admin_port: u16,
-    /// adaptive | affinity | roundrobin
+    /// adaptive | affinity | roundrobin | prefill_cost
     pub routing: Option<String>,
     pub health_path: Option<String>,
     pub health_interval_seconds: Option<f64>,
@@ -85,6 +88,8 @@ pub struct LbConf {
     pub session_header: Option<String>,
     pub stored_responses_capacity: Option<usize>,
     pub stored_lookup_timeout_seconds: Option<f64>,
+    /// How often each replica's `/metrics` is read for its load.
+    pub load_poll_interval_seconds: Option<f64>,
     /// After the replicas [`Lb::start`] adds for the sims it is given.
     pub replicas: Vec<Replica>,
     /// Further lines at the end of the `inferlb:` section, indented by two spaces, for rare keys.
@@ -189,6 +194,9 @@ impl LbConf {
         if let Some(v) = self.stored_lookup_timeout_seconds {
             line!("  stored_lookup_timeout_seconds: {v}");
         }
+        if let Some(v) = self.load_poll_interval_seconds {
+            line!("  load_poll_interval_seconds: {v}");
+        }
         line!("  replicas:");
         for r in &self.replicas {
             let mut keys = vec![
@@ -199,6 +207,7 @@ impl LbConf {
             if !r.models.is_empty() {
                 keys.push(("models", Some(list(&r.models))));
             }
+            keys.push(("cache_tokens", num(r.cache_tokens)));
             let mut entry = flow(&keys).unwrap_or_default();
             if !r.extra.is_empty() {
                 entry.pop();
@@ -381,11 +390,13 @@ mod tests {
             session_header: Some("x-session-id".into()),
             stored_responses_capacity: Some(5),
             stored_lookup_timeout_seconds: Some(0.5),
+            load_poll_interval_seconds: Some(0.25),
             replicas: vec![
                 Replica::new("gpu0", "127.0.0.1:3"),
                 Replica {
                     api_key: Some("secret".into()),
                     models: vec!["a".into(), "b".into()],
+                    cache_tokens: Some(200_000),
                     extra: "weight: 2".into(),
                     ..Replica::new("gpu1", "127.0.0.1:4")
                 },
@@ -416,9 +427,10 @@ mod tests {
             \x20 session_header: \"x-session-id\"\n\
             \x20 stored_responses_capacity: 5\n\
             \x20 stored_lookup_timeout_seconds: 0.5\n\
+            \x20 load_poll_interval_seconds: 0.25\n\
             \x20 replicas:\n\
             \x20   - {id: \"gpu0\", address: \"127.0.0.1:3\"}\n\
-            \x20   - {id: \"gpu1\", address: \"127.0.0.1:4\", api_key: \"secret\", models: [\"a\", \"b\"], weight: 2}\n\
+            \x20   - {id: \"gpu1\", address: \"127.0.0.1:4\", api_key: \"secret\", models: [\"a\", \"b\"], cache_tokens: 200000, weight: 2}\n\
             \x20 future_key: 1\n";
         assert_eq!(c.render(), want);
     }

@@ -1,6 +1,6 @@
 //! The processes the tests and the bench run: simulated replicas ([`Sim`]), the balancer
-//! ([`Lb`], with its conf written by [`LbConf`]) and nginx ([`Nginx`]), each on free loopback
-//! ports.
+//! ([`Lb`], with its conf written by [`LbConf`]), nginx ([`Nginx`]) and the peer routers
+//! ([`Peer`]: SGLang's and vLLM's), each on free loopback ports.
 //!
 //! Every process is held by a [`Proc`], which stops it the way that program stops cleanly when
 //! the handle drops (and kills it only if it does not exit in time), so nothing a test or a
@@ -11,6 +11,7 @@
 
 mod lb;
 mod nginx;
+mod peer;
 mod proc;
 mod sim;
 
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 pub use lb::{Lb, LbConf, Replica};
 pub use nginx::Nginx;
 pub use nix::sys::signal::Signal;
+pub use peer::{Peer, PeerConf, PeerKind};
 pub use proc::Proc;
 pub use sim::Sim;
 

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::client::{admin_post, filler, pct, stream_chat, wait_replica};
-use crate::cluster::{Cluster, ClusterSpec};
+use crate::cluster::{Cluster, ClusterSpec, Front};
 use crate::{Args, Sizes};
 
 #[derive(Debug, Default, Clone, Serialize)]
@@ -82,7 +82,8 @@ pub async fn deploy(
     spill_margin: usize,
 ) -> DeployResult {
     let mut c = Cluster::start(&ClusterSpec {
-        routing: Some("adaptive"),
+        front: Front::Inferlb("adaptive"),
+        replicas: 2,
         speed: a.speed,
         cache_tokens: s.cache_tokens,
         sim_flags: &[],

@@ -1,7 +1,10 @@
 //! The scenarios, each against a [`crate::cluster::Cluster`] or a base URL.
 
 pub mod agent;
+pub mod agent_apis;
 pub mod deploy;
 pub mod failover;
+pub mod fork;
 pub mod overhead;
 pub mod soak;
+pub mod trace;

@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::client::{pct, small_request};
-use crate::cluster::{Cluster, ClusterSpec};
+use crate::cluster::{Cluster, ClusterSpec, Front};
 use crate::Sizes;
 
 #[derive(Debug, Default, Clone, Serialize)]
@@ -119,7 +119,8 @@ async fn overhead_target(client: &reqwest::Client, name: &str, base: &str, s: &S
 pub async fn overhead(client: &reqwest::Client, s: &Sizes) -> Vec<Latency> {
     // Replicas that answer at once: what is left is the proxy's own cost.
     let c = Cluster::start(&ClusterSpec {
-        routing: Some("adaptive"),
+        front: Front::Inferlb("adaptive"),
+        replicas: 2,
         speed: 1.0,
         cache_tokens: 100_000,
         sim_flags: &["--prefill-tokens-per-s", "1e9", "--decode-interval-ms", "5"],

@@ -8,7 +8,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::client::stream_chat;
-use crate::cluster::{Cluster, ClusterSpec};
+use crate::cluster::{Cluster, ClusterSpec, Front};
 use crate::Args;
 
 #[derive(Debug, Default, Clone, Serialize)]
@@ -56,7 +56,8 @@ fn proc_fds(pid: u32) -> usize {
 /// small requests; inferlb's RSS and descriptors sampled along the way.
 pub async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
     let c = Cluster::start(&ClusterSpec {
-        routing: Some("adaptive"),
+        front: Front::Inferlb("adaptive"),
+        replicas: 2,
         speed: 1.0,
         cache_tokens: 100_000,
         sim_flags: &["--max-batch", "2048", "--decode-interval-ms", "20"],
