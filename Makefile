@@ -8,12 +8,13 @@ BIN := target/$(PROFILE)
 
 all: build
 
-# What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), nginx and
-# rsvg-convert (bench).
+# What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), redis-server
+# (cluster tests), nginx and rsvg-convert (bench).
 deps:
 	@missing=""; \
 	command -v cmake >/dev/null || missing="$$missing cmake"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	command -v rsvg-convert >/dev/null || missing="$$missing librsvg2-bin"; \
 	if [ -n "$$missing" ]; then \

@@ -16,6 +16,8 @@ use crate::registry::Registry;
 
 pub struct Admin {
     pub registry: Arc<Registry>,
+    /// Drains are shared with the other instances of a cluster.
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 fn reply(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -69,7 +71,11 @@ impl ServeHttp for Admin {
             ("POST", ["admin", "replicas", id, action @ ("drain" | "undrain")]) => {
                 match self.registry.get(id) {
                     Some(r) => {
-                        r.set_draining(*action == "drain");
+                        let draining = *action == "drain";
+                        r.set_draining(draining);
+                        if let Some(c) = &self.cluster {
+                            c.drain(&r.id, draining);
+                        }
                         json(StatusCode::OK, self.state())
                     }
                     None => json(

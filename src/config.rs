@@ -43,6 +43,30 @@ pub struct Config {
     pub stored_lookup_timeout: Duration,
     /// How often each replica's `/metrics` is read for its load (`prefill_cost`).
     pub load_poll_interval: Duration,
+    /// Shared routing state with other instances; `None`: this process alone.
+    pub cluster: Option<ClusterConf>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ClusterConf {
+    pub redis_url: String,
+    pub instance_id: String,
+    /// How long a shared pin lives in Redis without being renewed.
+    pub pin_ttl: Duration,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    redis_url: String,
+    #[serde(default)]
+    instance_id: Option<String>,
+    #[serde(default = "default_pin_ttl")]
+    pin_ttl_seconds: f64,
+}
+
+fn default_pin_ttl() -> f64 {
+    86_400.0
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -108,6 +132,7 @@ struct RawSection {
     stored_responses_capacity: usize,
     stored_lookup_timeout_seconds: f64,
     load_poll_interval_seconds: f64,
+    cluster: Option<RawCluster>,
 }
 
 impl Default for RawSection {
@@ -131,6 +156,7 @@ impl Default for RawSection {
             stored_responses_capacity: 100_000,
             stored_lookup_timeout_seconds: 2.0,
             load_poll_interval_seconds: 0.25,
+            cluster: None,
         }
     }
 }
@@ -377,6 +403,28 @@ fn validate(raw: RawSection) -> Result<Config, String> {
     if raw.stored_responses_capacity == 0 {
         return Err("inferlb.stored_responses_capacity must be positive".into());
     }
+    let cluster = match &raw.cluster {
+        None => None,
+        Some(c) => {
+            if let Err(e) = redis::Client::open(c.redis_url.as_str()) {
+                return Err(format!("inferlb.cluster.redis_url: {:?}: {e}", c.redis_url));
+            }
+            let instance_id = match c.instance_id.as_deref().map(str::trim) {
+                None | Some("") => crate::cluster::default_instance_id(),
+                Some(id) if id.contains('|') || id.contains(char::is_whitespace) => {
+                    return Err(format!(
+                        "inferlb.cluster.instance_id: {id:?} may not contain '|' or spaces"
+                    ))
+                }
+                Some(id) => id.to_string(),
+            };
+            Some(ClusterConf {
+                redis_url: c.redis_url.clone(),
+                instance_id,
+                pin_ttl: seconds("cluster.pin_ttl_seconds", c.pin_ttl_seconds)?,
+            })
+        }
+    };
     let session_header = match raw.session_header.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(name) => match http::HeaderName::from_bytes(name.as_bytes()) {
@@ -410,6 +458,7 @@ fn validate(raw: RawSection) -> Result<Config, String> {
             raw.stored_lookup_timeout_seconds,
         )?,
         load_poll_interval: seconds("load_poll_interval_seconds", raw.load_poll_interval_seconds)?,
+        cluster,
     })
 }
 
@@ -487,6 +536,20 @@ inferlb:
             (
                 format!("{GOOD}  stored_responses_capacity: 0\n"),
                 "stored_responses_capacity",
+            ),
+            (
+                format!("{GOOD}  cluster: {{redis_url: \"http://x\"}}\n"),
+                "cluster.redis_url",
+            ),
+            (
+                format!(
+                    "{GOOD}  cluster: {{redis_url: \"redis://127.0.0.1\", instance_id: \"a|b\"}}\n"
+                ),
+                "cluster.instance_id",
+            ),
+            (
+                format!("{GOOD}  cluster: {{redis_ur: \"redis://127.0.0.1\"}}\n"),
+                "redis_ur",
             ),
             (
                 GOOD.replace("8002}", "8002, cache_tokens: 0}"),

@@ -8,6 +8,7 @@ pub mod admin;
 pub mod affinity;
 pub mod api;
 pub mod body;
+pub mod cluster;
 pub mod config;
 pub mod health;
 pub mod index;

@@ -79,6 +79,24 @@ fn main() {
     let health = background_service("health", HealthChecker::new(&conf.health, registry.clone()));
     let registry_for_load = registry.clone();
 
+    let cluster = conf.cluster.as_ref().map(|c| {
+        let (handle, changes) = inferlb::cluster::Cluster::new(c.instance_id.clone());
+        let sync = inferlb::cluster::ClusterSync {
+            cluster: handle.clone(),
+            changes: std::sync::Mutex::new(Some(changes)),
+            url: c.redis_url.clone(),
+            registry: registry.clone(),
+            affinity: affinity.clone(),
+            stored: stored.clone(),
+            pin_ttl: c.pin_ttl,
+        };
+        (handle, background_service("cluster", sync))
+    });
+    let (cluster, cluster_service) = match cluster {
+        Some((h, s)) => (Some(h), Some(s)),
+        None => (None, None),
+    };
+
     let keeper = StateKeeper {
         affinity: affinity.clone(),
         stored: stored.clone(),
@@ -103,6 +121,7 @@ fn main() {
             registry.clone(),
             affinity,
             stored,
+            cluster.clone(),
             conf.clone(),
             max_attempts,
             leaving,
@@ -111,7 +130,10 @@ fn main() {
     );
     proxy.add_tcp(&conf.listen);
 
-    let mut admin = Service::new("admin".to_string(), HttpServer::new_app(Admin { registry }));
+    let mut admin = Service::new(
+        "admin".to_string(),
+        HttpServer::new_app(Admin { registry, cluster }),
+    );
     admin.add_tcp(&conf.admin_listen);
 
     log::info!(
@@ -127,6 +149,9 @@ fn main() {
             interval: conf.load_poll_interval,
         };
         server.add_service(background_service("replica load", load));
+    }
+    if let Some(s) = cluster_service {
+        server.add_service(s);
     }
     server.add_service(health);
     server.add_service(state);

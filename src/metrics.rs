@@ -17,6 +17,8 @@ pub struct Metrics {
     pub draining: IntGaugeVec,
     pub affinity_entries: IntGauge,
     pub stored_responses: IntGauge,
+    pub cluster_connected: IntGauge,
+    pub cluster_dropped: IntCounter,
     pub ttfb: HistogramVec,
     pub stream_errors: IntCounter,
     pub rejected: IntCounterVec,
@@ -59,6 +61,14 @@ fn build() -> Result<Metrics, prometheus::Error> {
         stored_responses: register_int_gauge!(
             "inferlb_stored_responses",
             "Stored Responses ids remembered, each with the replica that stores it."
+        )?,
+        cluster_connected: register_int_gauge!(
+            "inferlb_cluster_connected",
+            "1 while this instance shares its routing state through Redis."
+        )?,
+        cluster_dropped: register_int_counter!(
+            "inferlb_cluster_dropped_total",
+            "Changes not shared because the queue to Redis was full."
         )?,
         ttfb: register_histogram_vec!(
             "inferlb_time_to_first_byte_seconds",

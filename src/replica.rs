@@ -70,6 +70,11 @@ struct Load {
     reported_waiting: AtomicU64,
     reported_running: AtomicU64,
     reported: AtomicBool,
+    /// What the other inferlb instances of a cluster sent it: queued prefill tokens, requests
+    /// without a first byte, requests in flight.
+    peer_queued_tokens: AtomicU64,
+    peer_waiting: AtomicU64,
+    peer_in_flight: AtomicU64,
 }
 
 /// Consecutive check results, as Pingora's checker counts them: `threshold` results against
@@ -204,28 +209,52 @@ impl Replica {
     /// when the replica reports more requests waiting than that, the others at the mean size.
     pub fn queued_tokens(&self) -> u64 {
         let l = &self.load;
-        let local = l.queued_tokens.load(Ordering::Relaxed);
+        let seen =
+            l.queued_tokens.load(Ordering::Relaxed) + l.peer_queued_tokens.load(Ordering::Relaxed);
         if !l.reported.load(Ordering::Relaxed) {
-            return local;
+            return seen;
         }
-        let mine = l.waiting.load(Ordering::Relaxed) as u64;
+        let known =
+            l.waiting.load(Ordering::Relaxed) as u64 + l.peer_waiting.load(Ordering::Relaxed);
         let others = l
             .reported_waiting
             .load(Ordering::Relaxed)
-            .saturating_sub(mine);
-        local + others * l.mean_uncached.load(Ordering::Relaxed)
+            .saturating_sub(known);
+        seen + others * l.mean_uncached.load(Ordering::Relaxed)
     }
 
-    /// Requests it runs: past their first byte here, or as it reports, whichever is more.
+    /// Requests it runs: past their first byte here or at a peer instance, or as it reports,
+    /// whichever is more.
     pub fn running(&self) -> usize {
         let l = &self.load;
         let local = self
             .in_flight()
             .saturating_sub(l.waiting.load(Ordering::Relaxed));
+        let peers = l
+            .peer_in_flight
+            .load(Ordering::Relaxed)
+            .saturating_sub(l.peer_waiting.load(Ordering::Relaxed)) as usize;
         if !l.reported.load(Ordering::Relaxed) {
-            return local;
+            return local + peers;
         }
-        local.max(l.reported_running.load(Ordering::Relaxed) as usize)
+        (local + peers).max(l.reported_running.load(Ordering::Relaxed) as usize)
+    }
+
+    /// This process's own queued prefill: (tokens, requests), to share with a cluster.
+    pub fn local_prefill(&self) -> (u64, u64) {
+        let l = &self.load;
+        (
+            l.queued_tokens.load(Ordering::Relaxed),
+            l.waiting.load(Ordering::Relaxed) as u64,
+        )
+    }
+
+    /// The other instances' load on it, summed.
+    pub fn set_peer_load(&self, queued_tokens: u64, waiting: u64, in_flight: u64) {
+        let l = &self.load;
+        l.peer_queued_tokens.store(queued_tokens, Ordering::Relaxed);
+        l.peer_waiting.store(waiting, Ordering::Relaxed);
+        l.peer_in_flight.store(in_flight, Ordering::Relaxed);
     }
 
     /// What its `/metrics` says now; `None` when it could not be read (local counts only).

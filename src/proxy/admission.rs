@@ -8,6 +8,7 @@ use super::answers::Refusal;
 use super::{request, stored_key, Balancer, Ctx};
 use crate::api::{classify, stored_response_path};
 use crate::body::{BodyLimits, BodyReplay};
+use crate::cluster::Table;
 
 impl Balancer {
     /// What the request head alone settles: its size and its key.
@@ -80,7 +81,7 @@ impl Balancer {
                 let among = self.registry.reachable();
                 let timeout = self.conf.stored_lookup_timeout;
                 let found = crate::probe::stored_response(&among, &id, timeout).await?;
-                self.stored.record(stored_key(&id), &found.id);
+                self.remember(Table::Stored, stored_key(&id), &found.id);
                 found
             }
         };

@@ -23,6 +23,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 use crate::affinity::AffinityTable;
 use crate::api::{Family, RequestInfo};
 use crate::body::BodyReplay;
+use crate::cluster::Cluster;
 use crate::config::Config;
 use crate::metrics::METRICS;
 use crate::registry::Registry;
@@ -38,6 +39,8 @@ pub struct Balancer {
     affinity: Arc<AffinityTable>,
     /// Stored Responses ids (hashed, see [`stored_key`]) → the replica that stores each.
     stored: Arc<AffinityTable>,
+    /// Other instances to share pins with, when the conf names a cluster.
+    cluster: Option<Arc<Cluster>>,
     policy: Policy,
     conf: Arc<Config>,
     /// Attempts allowed for one request (Pingora's `max_retries`).
@@ -51,6 +54,7 @@ impl Balancer {
         registry: Arc<Registry>,
         affinity: Arc<AffinityTable>,
         stored: Arc<AffinityTable>,
+        cluster: Option<Arc<Cluster>>,
         conf: Arc<Config>,
         max_attempts: usize,
         leaving: Arc<AtomicBool>,
@@ -63,6 +67,7 @@ impl Balancer {
             registry,
             affinity,
             stored,
+            cluster,
             conf,
             max_attempts: max_attempts.try_into().unwrap_or(u32::MAX),
             leaving,

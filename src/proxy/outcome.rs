@@ -13,11 +13,23 @@ use super::errors::{failure_of, reason, Seen};
 use super::failover::{self, Attempt, Failure, Retry, Verdict};
 use super::{stored_key, Balancer, Ctx, NOT_CHAT};
 use crate::access;
+use crate::cluster::Table;
 use crate::metrics::{code_class, METRICS};
 use crate::replica::{InFlight, Replica};
 use crate::routing::{self, Mode, Route};
 
 impl Balancer {
+    /// Records a pin here, and shares it with the cluster when there is one.
+    pub(super) fn remember(&self, table: Table, key: u64, replica: &Arc<str>) {
+        match table {
+            Table::Affinity => self.affinity.record(key, replica),
+            Table::Stored => self.stored.record(key, replica),
+        }
+        if let Some(c) = &self.cluster {
+            c.pin(table, key, replica);
+        }
+    }
+
     /// The replica for the next attempt and why; `None` when no replica can take it. Under
     /// `prefill_cost` the chosen replica's index and queued prefill account for it at once, so
     /// the next request of a burst sees it.
@@ -144,7 +156,7 @@ impl Balancer {
             // A stream announces its id first; a JSON answer has it once finished.
             let replica = ctx.in_flight.as_ref().map(InFlight::replica);
             if let (false, Some(id), Some(r)) = (ctx.id_learnt, reader.response_id(), replica) {
-                self.stored.record(stored_key(id), &r.id);
+                self.remember(Table::Stored, stored_key(id), &r.id);
                 ctx.id_learnt = true;
             }
             if end_of_stream {
@@ -191,7 +203,7 @@ impl Balancer {
         let key = ctx.info.as_ref().and_then(|i| i.shape.served_key());
         if let (true, Some(r)) = (served_whole, served_by.as_ref()) {
             for key in key.into_iter().chain(ctx.session) {
-                self.affinity.record(key, &r.id);
+                self.remember(Table::Affinity, key, &r.id);
             }
         }
         if !log::log_enabled!(target: "access", log::Level::Info) {

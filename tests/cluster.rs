@@ -1,0 +1,153 @@
+//! Two inferlb instances sharing one view through a real Redis: a conversation's turns go to
+//! the same replica whichever instance they reach, drains are everyone's, and Redis going away
+//! costs no request; when it is back, what was pinned meanwhile is shared.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+fn redis_server() -> Option<PathBuf> {
+    ["/usr/bin/redis-server", "/usr/local/bin/redis-server"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+}
+
+/// A throwaway Redis on `port`, nothing saved to disk; stopped with SIGTERM.
+fn start_redis(dir: &Path, port: u16) -> Proc {
+    let bin = redis_server().expect("redis-server (make deps installs it)");
+    let mut cmd = Command::new(bin);
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+        .args(["--appendonly", "no", "--dir"])
+        .arg(dir);
+    let p = Proc::spawn("redis", cmd, Some(&dir.join("redis.log")), Signal::SIGTERM)
+        .expect("spawn redis-server");
+    let up = wait_until(Duration::from_secs(10), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(up, "redis-server did not start");
+    p
+}
+
+fn instance(root: &Path, name: &str, sims: &[&Sim], redis_port: u16) -> Lb {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let conf = LbConf {
+        extra: format!(
+            "  cluster: {{redis_url: \"redis://127.0.0.1:{redis_port}\", instance_id: {name}}}\n"
+        ),
+        ..test_conf()
+    };
+    Lb::start(&dir, sims, conf)
+}
+
+fn chat(lb: &Lb, messages: &[(&str, &str)]) -> (String, String, Value) {
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(messages, false, 2))
+        .send()
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
+    let (replica, route) = (h("x-inferlb-replica"), h("x-inferlb-route"));
+    (replica, route, r.json().expect("json"))
+}
+
+fn connected(lb: &Lb) -> bool {
+    lb.metric("inferlb_cluster_connected") == 1.0
+}
+
+/// A conversation's next turn, sent to `lb`: (replica, route).
+fn turn(lb: &Lb, conversation: &str, n: usize) -> (String, String) {
+    let mut history: Vec<(String, String)> = vec![("system".into(), format!("{conversation} context"))];
+    for i in 0..n {
+        history.push(("user".into(), format!("{conversation} question {i}")));
+        history.push(("assistant".into(), format!("{conversation} answer {i}")));
+    }
+    history.push(("user".into(), format!("{conversation} question {n}")));
+    let refs: Vec<(&str, &str)> = history.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+    let (replica, route, _) = chat(lb, &refs);
+    (replica, route)
+}
+
+#[test]
+fn two_instances_route_a_conversation_alike_and_share_drains() {
+    if redis_server().is_none() {
+        panic!("redis-server is not installed: `make deps` installs it");
+    }
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis_port = free_port();
+    let _redis = start_redis(root.path(), redis_port);
+    let (a, b) = two_sims(root.path(), &[]);
+    let one = instance(root.path(), "one", &[&a, &b], redis_port);
+    let two = instance(root.path(), "two", &[&a, &b], redis_port);
+    assert!(wait_until(Duration::from_secs(10), || connected(&one) && connected(&two)));
+
+    // Each conversation's first turn through one instance, the next through the other.
+    for c in 0..6 {
+        let name = format!("conv{c}");
+        let (first, _) = turn(&one, &name, 0);
+        let shared = wait_until(Duration::from_secs(5), || {
+            two.metric("inferlb_affinity_entries") >= (c + 1) as f64
+        });
+        assert!(shared, "{name}'s pin reached the other instance");
+        let (second, route) = turn(&two, &name, 1);
+        assert_eq!((second.as_str(), route.as_str()), (first.as_str(), "pinned"), "{name}");
+    }
+
+    // A drain on one instance's admin API drains the replica on both.
+    one.admin("POST", "/admin/replicas/gpu0/drain");
+    let drained = wait_until(Duration::from_secs(5), || {
+        two.replica_state("gpu0")["draining"] == true
+    });
+    assert!(drained, "{}", two.admin("GET", "/admin/replicas"));
+    for i in 0..4 {
+        let (replica, _, _) = chat(&two, &[("user", &format!("fresh {i}"))]);
+        assert_eq!(replica, "gpu1");
+    }
+    one.admin("POST", "/admin/replicas/gpu0/undrain");
+    let undrained = wait_until(Duration::from_secs(5), || {
+        two.replica_state("gpu0")["draining"] == false
+    });
+    assert!(undrained);
+}
+
+#[test]
+fn without_redis_each_instance_goes_on_alone_and_resyncs_when_it_is_back() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis_port = free_port();
+    let mut redis = start_redis(root.path(), redis_port);
+    let (a, b) = two_sims(root.path(), &[]);
+    let one = instance(root.path(), "one", &[&a, &b], redis_port);
+    let two = instance(root.path(), "two", &[&a, &b], redis_port);
+    assert!(wait_until(Duration::from_secs(10), || connected(&one) && connected(&two)));
+
+    redis.stop();
+    assert!(wait_until(Duration::from_secs(10), || !connected(&one) && !connected(&two)));
+    // Every request is served meanwhile, on both.
+    let mut homes = vec![];
+    for c in 0..4 {
+        let name = format!("outage{c}");
+        let (first, _) = turn(&one, &name, 0);
+        let (again, route) = turn(&one, &name, 1);
+        assert_eq!((again.as_str(), route.as_str()), (first.as_str(), "pinned"));
+        chat(&two, &[("user", &format!("alone {c}"))]);
+        homes.push((name, first));
+    }
+    let log = one.proc.log_text();
+    assert_eq!(log.matches("redis unreachable").count(), 1, "logged once:\n{log}");
+
+    // Redis is back: both reconnect, and the pins made meanwhile reach the other instance.
+    let _redis = start_redis(root.path(), redis_port);
+    assert!(wait_until(Duration::from_secs(15), || connected(&one) && connected(&two)));
+    for (name, home) in &homes {
+        let reached = wait_until(Duration::from_secs(5), || turn(&two, name, 2).1 == "pinned");
+        assert!(reached, "{name}'s outage pin reached the other instance");
+        assert_eq!(&turn(&two, name, 2).0, home, "{name}");
+    }
+}
