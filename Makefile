@@ -9,12 +9,13 @@ BIN := target/$(PROFILE)
 all: build
 
 # What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), redis-server
-# (cluster tests), nginx and rsvg-convert (bench).
+# (cluster tests), dnsmasq (DNS discovery test), nginx and rsvg-convert (bench).
 deps:
 	@missing=""; \
 	command -v cmake >/dev/null || missing="$$missing cmake"; \
 	command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v dnsmasq >/dev/null || [ -x /usr/sbin/dnsmasq ] || missing="$$missing dnsmasq-base"; \
 	command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	command -v rsvg-convert >/dev/null || missing="$$missing librsvg2-bin"; \
 	if [ -n "$$missing" ]; then \

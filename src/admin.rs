@@ -4,6 +4,9 @@
 //! - `GET /admin/replicas`: each replica's state, as JSON.
 //! - `POST /admin/replicas/{id}/drain` and `.../undrain`: take a replica out of rotation
 //!   (in-flight requests finish, pinned conversations move on their next turn) and back.
+//! - `POST /admin/replicas` with `{"id", "address", "api_key"?, "models"?, "cache_tokens"?}`:
+//!   adds a replica at runtime (it joins after a passing health check);
+//!   `DELETE /admin/replicas/{id}` removes one (in-flight requests finish).
 
 use std::sync::Arc;
 
@@ -12,6 +15,7 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 
+use crate::config::{check_replica, ReplicaConf};
 use crate::registry::Registry;
 
 pub struct Admin {
@@ -33,7 +37,33 @@ fn json(status: StatusCode, v: serde_json::Value) -> Response<Vec<u8>> {
     reply(status, "application/json", v.to_string().into_bytes())
 }
 
+/// The request body, up to 64 KiB (an admin call is small).
+async fn read_body(session: &mut ServerSession) -> Vec<u8> {
+    let mut body = Vec::new();
+    while let Ok(Some(chunk)) = session.read_request_body().await {
+        body.extend_from_slice(&chunk);
+        if body.len() > 64 * 1024 {
+            break;
+        }
+    }
+    body
+}
+
 impl Admin {
+    /// Adds the replica described by `body`, checked as a conf entry is.
+    async fn add(&self, body: &[u8]) -> Result<(), String> {
+        let mut conf: ReplicaConf = serde_json::from_slice(body)
+            .map_err(|e| format!("expected {{\"id\", \"address\", ...}}: {e}"))?;
+        if conf.discover.is_some() {
+            return Err("discover: dns belongs in the conf file".into());
+        }
+        let checked =
+            tokio::task::spawn_blocking(move || check_replica(&mut conf, "replica").map(|()| conf))
+                .await
+                .map_err(|e| e.to_string())??;
+        self.registry.add(&checked, None).map(|_| ())
+    }
+
     fn state(&self) -> serde_json::Value {
         let list: Vec<_> = self
             .registry
@@ -68,6 +98,20 @@ impl ServeHttp for Admin {
                 crate::metrics::render(),
             ),
             ("GET", ["admin", "replicas"]) => json(StatusCode::OK, self.state()),
+            ("POST", ["admin", "replicas"]) => {
+                let body = read_body(session).await;
+                match self.add(&body).await {
+                    Ok(()) => json(StatusCode::CREATED, self.state()),
+                    Err(e) => json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e})),
+                }
+            }
+            ("DELETE", ["admin", "replicas", id]) => match self.registry.remove(id) {
+                Some(_) => json(StatusCode::OK, self.state()),
+                None => json(
+                    StatusCode::NOT_FOUND,
+                    serde_json::json!({"error": format!("no replica with id {id:?}")}),
+                ),
+            },
             ("POST", ["admin", "replicas", id, action @ ("drain" | "undrain")]) => {
                 match self.registry.get(id) {
                     Some(r) => {
@@ -86,7 +130,7 @@ impl ServeHttp for Admin {
             }
             _ => json(
                 StatusCode::NOT_FOUND,
-                serde_json::json!({"error": "try GET /metrics, GET /admin/replicas, POST /admin/replicas/{id}/drain|undrain"}),
+                serde_json::json!({"error": "try GET /metrics, GET /admin/replicas, POST /admin/replicas, POST /admin/replicas/{id}/drain|undrain, DELETE /admin/replicas/{id}"}),
             ),
         }
     }

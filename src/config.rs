@@ -45,6 +45,7 @@ pub struct Config {
     pub load_poll_interval: Duration,
     /// Shared routing state with other instances; `None`: this process alone.
     pub cluster: Option<ClusterConf>,
+    pub discovery: DiscoveryConf,
 }
 
 #[derive(Debug, Clone)]
@@ -88,6 +89,23 @@ pub struct ReplicaConf {
     /// Its prefix cache's capacity in tokens; when omitted, learnt from its `/metrics`.
     #[serde(default)]
     pub cache_tokens: Option<u64>,
+    /// `dns`: `address` is a name for several replicas (a headless Service), re-resolved on an
+    /// interval; each address becomes a replica `{id}-{ip}-{port}`.
+    #[serde(default)]
+    pub discover: Option<Discover>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Discover {
+    Dns,
+}
+
+/// Where discovered replicas come from: how often, and which DNS server (None: the system's).
+#[derive(Debug, Clone)]
+pub struct DiscoveryConf {
+    pub interval: Duration,
+    pub nameserver: Option<SocketAddr>,
 }
 
 #[derive(Debug, Clone)]
@@ -133,6 +151,8 @@ struct RawSection {
     stored_lookup_timeout_seconds: f64,
     load_poll_interval_seconds: f64,
     cluster: Option<RawCluster>,
+    discovery_interval_seconds: f64,
+    discovery_nameserver: Option<String>,
 }
 
 impl Default for RawSection {
@@ -157,6 +177,8 @@ impl Default for RawSection {
             stored_lookup_timeout_seconds: 2.0,
             load_poll_interval_seconds: 0.25,
             cluster: None,
+            discovery_interval_seconds: 5.0,
+            discovery_nameserver: None,
         }
     }
 }
@@ -229,6 +251,51 @@ impl Config {
             }
         }
         out
+    }
+}
+
+/// Checks one replica entry (of the conf, `key` naming it, or added through the admin API)
+/// and resolves its address once; an entry discovered by DNS is resolved later.
+pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
+    use std::net::ToSocketAddrs;
+    let valid_id = !r.id.is_empty()
+        && r.id.len() <= 128
+        && r.id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !valid_id {
+        return Err(format!(
+            "{key}.id: {:?} must be non-empty letters, digits, '-', '_' or '.'",
+            r.id
+        ));
+    }
+    if let Some(t) = r.cache_tokens {
+        if !(1024..=1_000_000_000).contains(&t) {
+            return Err(format!(
+                "{key}.cache_tokens: {t} is not a cache size (1024 to 1e9 tokens)"
+            ));
+        }
+    }
+    if r.discover.is_some() {
+        // Found later, and again and again: a name with no address yet is fine.
+        let host_port = r.address.rsplit_once(':');
+        if !host_port.is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()) {
+            return Err(format!(
+                "{key}.address: {:?} must be host:port to discover by DNS",
+                r.address
+            ));
+        }
+        return Ok(());
+    }
+    match r.address.to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(socket)) => {
+            r.socket = Some(socket);
+            Ok(())
+        }
+        _ => Err(format!(
+            "{key}.address: {:?} is not a reachable host:port",
+            r.address
+        )),
     }
 }
 
@@ -327,38 +394,10 @@ fn validate(raw: RawSection) -> Result<Config, String> {
     let mut raw = raw;
     let mut ids = BTreeSet::new();
     for (i, r) in raw.replicas.iter_mut().enumerate() {
-        let valid_id = !r.id.is_empty()
-            && r.id
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-        if !valid_id {
-            return Err(format!(
-                "inferlb.replicas[{i}].id: {:?} must be non-empty letters, digits, '-', '_' or '.'",
-                r.id
-            ));
-        }
+        let key = format!("inferlb.replicas[{i}]");
+        check_replica(r, &key)?;
         if !ids.insert(r.id.clone()) {
-            return Err(format!(
-                "inferlb.replicas[{i}].id: {:?} is used twice",
-                r.id
-            ));
-        }
-        use std::net::ToSocketAddrs;
-        if let Some(t) = r.cache_tokens {
-            if !(1024..=1_000_000_000).contains(&t) {
-                return Err(format!(
-                    "inferlb.replicas[{i}].cache_tokens: {t} is not a cache size (1024 to 1e9 tokens)"
-                ));
-            }
-        }
-        match r.address.to_socket_addrs().map(|mut a| a.next()) {
-            Ok(Some(socket)) => r.socket = Some(socket),
-            _ => {
-                return Err(format!(
-                    "inferlb.replicas[{i}].address: {:?} is not a reachable host:port",
-                    r.address
-                ))
-            }
+            return Err(format!("{key}.id: {:?} is used twice", r.id));
         }
     }
     let h = &raw.health;
@@ -425,6 +464,15 @@ fn validate(raw: RawSection) -> Result<Config, String> {
             })
         }
     };
+    let discovery = DiscoveryConf {
+        interval: seconds("discovery_interval_seconds", raw.discovery_interval_seconds)?,
+        nameserver: match raw.discovery_nameserver.as_deref() {
+            None | Some("") => None,
+            Some(ns) => Some(ns.parse::<SocketAddr>().map_err(|e| {
+                format!("inferlb.discovery_nameserver: {ns:?} is not an ip:port ({e})")
+            })?),
+        },
+    };
     let session_header = match raw.session_header.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(name) => match http::HeaderName::from_bytes(name.as_bytes()) {
@@ -459,6 +507,7 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         )?,
         load_poll_interval: seconds("load_poll_interval_seconds", raw.load_poll_interval_seconds)?,
         cluster,
+        discovery,
     })
 }
 

@@ -10,6 +10,7 @@ pub mod api;
 pub mod body;
 pub mod cluster;
 pub mod config;
+pub mod discovery;
 pub mod health;
 pub mod index;
 pub mod load;

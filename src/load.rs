@@ -4,7 +4,6 @@
 //! slow or malformed falls back to this process's own counts, logged once per transition;
 //! never an error for a request.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,11 +77,8 @@ pub struct LoadReader {
     pub interval: Duration,
 }
 
-/// Whether a replica's last read worked, to log only transitions.
-struct Seen(Vec<AtomicBool>);
-
 impl LoadReader {
-    async fn read(&self, r: &Replica, was_ok: &AtomicBool) {
+    async fn read(&self, r: &Replica) {
         let page = crate::probe::get(r, "/metrics", self.interval.max(Duration::from_millis(200)))
             .await
             .filter(|(status, _)| *status == 200);
@@ -95,7 +91,7 @@ impl LoadReader {
             }
         }
         let ok = reported.is_some();
-        if was_ok.swap(ok, Ordering::Relaxed) != ok {
+        if r.note_metrics_read(ok) {
             if ok {
                 log::info!("replica {}: load read from its /metrics again", r.id);
             } else {
@@ -111,13 +107,6 @@ impl LoadReader {
 #[async_trait]
 impl BackgroundService for LoadReader {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let seen = Seen(
-            self.registry
-                .all()
-                .iter()
-                .map(|_| AtomicBool::new(true))
-                .collect(),
-        );
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -125,8 +114,8 @@ impl BackgroundService for LoadReader {
                 _ = shutdown.changed() => return,
                 _ = tick.tick() => {}
             }
-            let reads = self.registry.all().iter().zip(&seen.0);
-            join_all(reads.map(|(r, ok)| self.read(r, ok))).await;
+            let fleet = self.registry.all();
+            join_all(fleet.iter().map(|r| self.read(r))).await;
         }
     }
 }

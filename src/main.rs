@@ -78,6 +78,7 @@ fn main() {
     ));
     let health = background_service("health", HealthChecker::new(&conf.health, registry.clone()));
     let registry_for_load = registry.clone();
+    let registry_for_discovery = registry.clone();
 
     let cluster = conf.cluster.as_ref().map(|c| {
         let (handle, changes) = inferlb::cluster::Cluster::new(c.instance_id.clone());
@@ -149,6 +150,20 @@ fn main() {
             interval: conf.load_poll_interval,
         };
         server.add_service(background_service("replica load", load));
+    }
+    let found_by_dns: Vec<_> = conf
+        .replicas
+        .iter()
+        .filter(|r| r.discover.is_some())
+        .cloned()
+        .collect();
+    if !found_by_dns.is_empty() {
+        let discovery = inferlb::discovery::Discovery {
+            entries: found_by_dns,
+            conf: conf.discovery.clone(),
+            registry: registry_for_discovery,
+        };
+        server.add_service(background_service("discovery", discovery));
     }
     if let Some(s) = cluster_service {
         server.add_service(s);

@@ -1,40 +1,91 @@
-//! The configured replicas, and the policy's view of them.
+//! The replicas, and the policy's view of them.
 //!
 //! It holds replicas and answers questions about the set (which may serve a model, what the
 //! policy may choose from); each replica keeps its own state (`replica.rs`), and what the
-//! replicas served lives in the affinity table (`affinity.rs`).
+//! replicas served lives in the affinity table (`affinity.rs`). The set changes at runtime
+//! (DNS discovery, the admin API): readers take a snapshot, which a change replaces whole, so a
+//! request holds the replicas it saw for as long as it needs them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
 
 use crate::api::prompt::Link;
 use crate::config::{ReplicaConf, UpstreamConf};
 use crate::replica::Replica;
 use crate::routing::Candidate;
 
+/// The replicas at one moment.
+pub type Fleet = Arc<Vec<Arc<Replica>>>;
+
 pub struct Registry {
-    list: Vec<Arc<Replica>>,
+    list: ArcSwap<Vec<Arc<Replica>>>,
+    /// How replicas added later reach their servers.
+    upstream: UpstreamConf,
+    /// Serialises changes (each replaces the whole list).
+    changing: Mutex<()>,
     /// Breaks ties and drives round-robin.
     counter: AtomicU64,
 }
 
 impl Registry {
+    /// The configured replicas (those found by DNS come later, from discovery).
     pub fn new(confs: &[ReplicaConf], upstream: &UpstreamConf) -> Registry {
+        let list = confs
+            .iter()
+            .filter(|c| c.discover.is_none())
+            .map(|c| Arc::new(Replica::new(c, upstream)))
+            .collect();
         Registry {
-            list: confs
-                .iter()
-                .map(|c| Arc::new(Replica::new(c, upstream)))
-                .collect(),
+            list: ArcSwap::from_pointee(list),
+            upstream: upstream.clone(),
+            changing: Mutex::new(()),
             counter: AtomicU64::new(0),
         }
     }
 
-    pub fn all(&self) -> &[Arc<Replica>] {
-        &self.list
+    /// A snapshot of the replicas.
+    pub fn all(&self) -> Fleet {
+        self.list.load_full()
     }
 
-    pub fn get(&self, id: &str) -> Option<&Arc<Replica>> {
-        self.list.iter().find(|r| &*r.id == id)
+    pub fn get(&self, id: &str) -> Option<Arc<Replica>> {
+        self.list.load().iter().find(|r| &*r.id == id).cloned()
+    }
+
+    /// Adds a replica, unhealthy until a health check passes; an error when the id is taken.
+    pub fn add(&self, conf: &ReplicaConf, origin: Option<&str>) -> Result<Arc<Replica>, String> {
+        let _one = self
+            .changing
+            .lock()
+            .map_err(|_| "registry lock poisoned".to_string())?;
+        let now = self.list.load_full();
+        if now.iter().any(|r| *r.id == *conf.id) {
+            return Err(format!("a replica with id {:?} exists", conf.id));
+        }
+        let r = Arc::new(Replica::joining(conf, &self.upstream, origin));
+        let mut next = (*now).clone();
+        next.push(r.clone());
+        self.list.store(Arc::new(next));
+        log::warn!(
+            "replica {} ({}) added: joins after a passing health check",
+            r.id,
+            r.address
+        );
+        Ok(r)
+    }
+
+    /// Removes a replica: no new requests; those in flight finish. Its conversations move on
+    /// their next turn (`repinned`).
+    pub fn remove(&self, id: &str) -> Option<Arc<Replica>> {
+        let _one = self.changing.lock().ok()?;
+        let now = self.list.load_full();
+        let gone = now.iter().find(|r| &*r.id == id)?.clone();
+        let next: Vec<Arc<Replica>> = now.iter().filter(|r| &*r.id != id).cloned().collect();
+        self.list.store(Arc::new(next));
+        log::warn!("replica {} ({}) removed", gone.id, gone.address);
+        Some(gone)
     }
 
     /// The policy's view of the pool serving `model`; `tried` replicas are not available to
@@ -42,12 +93,12 @@ impl Registry {
     /// hands back. With the prompt's `links`, each says how much of it the replica likely
     /// holds (its prefix index); without, nothing is looked up.
     pub fn candidates<'a>(
-        &'a self,
+        fleet: &'a [Arc<Replica>],
         tried: &[Arc<Replica>],
         model: Option<&str>,
         links: &[Link],
     ) -> Vec<Candidate<'a, &'a Arc<Replica>>> {
-        self.list
+        fleet
             .iter()
             .filter(|r| model.is_none_or(|m| r.serves(m)))
             .map(|r| {
@@ -72,21 +123,19 @@ impl Registry {
 
     /// The replicas that can serve what they hold (drained or not).
     pub fn reachable(&self) -> Vec<Arc<Replica>> {
-        self.list
-            .iter()
-            .filter(|r| r.is_reachable())
-            .cloned()
-            .collect()
+        let list = self.list.load();
+        list.iter().filter(|r| r.is_reachable()).cloned().collect()
     }
 
     /// Whether any replica may serve `model`.
     pub fn knows_model(&self, model: &str) -> bool {
-        self.list.iter().any(|r| r.serves(model))
+        self.list.load().iter().any(|r| r.serves(model))
     }
 
     /// Every model some replica serves, sorted, each once.
     pub fn all_models(&self) -> Vec<String> {
-        let mut all: Vec<String> = self.list.iter().flat_map(|r| r.models().to_vec()).collect();
+        let list = self.list.load();
+        let mut all: Vec<String> = list.iter().flat_map(|r| r.models().to_vec()).collect();
         all.sort();
         all.dedup();
         all

@@ -54,6 +54,8 @@ pub struct Replica {
     pub index: PrefixIndex,
     /// The conf fixed `cache_tokens`: never replaced by what the replica says.
     pub cache_configured: bool,
+    /// The `discover: dns` entry that found it; None for one configured or added by hand.
+    pub origin: Option<String>,
     load: Load,
 }
 
@@ -70,6 +72,8 @@ struct Load {
     reported_waiting: AtomicU64,
     reported_running: AtomicU64,
     reported: AtomicBool,
+    /// Its `/metrics` could not be read at the last try (to log each transition once).
+    metrics_unread: AtomicBool,
     /// What the other inferlb instances of a cluster sent it: queued prefill tokens, requests
     /// without a first byte, requests in flight.
     peer_queued_tokens: AtomicU64,
@@ -108,8 +112,23 @@ impl Health {
 }
 
 impl Replica {
-    /// `conf` was validated: its address resolved.
+    /// A configured replica, healthy until the checks say otherwise. `conf` was validated:
+    /// its address resolved.
     pub fn new(conf: &ReplicaConf, upstream: &UpstreamConf) -> Replica {
+        Replica::build(conf, upstream, true, None)
+    }
+
+    /// A replica that appeared at runtime: it takes requests after its first passing check.
+    pub fn joining(conf: &ReplicaConf, upstream: &UpstreamConf, origin: Option<&str>) -> Replica {
+        Replica::build(conf, upstream, false, origin)
+    }
+
+    fn build(
+        conf: &ReplicaConf,
+        upstream: &UpstreamConf,
+        healthy: bool,
+        origin: Option<&str>,
+    ) -> Replica {
         let socket = conf
             .socket
             .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)));
@@ -125,7 +144,10 @@ impl Replica {
             weight: 1,
             ext: Default::default(),
         };
-        METRICS.up.with_label_values(&[&conf.id]).set(1);
+        METRICS
+            .up
+            .with_label_values(&[&conf.id])
+            .set(healthy as i64);
         METRICS.in_flight.with_label_values(&[&conf.id]).set(0);
         METRICS.draining.with_label_values(&[&conf.id]).set(0);
         Replica {
@@ -138,10 +160,10 @@ impl Replica {
             models_configured: !conf.models.is_empty(),
             // Healthy until the checks say otherwise, as Pingora's checker starts.
             health: Mutex::new(Health {
-                healthy: true,
+                healthy,
                 against: 0,
             }),
-            healthy: AtomicBool::new(true),
+            healthy: AtomicBool::new(healthy),
             demoted: AtomicBool::new(false),
             demotions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
@@ -150,6 +172,7 @@ impl Replica {
             checks_passed: AtomicU64::new(0),
             index: PrefixIndex::new(conf.cache_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
             cache_configured: conf.cache_tokens.is_some(),
+            origin: origin.map(str::to_owned),
             load: Load::default(),
         }
     }
@@ -238,6 +261,11 @@ impl Replica {
             return local + peers;
         }
         (local + peers).max(l.reported_running.load(Ordering::Relaxed) as usize)
+    }
+
+    /// Whether its `/metrics` was read; true when that changed since the last read.
+    pub fn note_metrics_read(&self, ok: bool) -> bool {
+        self.load.metrics_unread.swap(!ok, Ordering::Relaxed) == ok
     }
 
     /// This process's own queued prefill: (tokens, requests), to share with a cluster.
@@ -457,6 +485,7 @@ mod tests {
             models: vec![],
             socket: address.parse().ok(),
             cache_tokens: None,
+            discover: None,
         };
         let upstream = crate::config::UpstreamConf {
             connect_timeout: std::time::Duration::from_secs(1),

@@ -174,6 +174,7 @@ mod tests {
             models: vec![],
             socket: "127.0.0.1:1".parse().ok(),
             cache_tokens: None,
+            discover: None,
         };
         let t = Duration::from_secs(1);
         let upstream = UpstreamConf {

@@ -210,7 +210,7 @@ impl ClusterSync {
             }
         }
         let drained = Self::scan(conn, "inferlb:drain:*", 100_000).await?;
-        for r in self.registry.all() {
+        for r in self.registry.all().iter() {
             let draining = drained.contains(&drain_key(&r.id));
             self.apply(Change::Drain {
                 replica: r.id.clone(),
@@ -224,7 +224,7 @@ impl ClusterSync {
     async fn share_load(&self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
         let mine = load_key(&self.cluster.instance);
         let mut pipe = redis::pipe();
-        for r in self.registry.all() {
+        for r in self.registry.all().iter() {
             let (queued, waiting) = r.local_prefill();
             let value = format!("{queued} {waiting} {}", r.in_flight());
             pipe.cmd("HSET").arg(&mine).arg(&*r.id).arg(value).ignore();
@@ -246,7 +246,7 @@ impl ClusterSync {
                 t.2 += n.next().unwrap_or(0);
             }
         }
-        for r in self.registry.all() {
+        for r in self.registry.all().iter() {
             let (queued, waiting, in_flight) = total.get(&*r.id).copied().unwrap_or_default();
             r.set_peer_load(queued, waiting, in_flight);
         }

@@ -75,7 +75,7 @@ impl Balancer {
         let id = info.and_then(|i| i.previous_response_id.as_deref());
         let id = id.or_else(|| stored_response_path(path))?.to_owned();
         let known = self.stored.served_by(stored_key(&id));
-        let owner = match known.and_then(|owner| self.registry.get(&owner).cloned()) {
+        let owner = match known.and_then(|owner| self.registry.get(&owner)) {
             Some(owner) => owner,
             None => {
                 let among = self.registry.reachable();

@@ -15,6 +15,7 @@ use super::{stored_key, Balancer, Ctx, NOT_CHAT};
 use crate::access;
 use crate::cluster::Table;
 use crate::metrics::{code_class, METRICS};
+use crate::registry::Registry;
 use crate::replica::{InFlight, Replica};
 use crate::routing::{self, Mode, Route};
 
@@ -39,7 +40,8 @@ impl Balancer {
         // Only the cost policy looks at what each replica holds and has queued.
         let cost = self.policy.mode == Mode::PrefillCost;
         let links = if cost { shape.links() } else { &[] };
-        let candidates = self.registry.candidates(&ctx.tried, model, links);
+        let fleet = self.registry.all();
+        let candidates = Registry::candidates(&fleet, &ctx.tried, model, links);
         let served_by = |h| self.affinity.served_by(h);
         let tick = self.registry.tick();
         let decision = match &ctx.owner {

@@ -1,0 +1,191 @@
+//! Replicas found by DNS (a real dnsmasq on loopback, as a headless Service would answer) and
+//! added or removed through the admin API, while traffic flows.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+fn dnsmasq() -> PathBuf {
+    ["/usr/sbin/dnsmasq", "/usr/bin/dnsmasq"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .expect("dnsmasq (make deps installs dnsmasq-base)")
+}
+
+/// dnsmasq answering for the names in `hosts` only, on 127.0.0.1:`port`.
+fn start_dns(dir: &Path, port: u16, hosts: &Path) -> Proc {
+    let mut cmd = Command::new(dnsmasq());
+    cmd.arg("--keep-in-foreground")
+        .arg(format!("--port={port}"))
+        .args([
+            "--listen-address=127.0.0.1",
+            "--bind-interfaces",
+            "--no-resolv",
+            "--no-hosts",
+        ])
+        .args(["--user=root", "--pid-file=", "--local-ttl=0"])
+        .arg(format!("--addn-hosts={}", hosts.display()));
+    let p = Proc::spawn(
+        "dnsmasq",
+        cmd,
+        Some(&dir.join("dnsmasq.log")),
+        Signal::SIGTERM,
+    )
+    .expect("spawn dnsmasq");
+    std::thread::sleep(Duration::from_millis(300));
+    p
+}
+
+/// A simulated replica on `ip:port` (loopback has every 127.x address).
+fn sim_at(dir: &Path, ip: &str, port: u16, id: &str) -> Proc {
+    let mut cmd = Command::new(inferlb_harness::bin("inferlb-sim"));
+    cmd.args(["--listen", &format!("{ip}:{port}"), "--id", id]);
+    let p = Proc::spawn(
+        id,
+        cmd,
+        Some(&dir.join(format!("{id}.log"))),
+        Signal::SIGTERM,
+    )
+    .expect("spawn sim");
+    let up = wait_until(Duration::from_secs(10), || {
+        std::net::TcpStream::connect((ip, port)).is_ok()
+    });
+    assert!(up, "sim {id} on {ip}:{port}");
+    p
+}
+
+fn live_ids(lb: &Lb) -> Vec<String> {
+    let state = lb.admin("GET", "/admin/replicas");
+    let mut ids: Vec<String> = state["replicas"]
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .filter(|r| r["live"] == true)
+        .map(|r| r["id"].as_str().unwrap_or("").to_string())
+        .collect();
+    ids.sort();
+    ids
+}
+
+fn chat(lb: &Lb, messages: &[(&str, &str)]) -> (String, String) {
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(messages, false, 2))
+        .send()
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
+    (h("x-inferlb-replica"), h("x-inferlb-route"))
+}
+
+#[test]
+fn replicas_come_and_go_with_dns_and_the_admin_api() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path();
+    let port = free_port();
+    let _s2 = sim_at(dir, "127.0.0.2", port, "pod-a");
+    let _s3 = sim_at(dir, "127.0.0.3", port, "pod-b");
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "127.0.0.2 vllm.test\n127.0.0.3 vllm.test\n").expect("hosts");
+    let dns_port = free_port();
+    let dns = start_dns(dir, dns_port, &hosts);
+
+    let conf = LbConf {
+        replicas: vec![Replica {
+            extra: "discover: dns".into(),
+            ..Replica::new("vllm", &format!("vllm.test:{port}"))
+        }],
+        extra: format!(
+            "  discovery_interval_seconds: 0.3\n  discovery_nameserver: \"127.0.0.1:{dns_port}\"\n"
+        ),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir, &[], conf);
+    let (a, b) = (
+        format!("vllm-127.0.0.2-{port}"),
+        format!("vllm-127.0.0.3-{port}"),
+    );
+    let both = wait_until(Duration::from_secs(10), || {
+        live_ids(&lb) == vec![a.clone(), b.clone()]
+    });
+    assert!(
+        both,
+        "{}\n{}",
+        lb.admin("GET", "/admin/replicas"),
+        lb.proc.log_text()
+    );
+
+    // A conversation pinned to one pod; that pod leaves the Service: the next turn moves.
+    let (home, _) = chat(&lb, &[("user", "hello")]);
+    let (again, route) = chat(
+        &lb,
+        &[("user", "hello"), ("assistant", "hi"), ("user", "more")],
+    );
+    assert_eq!((again.as_str(), route.as_str()), (home.as_str(), "pinned"));
+    let (kept_ip, gone) = if home == a {
+        ("127.0.0.3", &a)
+    } else {
+        ("127.0.0.2", &b)
+    };
+    std::fs::write(&hosts, format!("{kept_ip} vllm.test\n")).expect("hosts");
+    assert!(
+        dns.signal(Signal::SIGHUP),
+        "dnsmasq reloads its hosts file on SIGHUP"
+    );
+    let left = wait_until(Duration::from_secs(10), || !live_ids(&lb).contains(gone));
+    assert!(left, "{}", lb.admin("GET", "/admin/replicas"));
+    let turn3 = [
+        ("user", "hello"),
+        ("assistant", "hi"),
+        ("user", "more"),
+        ("assistant", "ok"),
+        ("user", "and"),
+    ];
+    let (moved, route) = chat(&lb, &turn3);
+    assert_ne!(&moved, gone);
+    assert_eq!(route, "repinned");
+
+    // Added by hand: joins after a passing health check; removed by hand: gone.
+    let extra_port = free_port();
+    let _s4 = sim_at(dir, "127.0.0.1", extra_port, "by-hand");
+    let added = http()
+        .post(lb.admin_url("/admin/replicas"))
+        .json(&serde_json::json!({"id": "by-hand", "address": format!("127.0.0.1:{extra_port}")}))
+        .send()
+        .expect("add");
+    assert_eq!(added.status(), 201);
+    assert!(wait_until(Duration::from_secs(10), || live_ids(&lb)
+        .contains(&"by-hand".to_string())));
+    let dup = http()
+        .post(lb.admin_url("/admin/replicas"))
+        .json(&serde_json::json!({"id": "by-hand", "address": format!("127.0.0.1:{extra_port}")}))
+        .send()
+        .expect("add again");
+    assert_eq!(dup.status(), 400, "an id is unique");
+    let bad = http()
+        .post(lb.admin_url("/admin/replicas"))
+        .json(&serde_json::json!({"id": "bad id", "address": "nowhere"}))
+        .send()
+        .expect("bad add");
+    assert_eq!(bad.status(), 400);
+    let removed = http()
+        .delete(lb.admin_url("/admin/replicas/by-hand"))
+        .send()
+        .expect("delete");
+    assert_eq!(removed.status(), 200);
+    assert!(!live_ids(&lb).contains(&"by-hand".to_string()));
+    let missing = http()
+        .delete(lb.admin_url("/admin/replicas/by-hand"))
+        .send()
+        .expect("delete");
+    assert_eq!(missing.status(), 404);
+    // Traffic never stopped.
+    for i in 0..4 {
+        chat(&lb, &[("user", &format!("still here {i}"))]);
+    }
+}
