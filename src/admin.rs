@@ -61,7 +61,11 @@ impl Admin {
             tokio::task::spawn_blocking(move || check_replica(&mut conf, "replica").map(|()| conf))
                 .await
                 .map_err(|e| e.to_string())??;
-        self.registry.add(&checked, None).map(|_| ())
+        self.registry.add(&checked, None)?;
+        if let Some(c) = &self.cluster {
+            c.replica(&checked.id, Some(&checked));
+        }
+        Ok(())
     }
 
     fn state(&self) -> serde_json::Value {
@@ -106,7 +110,12 @@ impl ServeHttp for Admin {
                 }
             }
             ("DELETE", ["admin", "replicas", id]) => match self.registry.remove(id) {
-                Some(_) => json(StatusCode::OK, self.state()),
+                Some(_) => {
+                    if let Some(c) = &self.cluster {
+                        c.replica(id, None);
+                    }
+                    json(StatusCode::OK, self.state())
+                }
                 None => json(
                     StatusCode::NOT_FOUND,
                     serde_json::json!({"error": format!("no replica with id {id:?}")}),

@@ -70,7 +70,7 @@ fn default_pin_ttl() -> f64 {
     86_400.0
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicaConf {
     /// A stable name: metrics, logs, headers and the affinity table use it.
@@ -95,7 +95,7 @@ pub struct ReplicaConf {
     pub discover: Option<Discover>,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Discover {
     Dns,

@@ -22,9 +22,16 @@ fn redis_server() -> Option<PathBuf> {
 fn start_redis(dir: &Path, port: u16) -> Proc {
     let bin = redis_server().expect("redis-server (make deps installs it)");
     let mut cmd = Command::new(bin);
-    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-        .args(["--appendonly", "no", "--dir"])
-        .arg(dir);
+    cmd.args([
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+    ])
+    .args(["--appendonly", "no", "--dir"])
+    .arg(dir);
     let p = Proc::spawn("redis", cmd, Some(&dir.join("redis.log")), Signal::SIGTERM)
         .expect("spawn redis-server");
     let up = wait_until(Duration::from_secs(10), || {
@@ -64,13 +71,17 @@ fn connected(lb: &Lb) -> bool {
 
 /// A conversation's next turn, sent to `lb`: (replica, route).
 fn turn(lb: &Lb, conversation: &str, n: usize) -> (String, String) {
-    let mut history: Vec<(String, String)> = vec![("system".into(), format!("{conversation} context"))];
+    let mut history: Vec<(String, String)> =
+        vec![("system".into(), format!("{conversation} context"))];
     for i in 0..n {
         history.push(("user".into(), format!("{conversation} question {i}")));
         history.push(("assistant".into(), format!("{conversation} answer {i}")));
     }
     history.push(("user".into(), format!("{conversation} question {n}")));
-    let refs: Vec<(&str, &str)> = history.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+    let refs: Vec<(&str, &str)> = history
+        .iter()
+        .map(|(r, c)| (r.as_str(), c.as_str()))
+        .collect();
     let (replica, route, _) = chat(lb, &refs);
     (replica, route)
 }
@@ -86,7 +97,8 @@ fn two_instances_route_a_conversation_alike_and_share_drains() {
     let (a, b) = two_sims(root.path(), &[]);
     let one = instance(root.path(), "one", &[&a, &b], redis_port);
     let two = instance(root.path(), "two", &[&a, &b], redis_port);
-    assert!(wait_until(Duration::from_secs(10), || connected(&one) && connected(&two)));
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)
+        && connected(&two)));
 
     // Each conversation's first turn through one instance, the next through the other.
     for c in 0..6 {
@@ -97,7 +109,11 @@ fn two_instances_route_a_conversation_alike_and_share_drains() {
         });
         assert!(shared, "{name}'s pin reached the other instance");
         let (second, route) = turn(&two, &name, 1);
-        assert_eq!((second.as_str(), route.as_str()), (first.as_str(), "pinned"), "{name}");
+        assert_eq!(
+            (second.as_str(), route.as_str()),
+            (first.as_str(), "pinned"),
+            "{name}"
+        );
     }
 
     // A drain on one instance's admin API drains the replica on both.
@@ -115,6 +131,33 @@ fn two_instances_route_a_conversation_alike_and_share_drains() {
         two.replica_state("gpu0")["draining"] == false
     });
     assert!(undrained);
+
+    // A replica added on one instance's admin API joins on both; removed, it leaves both.
+    let third = Sim::start(root.path(), "gpu2", &[]);
+    let added = http()
+        .post(one.admin_url("/admin/replicas"))
+        .json(&serde_json::json!({"id": "gpu2", "address": third.addr()}))
+        .send()
+        .expect("add");
+    assert_eq!(added.status(), 201);
+    let listed = |lb: &Lb| {
+        lb.admin("GET", "/admin/replicas")["replicas"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|r| r["id"] == "gpu2" && r["live"] == true))
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || listed(&two)),
+        "shared add"
+    );
+    let removed = http()
+        .delete(one.admin_url("/admin/replicas/gpu2"))
+        .send()
+        .expect("delete");
+    assert_eq!(removed.status(), 200);
+    assert!(
+        wait_until(Duration::from_secs(5), || !listed(&two)),
+        "shared removal"
+    );
 }
 
 #[test]
@@ -125,10 +168,12 @@ fn without_redis_each_instance_goes_on_alone_and_resyncs_when_it_is_back() {
     let (a, b) = two_sims(root.path(), &[]);
     let one = instance(root.path(), "one", &[&a, &b], redis_port);
     let two = instance(root.path(), "two", &[&a, &b], redis_port);
-    assert!(wait_until(Duration::from_secs(10), || connected(&one) && connected(&two)));
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)
+        && connected(&two)));
 
     redis.stop();
-    assert!(wait_until(Duration::from_secs(10), || !connected(&one) && !connected(&two)));
+    assert!(wait_until(Duration::from_secs(10), || !connected(&one)
+        && !connected(&two)));
     // Every request is served meanwhile, on both.
     let mut homes = vec![];
     for c in 0..4 {
@@ -140,11 +185,16 @@ fn without_redis_each_instance_goes_on_alone_and_resyncs_when_it_is_back() {
         homes.push((name, first));
     }
     let log = one.proc.log_text();
-    assert_eq!(log.matches("redis unreachable").count(), 1, "logged once:\n{log}");
+    assert_eq!(
+        log.matches("redis unreachable").count(),
+        1,
+        "logged once:\n{log}"
+    );
 
     // Redis is back: both reconnect, and the pins made meanwhile reach the other instance.
     let _redis = start_redis(root.path(), redis_port);
-    assert!(wait_until(Duration::from_secs(15), || connected(&one) && connected(&two)));
+    assert!(wait_until(Duration::from_secs(15), || connected(&one)
+        && connected(&two)));
     for (name, home) in &homes {
         let reached = wait_until(Duration::from_secs(5), || turn(&two, name, 2).1 == "pinned");
         assert!(reached, "{name}'s outage pin reached the other instance");

@@ -63,6 +63,11 @@ pub enum Change {
         replica: Arc<str>,
         draining: bool,
     },
+    /// A replica added through the admin API (its conf entry as JSON), or removed (`None`).
+    Replica {
+        id: String,
+        conf: Option<String>,
+    },
 }
 
 /// The request path's handle: queue changes, never wait.
@@ -103,6 +108,15 @@ impl Cluster {
         });
     }
 
+    /// A replica added (its checked conf entry) or removed through this instance's admin API.
+    pub fn replica(&self, id: &str, conf: Option<&crate::config::ReplicaConf>) {
+        let conf = conf.and_then(|c| serde_json::to_string(c).ok());
+        self.send(Change::Replica {
+            id: id.to_string(),
+            conf,
+        });
+    }
+
     fn send(&self, change: Change) {
         if self.tx.try_send(change).is_err() {
             METRICS.cluster_dropped.inc();
@@ -139,11 +153,23 @@ pub fn encode(instance: &str, change: &Change) -> String {
         Change::Drain { replica, draining } => {
             format!("{instance}|drain|{}|{replica}", u8::from(*draining))
         }
+        Change::Replica { id, conf } => {
+            format!("{instance}|replica|{id}|{}", conf.as_deref().unwrap_or(""))
+        }
     }
 }
 
 /// The sender and the change of a message, or None for anything else.
 pub fn decode(message: &str) -> Option<(&str, Change)> {
+    if let Some(rest) = message.split_once("|replica|") {
+        let (instance, rest) = (rest.0, rest.1);
+        let (id, conf) = rest.split_once('|')?;
+        let change = Change::Replica {
+            id: id.to_string(),
+            conf: (!conf.is_empty()).then(|| conf.to_string()),
+        };
+        return (!instance.contains('|') && !id.is_empty()).then_some((instance, change));
+    }
     let mut f = message.split('|');
     let instance = f.next()?;
     let change = match (f.next()?, f.next()?, f.next()?, f.next()) {
@@ -185,6 +211,14 @@ mod tests {
             Change::Drain {
                 replica: Arc::from("gpu1"),
                 draining: false,
+            },
+            Change::Replica {
+                id: "gpu2".into(),
+                conf: Some(r#"{"id":"gpu2","address":"10.0.0.7:8000","api_key":"a|b"}"#.into()),
+            },
+            Change::Replica {
+                id: "gpu2".into(),
+                conf: None,
             },
         ];
         for c in changes {

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use super::{decode, encode, Change, Cluster, Table};
 use crate::affinity::AffinityTable;
 use crate::api::prompt::HASH_VERSION;
+use crate::config::{check_replica, ReplicaConf};
 use crate::registry::Registry;
 
 /// Every Redis round trip is bounded by this; slower counts as down.
@@ -48,6 +49,9 @@ const DRAINS: &str = "inferlb:drains";
 fn drain_key(replica: &str) -> String {
     format!("inferlb:drain:{replica}")
 }
+fn replica_key(id: &str) -> String {
+    format!("inferlb:replica:{id}")
+}
 fn load_key(instance: &str) -> String {
     format!("inferlb:load:{instance}")
 }
@@ -79,7 +83,7 @@ impl ClusterSync {
     }
 
     /// Applies another instance's change (or what Redis holds) to the local state.
-    fn apply(&self, change: Change) {
+    async fn apply(&self, change: Change) {
         match change {
             Change::Pin {
                 table,
@@ -95,6 +99,32 @@ impl ClusterSync {
                     if r.is_draining() != draining {
                         r.set_draining(draining);
                     }
+                }
+            }
+            Change::Replica { id, conf: None } => {
+                self.registry.remove(&id);
+            }
+            Change::Replica {
+                id,
+                conf: Some(json),
+            } => {
+                if self.registry.get(&id).is_some() {
+                    return;
+                }
+                let Ok(mut conf) = serde_json::from_str::<ReplicaConf>(&json) else {
+                    return;
+                };
+                // Resolving an address may block: not on this task.
+                let checked = tokio::task::spawn_blocking(move || {
+                    check_replica(&mut conf, "shared replica").map(|()| conf)
+                })
+                .await;
+                match checked {
+                    Ok(Ok(conf)) => {
+                        let _ = self.registry.add(&conf, None);
+                    }
+                    Ok(Err(e)) => log::warn!("cluster: replica {id} from another instance: {e}"),
+                    Err(_) => {}
                 }
             }
         }
@@ -151,6 +181,13 @@ impl ClusterSync {
                     }
                     pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
                 }
+                Change::Replica { id, conf } => {
+                    match conf {
+                        Some(c) => pipe.cmd("SET").arg(replica_key(id)).arg(c).ignore(),
+                        None => pipe.cmd("DEL").arg(replica_key(id)).ignore(),
+                    };
+                    pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
+                }
             }
         }
         bounded(pipe.query_async::<()>(conn)).await
@@ -203,9 +240,22 @@ impl ClusterSync {
                             table,
                             key,
                             replica: Arc::from(replica),
-                        });
+                        })
+                        .await;
                         adopted += 1;
                     }
+                }
+            }
+        }
+        // Replicas added at runtime, before their pins and drains.
+        let added = Self::scan(conn, "inferlb:replica:*", 100_000).await?;
+        for chunk in added.chunks(500) {
+            let values: Vec<Option<String>> =
+                bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
+            for (k, conf) in chunk.iter().zip(values) {
+                let id = k.trim_start_matches("inferlb:replica:").to_string();
+                if conf.is_some() {
+                    self.apply(Change::Replica { id, conf }).await;
                 }
             }
         }
@@ -215,7 +265,8 @@ impl ClusterSync {
             self.apply(Change::Drain {
                 replica: r.id.clone(),
                 draining,
-            });
+            })
+            .await;
         }
         Ok(adopted)
     }
@@ -287,7 +338,7 @@ impl ClusterSync {
                     let payload: String = m.get_payload().unwrap_or_default();
                     if let Some((from, change)) = decode(&payload) {
                         if from != self.cluster.instance {
-                            self.apply(change);
+                            self.apply(change).await;
                         }
                     }
                 }
