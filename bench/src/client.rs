@@ -472,3 +472,91 @@ pub async fn stream_api(
     read.out.failed |= !read.done;
     read.out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(api: Api, stream: &str) -> ApiOutcome {
+        let mut r = StreamRead {
+            api,
+            keep_reply: true,
+            started: Instant::now(),
+            out: ApiOutcome::default(),
+            done: false,
+        };
+        for e in stream.split("\n\n").filter(|e| !e.trim().is_empty()) {
+            r.event(event_of(e));
+        }
+        r.out.failed |= !r.done;
+        r.out
+    }
+
+    #[test]
+    fn each_apis_stream_gives_first_token_reply_and_usage() {
+        let chat = read(
+            Api::Chat,
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n\
+             data: {\"choices\":[{\"delta\":{\"content\":\"hi \"}}]}\n\n\
+             data: {\"choices\":[],\"usage\":{\"prompt_tokens\":100,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\n\
+             data: [DONE]\n\n",
+        );
+        assert!(!chat.failed && chat.ttft.is_some());
+        assert_eq!((chat.reply.as_str(), chat.usage), ("hi ", Some((100, 64))));
+
+        let completion = read(
+            Api::Completions,
+            "data: {\"choices\":[{\"text\":\"a \"}]}\n\ndata: [DONE]\n\n",
+        );
+        assert_eq!(
+            (completion.failed, completion.reply.as_str()),
+            (false, "a ")
+        );
+
+        let responses = read(
+            Api::Responses,
+            "event: response.created\ndata: {\"response\":{\"id\":\"resp_1\"}}\n\n\
+             event: response.output_text.delta\ndata: {\"delta\":\"x\"}\n\n\
+             event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"input_tokens\":50,\"input_tokens_details\":{\"cached_tokens\":32}}}}\n\n",
+        );
+        assert!(!responses.failed);
+        assert_eq!(responses.response_id.as_deref(), Some("resp_1"));
+        assert_eq!(responses.usage, Some((50, 32)));
+
+        let messages = read(
+            Api::Messages,
+            "event: message_start\ndata: {\"message\":{\"usage\":{\"input_tokens\":18,\"cache_read_input_tokens\":32,\"cache_creation_input_tokens\":0}}}\n\n\
+             event: content_block_delta\ndata: {\"delta\":{\"type\":\"text_delta\",\"text\":\"y\"}}\n\n\
+             event: message_stop\ndata: {}\n\n",
+        );
+        assert!(!messages.failed);
+        assert_eq!(messages.usage, Some((50, 32)), "uncached + cache read");
+        assert_eq!(messages.reply, "y");
+    }
+
+    #[test]
+    fn a_stream_without_its_end_or_with_an_error_failed() {
+        assert!(
+            read(
+                Api::Chat,
+                "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"
+            )
+            .failed
+        );
+        assert!(
+            read(
+                Api::Chat,
+                "data: {\"error\":{\"message\":\"cut\"}}\n\ndata: [DONE]\n\n"
+            )
+            .failed
+        );
+        assert!(
+            read(
+                Api::Messages,
+                "event: error\ndata: {\"error\":{}}\n\nevent: message_stop\ndata: {}\n\n"
+            )
+            .failed
+        );
+        assert!(read(Api::Responses, "event: response.failed\ndata: {}\n\n").failed);
+    }
+}

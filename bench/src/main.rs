@@ -54,6 +54,10 @@ pub struct Args {
     /// half 90k-token contexts, as on a card whose KV memory is the scarce resource).
     #[arg(long)]
     cache_tokens: Option<usize>,
+    /// Further flags for the replicas of the seed's scenarios, space-separated (e.g.
+    /// "--scheduler chunked").
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    sim_flags: String,
     /// Skip the rolling-deploy scenario.
     #[arg(long)]
     no_deploy: bool,
@@ -219,6 +223,9 @@ pub struct TargetResult {
     mixed_agent: AgentResult,
     mixed_burst_makespan_s: f64,
     failover: FailoverResult,
+    /// Burst requests per replica, alone and while the agent loops run.
+    burst_split: std::collections::BTreeMap<String, usize>,
+    mixed_burst_split: std::collections::BTreeMap<String, usize>,
 }
 
 /// Agent loops, cold burst, both at once, failover: each on a fresh cluster.
@@ -229,6 +236,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     };
     let logs = a.out.join("logs");
     let _ = std::fs::create_dir_all(&logs);
+    let sim_flags: Vec<&str> = a.sim_flags.split_whitespace().collect();
     let spec = |scenario: &str| ClusterSpec {
         front: if target == "direct" {
             Front::Direct
@@ -238,7 +246,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
         replicas: 2,
         speed: a.speed,
         cache_tokens: s.cache_tokens,
-        sim_flags: &[],
+        sim_flags: &sim_flags,
         log: Some(logs.join(format!("{target}-{scenario}.log"))),
         spill_margin: None,
     };
@@ -256,6 +264,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     let c = Cluster::start(&spec("burst"));
     let burst = cold_burst(client, &c.target(), s, "b").await;
     (r.burst_makespan_s, r.burst_errors) = (burst.makespan_s, burst.errors);
+    r.burst_split = burst.split;
     drop(c);
 
     eprintln!("[{target}] mixed");
@@ -268,6 +277,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
     });
     r.mixed_agent = agent;
     r.mixed_burst_makespan_s = burst.makespan_s;
+    r.mixed_burst_split = burst.split;
     drop(c);
 
     eprintln!("[{target}] failover");

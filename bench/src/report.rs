@@ -121,6 +121,30 @@ fn targets_table(results: &[TargetResult]) -> String {
             a50 / f50, a50 / r50, ad.burst_makespan_s / rr.burst_makespan_s, ad.burst_makespan_s / af.burst_makespan_s
         ));
     }
+    let split = |m: &std::collections::BTreeMap<String, usize>| -> String {
+        m.iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let splits: Vec<String> = results
+        .iter()
+        .filter(|r| r.target != "direct")
+        .map(|r| {
+            format!(
+                "{} {} (mixed: {})",
+                r.target,
+                split(&r.burst_split),
+                split(&r.mixed_burst_split)
+            )
+        })
+        .collect();
+    if !splits.is_empty() {
+        md.push_str(&format!(
+            "Burst requests per replica, alone and mixed with the agent loops: {}.\n",
+            splits.join("; ")
+        ));
+    }
     if let (Some(pc), Some(ad)) = (get("prefill_cost"), get("adaptive")) {
         md.push_str(&format!(
             "prefill_cost/adaptive (same run): warm TTFT p50 = {:.3}, hit rate {:.1}% vs {:.1}%, burst makespan = {:.3}, mixed warm TTFT p50 = {:.3}.\n",

@@ -1,6 +1,7 @@
 //! Agent loops (many turns over one long context each) and cold bursts (many fresh requests
 //! sharing one long prefix).
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -63,11 +64,13 @@ pub async fn agent_loops(
 }
 
 /// How a cold burst went.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct BurstResult {
     /// From the first request sent to the last one finished.
     pub makespan_s: f64,
     pub errors: usize,
+    /// Requests per replica (`x-inferlb-replica`; "-" without a balancer).
+    pub split: BTreeMap<String, usize>,
 }
 
 /// `s.burst` parallel fresh requests sharing one long prefix.
@@ -82,17 +85,26 @@ pub async fn cold_burst(client: &reqwest::Client, base: &str, s: &Sizes, tag: &s
                 json!({"role": "user", "content": format!("subtask {i}: do your part")}),
             ];
             let reply = s.reply_tokens * 2;
-            tokio::spawn(async move { stream_chat(&client, &base, &messages, reply).await.failed })
+            tokio::spawn(async move {
+                let o = stream_chat(&client, &base, &messages, reply).await;
+                (o.failed, o.replica)
+            })
         })
         .collect();
     let mut errors = 0;
+    let mut split = BTreeMap::new();
     for t in tasks {
-        if t.await.unwrap_or(true) {
+        let (failed, replica) = t.await.unwrap_or((true, None));
+        if failed {
             errors += 1;
         }
+        *split
+            .entry(replica.unwrap_or_else(|| "-".into()))
+            .or_insert(0) += 1;
     }
     BurstResult {
         makespan_s: started.elapsed().as_secs_f64(),
         errors,
+        split,
     }
 }

@@ -617,3 +617,78 @@ pub async fn trace(client: &reqwest::Client, a: &Args, tc: &TraceConf) -> Option
     }
     Some(result)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(input_length: usize, hash_ids: Vec<u64>) -> TraceRequest {
+        TraceRequest {
+            timestamp: 0,
+            input_length,
+            output_length: 10,
+            hash_ids,
+        }
+    }
+
+    #[test]
+    fn a_block_is_512_tokens_of_its_own_text() {
+        let a = block_text(7);
+        assert_eq!(a.len(), BLOCK_TOKENS * BYTES_PER_TOKEN);
+        assert!(a.is_ascii());
+        assert_eq!(a, block_text(7), "the same every time");
+        let b = block_text(8);
+        assert_ne!(
+            a[..64],
+            b[..64],
+            "different from the first simulator block on"
+        );
+    }
+
+    #[test]
+    fn a_prompt_has_the_traces_token_count_in_either_shape() {
+        let r = request(1300, vec![1, 2, 3]);
+        let blocks = block_texts(&r);
+        assert_eq!(blocks.iter().map(String::len).sum::<usize>(), 1300 * 4);
+        assert_eq!(blocks[0], block_text(1));
+        let chat = Shape::Chat.body(&r, 5);
+        assert_eq!(chat["messages"].as_array().map(Vec::len), Some(3));
+        assert_eq!(chat["messages"][2]["role"], "user");
+        let completion = Shape::Completions.body(&r, 5);
+        assert_eq!(completion["prompt"].as_str().map(str::len), Some(1300 * 4));
+        assert!(completion["prompt"]
+            .as_str()
+            .is_some_and(|p| p.starts_with(&block_text(1))));
+    }
+
+    #[test]
+    fn arrivals_are_scaled_to_the_load() {
+        // 4 replicas x 30000 tokens/s at speed 1: 1.2M tokens over 10 s of trace is 100%.
+        let mut a = request(600_000, vec![]);
+        let mut b = request(600_000, vec![]);
+        a.timestamp = 1_000;
+        b.timestamp = 11_000;
+        let reqs = [a, b];
+        let at_full = scale_for(&reqs, 1.0, 1.0) * 10_000.0;
+        assert!((at_full - 10.0).abs() < 1e-9, "{at_full}");
+        let at_half = scale_for(&reqs, 0.5, 1.0) * 10_000.0;
+        assert!((at_half - 20.0).abs() < 1e-9, "{at_half}");
+        let faster = scale_for(&reqs, 1.0, 20.0) * 10_000.0;
+        assert!((faster - 0.5).abs() < 1e-9, "{faster}");
+    }
+
+    #[test]
+    fn policies_and_shapes_parse() {
+        assert!(matches!(
+            Policy::parse("prefill_cost"),
+            Some(Policy::Inferlb(_))
+        ));
+        assert!(matches!(
+            Policy::parse("sglang"),
+            Some(Policy::Peer(PeerKind::Sglang))
+        ));
+        assert!(Policy::parse("nginx").is_none());
+        assert_eq!(Shape::parse("completions"), Some(Shape::Completions));
+        assert_eq!(Shape::parse("embeddings"), None);
+    }
+}
