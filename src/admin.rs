@@ -2,6 +2,8 @@
 //!
 //! - `GET /metrics`: the Prometheus text format.
 //! - `GET /admin/replicas`: each replica's state, as JSON.
+//! - `GET /ready`: 200 when at least one replica is live and, with a cluster, the shared state
+//!   was adopted; 503 otherwise (for load balancers and Kubernetes readiness probes).
 //! - `POST /admin/replicas/{id}/drain` and `.../undrain`: take a replica out of rotation
 //!   (in-flight requests finish, pinned conversations move on their next turn) and back.
 //! - `POST /admin/replicas` with `{"id", "address", "api_key"?, "models"?, "cache_tokens"?}`:
@@ -102,6 +104,19 @@ impl ServeHttp for Admin {
                 crate::metrics::render(),
             ),
             ("GET", ["admin", "replicas"]) => json(StatusCode::OK, self.state()),
+            ("GET", ["ready"]) => {
+                let live = self.registry.all().iter().filter(|r| r.is_live()).count();
+                let shared = self.cluster.as_ref().is_none_or(|c| c.is_bootstrapped());
+                let status = if live > 0 && shared {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                json(
+                    status,
+                    serde_json::json!({"live_replicas": live, "cluster_state": shared}),
+                )
+            }
             ("POST", ["admin", "replicas"]) => {
                 let body = read_body(session).await;
                 match self.add(&body).await {

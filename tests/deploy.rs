@@ -244,9 +244,9 @@ fn deployment_agrees_with_the_conf() {
         "container port for {admin}"
     );
 
-    for probe in ["readinessProbe", "livenessProbe"] {
+    for (probe, path) in [("readinessProbe", "/ready"), ("livenessProbe", "/metrics")] {
         let get = at(c, &format!("{probe}.httpGet")).unwrap_or_else(|| panic!("{probe}.httpGet"));
-        assert_eq!(str_at(get, "path"), "/metrics", "{probe} path");
+        assert_eq!(str_at(get, "path"), path, "{probe} path");
         let port = resolve_port(c, get.get("port").expect("probe port"));
         assert_eq!(port, port_of(admin), "{probe} on the admin port");
     }

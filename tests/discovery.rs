@@ -106,6 +106,14 @@ fn replicas_come_and_go_with_dns_and_the_admin_api() {
         ..test_conf()
     };
     let lb = Lb::start(dir, &[], conf);
+    // Ready once a replica is found and passes a health check.
+    let ready = || {
+        http()
+            .get(lb.admin_url("/ready"))
+            .send()
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
     let (a, b) = (
         format!("vllm-127.0.0.2-{port}"),
         format!("vllm-127.0.0.3-{port}"),
@@ -119,6 +127,7 @@ fn replicas_come_and_go_with_dns_and_the_admin_api() {
         lb.admin("GET", "/admin/replicas"),
         lb.proc.log_text()
     );
+    assert_eq!(ready(), 200, "ready once a replica is live");
 
     // A conversation pinned to one pod; that pod leaves the Service: the next turn moves.
     let (home, _) = chat(&lb, &[("user", "hello")]);

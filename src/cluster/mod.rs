@@ -75,6 +75,8 @@ pub struct Cluster {
     pub instance: String,
     tx: mpsc::Sender<Change>,
     connected: AtomicBool,
+    /// What Redis held was adopted at least once since the start.
+    bootstrapped: AtomicBool,
 }
 
 /// Changes queued while Redis is slow or away; past this they are dropped (and counted).
@@ -89,6 +91,7 @@ impl Cluster {
             instance,
             tx,
             connected: AtomicBool::new(false),
+            bootstrapped: AtomicBool::new(false),
         };
         (Arc::new(c), rx)
     }
@@ -121,6 +124,15 @@ impl Cluster {
         if self.tx.try_send(change).is_err() {
             METRICS.cluster_dropped.inc();
         }
+    }
+
+    /// Whether the shared state was adopted since the start (readiness).
+    pub fn is_bootstrapped(&self) -> bool {
+        self.bootstrapped.load(Ordering::Relaxed)
+    }
+
+    fn set_bootstrapped(&self) {
+        self.bootstrapped.store(true, Ordering::Relaxed);
     }
 
     pub fn is_connected(&self) -> bool {

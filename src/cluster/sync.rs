@@ -324,6 +324,7 @@ impl ClusterSync {
             self.write(&mut conn, chunk, true).await?;
         }
         let adopted = self.bootstrap(&mut conn).await?;
+        self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         let mut messages = pubsub.into_on_message();
         let mut load = tokio::time::interval(LOAD_EVERY);
