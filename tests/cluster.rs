@@ -9,7 +9,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use serde_json::Value;
 
 fn redis_server() -> Option<PathBuf> {
     ["/usr/bin/redis-server", "/usr/local/bin/redis-server"]
@@ -52,19 +51,6 @@ fn instance(root: &Path, name: &str, sims: &[&Sim], redis_port: u16) -> Lb {
     };
     Lb::start(&dir, sims, conf)
 }
-
-fn chat(lb: &Lb, messages: &[(&str, &str)]) -> (String, String, Value) {
-    let r = http()
-        .post(lb.url("/v1/chat/completions"))
-        .json(&chat_body(messages, false, 2))
-        .send()
-        .expect("send");
-    assert_eq!(r.status(), 200);
-    let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
-    let (replica, route) = (h("x-inferlb-replica"), h("x-inferlb-route"));
-    (replica, route, r.json().expect("json"))
-}
-
 fn connected(lb: &Lb) -> bool {
     lb.metric("inferlb_cluster_connected") == 1.0
 }
@@ -82,7 +68,7 @@ fn turn(lb: &Lb, conversation: &str, n: usize) -> (String, String) {
         .iter()
         .map(|(r, c)| (r.as_str(), c.as_str()))
         .collect();
-    let (replica, route, _) = chat(lb, &refs);
+    let (replica, route, _) = routed_chat(lb, &refs);
     (replica, route)
 }
 
@@ -123,7 +109,7 @@ fn two_instances_route_a_conversation_alike_and_share_drains() {
     });
     assert!(drained, "{}", two.admin("GET", "/admin/replicas"));
     for i in 0..4 {
-        let (replica, _, _) = chat(&two, &[("user", &format!("fresh {i}"))]);
+        let (replica, _, _) = routed_chat(&two, &[("user", &format!("fresh {i}"))]);
         assert_eq!(replica, "gpu1");
     }
     one.admin("POST", "/admin/replicas/gpu0/undrain");
@@ -181,7 +167,7 @@ fn without_redis_each_instance_goes_on_alone_and_resyncs_when_it_is_back() {
         let (first, _) = turn(&one, &name, 0);
         let (again, route) = turn(&one, &name, 1);
         assert_eq!((again.as_str(), route.as_str()), (first.as_str(), "pinned"));
-        chat(&two, &[("user", &format!("alone {c}"))]);
+        routed_chat(&two, &[("user", &format!("alone {c}"))]);
         homes.push((name, first));
     }
     let log = one.proc.log_text();

@@ -71,18 +71,6 @@ fn live_ids(lb: &Lb) -> Vec<String> {
     ids.sort();
     ids
 }
-
-fn chat(lb: &Lb, messages: &[(&str, &str)]) -> (String, String) {
-    let r = http()
-        .post(lb.url("/v1/chat/completions"))
-        .json(&chat_body(messages, false, 2))
-        .send()
-        .expect("send");
-    assert_eq!(r.status(), 200);
-    let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
-    (h("x-inferlb-replica"), h("x-inferlb-route"))
-}
-
 #[test]
 fn replicas_come_and_go_with_dns_and_the_admin_api() {
     let root = tempfile::tempdir().expect("tempdir");
@@ -130,8 +118,8 @@ fn replicas_come_and_go_with_dns_and_the_admin_api() {
     assert_eq!(ready(), 200, "ready once a replica is live");
 
     // A conversation pinned to one pod; that pod leaves the Service: the next turn moves.
-    let (home, _) = chat(&lb, &[("user", "hello")]);
-    let (again, route) = chat(
+    let (home, _, _) = routed_chat(&lb, &[("user", "hello")]);
+    let (again, route, _) = routed_chat(
         &lb,
         &[("user", "hello"), ("assistant", "hi"), ("user", "more")],
     );
@@ -155,7 +143,7 @@ fn replicas_come_and_go_with_dns_and_the_admin_api() {
         ("assistant", "ok"),
         ("user", "and"),
     ];
-    let (moved, route) = chat(&lb, &turn3);
+    let (moved, route, _) = routed_chat(&lb, &turn3);
     assert_ne!(&moved, gone);
     assert_eq!(route, "repinned");
 
@@ -195,6 +183,6 @@ fn replicas_come_and_go_with_dns_and_the_admin_api() {
     assert_eq!(missing.status(), 404);
     // Traffic never stopped.
     for i in 0..4 {
-        chat(&lb, &[("user", &format!("still here {i}"))]);
+        routed_chat(&lb, &[("user", &format!("still here {i}"))]);
     }
 }

@@ -7,7 +7,6 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use serde_json::Value;
 
 fn conf() -> LbConf {
     LbConf {
@@ -15,37 +14,12 @@ fn conf() -> LbConf {
         ..test_conf()
     }
 }
-
-/// About `tokens` simulator tokens (4 bytes each), distinct per `seed`.
-fn text(seed: &str, tokens: usize) -> String {
-    let mut t = String::new();
-    let mut i = 0;
-    while t.len() < tokens * 4 {
-        t.push_str(&format!("{seed}-{i} "));
-        i += 1;
-    }
-    t.truncate(tokens * 4);
-    t
-}
-
-fn send(lb: &Lb, messages: &[(&str, &str)]) -> (String, String, Value) {
-    let r = http()
-        .post(lb.url("/v1/chat/completions"))
-        .json(&chat_body(messages, false, 2))
-        .send()
-        .expect("send");
-    assert_eq!(r.status(), 200);
-    let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
-    let (replica, route) = (h("x-inferlb-replica"), h("x-inferlb-route"));
-    (replica, route, r.json().expect("json"))
-}
-
 #[test]
 fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
     let dir = tempfile::tempdir().expect("tempdir");
     // Slow enough that the burst's prefills overlap.
     let (_a, _b, lb) = cluster(dir.path(), &["--speed", "2"], conf());
-    let system = text("shared system prompt", 4000);
+    let system = text_of("shared system prompt", 4000);
     let port = lb.port;
     let burst: Vec<_> = (0..16)
         .map(|i| {
@@ -79,7 +53,7 @@ fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
     );
 
     // An agent loop: every turn after the first on the first turn's replica.
-    let context = text("agent context", 6000);
+    let context = text_of("agent context", 6000);
     let mut history = vec![
         ("system".to_string(), context),
         ("user".to_string(), "go".to_string()),
@@ -90,7 +64,7 @@ fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
             .iter()
             .map(|(r, c)| (r.as_str(), c.as_str()))
             .collect();
-        let (replica, route, resp) = send(&lb, &refs);
+        let (replica, route, resp) = routed_chat(&lb, &refs);
         if turn == 0 {
             home = replica;
         } else {
@@ -115,8 +89,8 @@ fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
 fn a_fork_of_a_long_history_goes_to_the_replica_that_holds_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (_a, _b, lb) = cluster(dir.path(), &[], conf());
-    let long = text("long history", 15_000);
-    let (home, _, _) = send(
+    let long = text_of("long history", 15_000);
+    let (home, _, _) = routed_chat(
         &lb,
         &[("user", &long), ("assistant", "ok"), ("user", "first")],
     );
@@ -124,14 +98,14 @@ fn a_fork_of_a_long_history_goes_to_the_replica_that_holds_it() {
         // Siblings: the same history, another last question; sent one after another (idle home).
         let q = format!("sibling {s}");
         let (replica, route, resp) =
-            send(&lb, &[("user", &long), ("assistant", "ok"), ("user", &q)]);
+            routed_chat(&lb, &[("user", &long), ("assistant", "ok"), ("user", &q)]);
         assert_eq!(replica, home, "sibling {s} ({route})");
         assert!(route == "pinned" || route == "prefix", "{route}");
         let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
         assert!(cached.unwrap_or(0) >= 14_000, "sibling {s}: {resp}");
     }
     // Fresh work shares nothing with it: it spreads.
-    let (_, route, _) = send(&lb, &[("user", "something unrelated")]);
+    let (_, route, _) = routed_chat(&lb, &[("user", "something unrelated")]);
     assert_eq!(route, "spread");
 }
 

@@ -162,6 +162,31 @@ impl LbApi for Lb {
     }
 }
 
+/// A chat request sent through the balancer, answered 200: which replica, why, and the body.
+pub fn routed_chat(lb: &Lb, messages: &[(&str, &str)]) -> (String, String, serde_json::Value) {
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(messages, false, 2))
+        .send()
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
+    let (replica, route) = (h("x-inferlb-replica"), h("x-inferlb-route"));
+    (replica, route, r.json().expect("json"))
+}
+
+/// About `tokens` simulator tokens (4 bytes each) of text, distinct per `seed`.
+pub fn text_of(seed: &str, tokens: usize) -> String {
+    let mut t = String::with_capacity(tokens * 4 + 16);
+    let mut i = 0;
+    while t.len() < tokens * 4 {
+        t.push_str(&format!("{seed}-{i} "));
+        i += 1;
+    }
+    t.truncate(tokens * 4);
+    t
+}
+
 pub fn chat_body(messages: &[(&str, &str)], stream: bool, max_tokens: u32) -> serde_json::Value {
     let msgs: Vec<serde_json::Value> = messages
         .iter()
