@@ -51,6 +51,13 @@ impl Balancer {
                 .decide(shape, ctx.session, &candidates, served_by, tick),
         }?;
         let replica = decision.replica.clone();
+        // Other instances learn where this prompt went now, not after the answer: a client's
+        // next turn may reach one of them as soon as this answer ends.
+        if let Some(c) = &self.cluster {
+            for key in shape.served_key().into_iter().chain(ctx.session) {
+                c.pin(Table::Affinity, key, &replica.id);
+            }
+        }
         if cost {
             let held = candidates.iter().find(|c| Arc::ptr_eq(c.handle, &replica));
             let cached = held.map_or(0, |c| c.cached_tokens);
@@ -203,9 +210,10 @@ impl Balancer {
         }
         let served_whole = e.is_none() && (200..300).contains(&status);
         let key = ctx.info.as_ref().and_then(|i| i.shape.served_key());
+        // Shared with the cluster at decision time already (see `choose`).
         if let (true, Some(r)) = (served_whole, served_by.as_ref()) {
             for key in key.into_iter().chain(ctx.session) {
-                self.remember(Table::Affinity, key, &r.id);
+                self.affinity.record(key, &r.id);
             }
         }
         if !log::log_enabled!(target: "access", log::Level::Info) {
