@@ -1,23 +1,10 @@
 //! OpenAI chat completions: `tools`, then each of `messages` by role, with its content, tool
 //! calls and name.
 
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::prompt::{json_digest, PromptHasher};
-use super::{content, field, text, tools, Top};
-
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    role: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    name: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
-}
+use super::{content, field, text, tools, Message, Top};
 
 /// `None` when the body has no message list.
 pub(super) fn read(top: &Top, h: &mut PromptHasher) -> Option<()> {

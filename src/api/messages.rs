@@ -2,19 +2,10 @@
 //! with its content blocks (`text`, `tool_use`, `tool_result`, others by structure).
 //! `cache_control` never changes the prompt.
 
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::prompt::{json_digest, PromptHasher};
-use super::{content, field, text, tools, Top};
-
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    role: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-}
+use super::{content, field, text, tools, Message, Top};
 
 pub(super) fn read(top: &Top, h: &mut PromptHasher) -> Option<()> {
     let messages = field::<Vec<&RawValue>>(top.messages)?;

@@ -143,6 +143,20 @@ pub fn classify(family: Family, body: &[u8]) -> RequestInfo {
     }
 }
 
+/// A message of chat or Anthropic Messages: each family reads the fields its API defines
+/// (Anthropic has no `name` or `tool_calls`).
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+}
+
 /// A content block of any family: the fields that carry prompt text.
 #[derive(Deserialize)]
 struct Block<'a> {
