@@ -15,6 +15,7 @@ pub mod health;
 pub mod index;
 pub mod load;
 pub mod metrics;
+pub mod overload;
 pub mod probe;
 pub mod proxy;
 pub mod registry;

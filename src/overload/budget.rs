@@ -1,0 +1,282 @@
+//! Per-key budgets: requests inside inferlb at once, and tokens over a sliding window (kept in
+//! ten slices, so a key regains its budget a slice at a time). Pure: the caller passes `now`.
+//!
+//! Not for admission by load (see `policy`) nor ordering (see `queue`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::conf::Budget;
+
+const SLICES: usize = 10;
+/// Keys tracked at once; past it, idle keys are forgotten, then new keys share one entry.
+const MAX_KEYS: usize = 100_000;
+/// Where keys go when the table is full of busy keys.
+const OVERFLOW: u64 = 0;
+
+/// Why a key is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Over {
+    Concurrency,
+    TokensPerMinute,
+}
+
+#[derive(Debug)]
+struct Use {
+    concurrent: u32,
+    /// Tokens charged in each slice; `slices[(epoch % SLICES)]` is the slice `epoch`.
+    slices: [u64; SLICES],
+    /// The newest slice charged.
+    epoch: u64,
+}
+
+impl Use {
+    fn new() -> Use {
+        Use {
+            concurrent: 0,
+            slices: [0; SLICES],
+            epoch: 0,
+        }
+    }
+
+    /// Forgets slices older than the window ending in slice `epoch`.
+    fn advance(&mut self, epoch: u64) {
+        if epoch <= self.epoch {
+            return;
+        }
+        let gone = (epoch - self.epoch).min(SLICES as u64);
+        for e in 0..gone {
+            self.slices[((self.epoch + 1 + e) % SLICES as u64) as usize] = 0;
+        }
+        self.epoch = epoch;
+    }
+
+    fn used(&self) -> u64 {
+        self.slices.iter().sum()
+    }
+
+    fn idle(&self) -> bool {
+        self.concurrent == 0 && self.used() == 0
+    }
+}
+
+/// Every key's use.
+#[derive(Debug)]
+pub struct Budgets {
+    window: Duration,
+    origin: Instant,
+    keys: HashMap<u64, Use>,
+}
+
+impl Budgets {
+    pub fn new(window: Duration, origin: Instant) -> Budgets {
+        Budgets {
+            window,
+            origin,
+            keys: HashMap::new(),
+        }
+    }
+
+    fn slice(&self) -> Duration {
+        self.window / SLICES as u32
+    }
+
+    fn epoch(&self, now: Instant) -> u64 {
+        let nanos = self.slice().as_nanos().max(1);
+        (now.saturating_duration_since(self.origin).as_nanos() / nanos) as u64
+    }
+
+    fn entry(&mut self, key: u64, now: Instant) -> &mut Use {
+        let epoch = self.epoch(now);
+        if !self.keys.contains_key(&key) && self.keys.len() >= MAX_KEYS {
+            for u in self.keys.values_mut() {
+                u.advance(epoch);
+            }
+            self.keys.retain(|_, u| !u.idle());
+        }
+        let key = if self.keys.contains_key(&key) || self.keys.len() < MAX_KEYS {
+            key
+        } else {
+            OVERFLOW
+        };
+        let u = self.keys.entry(key).or_insert_with(Use::new);
+        u.advance(epoch);
+        u
+    }
+
+    /// Whether `key` may start a request of `tokens` (prompt, estimated) now; when not, why
+    /// and how long until it may. A key whose window is empty may always start one: a prompt
+    /// larger than the whole budget must not be refused forever.
+    pub fn check(
+        &mut self,
+        key: u64,
+        budget: Budget,
+        tokens: u64,
+        now: Instant,
+    ) -> Result<(), (Over, Duration)> {
+        let slice = self.slice();
+        let into = now.saturating_duration_since(self.origin).as_nanos() % slice.as_nanos().max(1);
+        let to_next_slice = slice.saturating_sub(Duration::from_nanos(into as u64));
+        let window = self.window;
+        let u = self.entry(key, now);
+        if budget.max_concurrent.is_some_and(|m| u.concurrent >= m) {
+            return Err((Over::Concurrency, Duration::from_secs(1)));
+        }
+        let Some(per_minute) = budget.tokens_per_minute else {
+            return Ok(());
+        };
+        let limit = (per_minute as u128 * window.as_millis() / 60_000) as u64;
+        let used = u.used();
+        if used == 0 || used + tokens <= limit.max(1) {
+            return Ok(());
+        }
+        // The oldest slices leave first: wait until enough of them have.
+        let mut freed = 0;
+        for age in (0..SLICES as u64).rev() {
+            let e = u.epoch.saturating_sub(age);
+            if age > u.epoch {
+                continue;
+            }
+            freed += u.slices[(e % SLICES as u64) as usize];
+            if used - freed + tokens <= limit || freed == used {
+                // Slice `e` leaves the window when slice `e + SLICES` begins.
+                let leaves = slice * ((SLICES as u64 - age) as u32 - 1);
+                let wait = to_next_slice + leaves;
+                return Err((Over::TokensPerMinute, wait));
+            }
+        }
+        Err((Over::TokensPerMinute, window))
+    }
+
+    /// A request of `key` starts: counted as concurrent, its `tokens` charged.
+    pub fn start(&mut self, key: u64, tokens: u64, now: Instant) {
+        let u = self.entry(key, now);
+        u.concurrent += 1;
+        let at = (u.epoch % SLICES as u64) as usize;
+        u.slices[at] = u.slices[at].saturating_add(tokens);
+    }
+
+    /// Adds (or, for an overestimate, takes back) tokens of `key` now.
+    pub fn charge(&mut self, key: u64, tokens: i64, now: Instant) {
+        let u = self.entry(key, now);
+        let at = (u.epoch % SLICES as u64) as usize;
+        if tokens >= 0 {
+            u.slices[at] = u.slices[at].saturating_add(tokens as u64);
+        } else {
+            u.slices[at] = u.slices[at].saturating_sub(tokens.unsigned_abs());
+        }
+    }
+
+    /// A request of `key` ended.
+    pub fn end(&mut self, key: u64) {
+        let key = if self.keys.contains_key(&key) {
+            key
+        } else {
+            OVERFLOW
+        };
+        if let Some(u) = self.keys.get_mut(&key) {
+            u.concurrent = u.concurrent.saturating_sub(1);
+        }
+    }
+
+    /// Keys tracked now.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TPM: Budget = Budget {
+        max_concurrent: None,
+        tokens_per_minute: Some(60_000),
+    };
+
+    #[test]
+    fn concurrency_counts_requests_until_they_end() {
+        let t0 = Instant::now();
+        let mut b = Budgets::new(Duration::from_secs(60), t0);
+        let two = Budget {
+            max_concurrent: Some(2),
+            tokens_per_minute: None,
+        };
+        for _ in 0..2 {
+            assert_eq!(b.check(1, two, 10, t0), Ok(()));
+            b.start(1, 10, t0);
+        }
+        assert_eq!(
+            b.check(1, two, 10, t0).map_err(|e| e.0),
+            Err(Over::Concurrency)
+        );
+        assert_eq!(b.check(2, two, 10, t0), Ok(()), "another key is unaffected");
+        b.end(1);
+        assert_eq!(b.check(1, two, 10, t0), Ok(()));
+    }
+
+    #[test]
+    fn a_token_window_refuses_then_recovers_as_slices_leave() {
+        let t0 = Instant::now();
+        // 60k tokens a minute over a 2 s window: 2000 tokens a window, 200 ms slices.
+        let mut b = Budgets::new(Duration::from_secs(2), t0);
+        b.start(1, 1500, t0);
+        b.end(1);
+        let (why, wait) = b.check(1, TPM, 800, t0).expect_err("over");
+        assert_eq!(why, Over::TokensPerMinute);
+        assert!(
+            wait <= Duration::from_secs(2) && wait > Duration::from_millis(1500),
+            "{wait:?}"
+        );
+        assert_eq!(b.check(1, TPM, 400, t0), Ok(()), "what fits passes");
+        assert_eq!(
+            b.check(2, TPM, 800, t0),
+            Ok(()),
+            "another key is unaffected"
+        );
+        assert!(b
+            .check(1, TPM, 800, t0 + wait - Duration::from_millis(1))
+            .is_err());
+        assert_eq!(b.check(1, TPM, 800, t0 + wait), Ok(()), "recovered");
+    }
+
+    #[test]
+    fn completion_tokens_count_and_an_overestimate_is_taken_back() {
+        let t0 = Instant::now();
+        let mut b = Budgets::new(Duration::from_secs(60), t0);
+        b.start(1, 50_000, t0);
+        b.charge(1, 9_000, t0);
+        assert!(b.check(1, TPM, 2_000, t0).is_err());
+        b.charge(1, -10_000, t0);
+        assert_eq!(b.check(1, TPM, 2_000, t0), Ok(()));
+    }
+
+    #[test]
+    fn a_prompt_larger_than_the_budget_passes_into_an_empty_window_only() {
+        let t0 = Instant::now();
+        let mut b = Budgets::new(Duration::from_secs(60), t0);
+        assert_eq!(b.check(1, TPM, 100_000, t0), Ok(()));
+        b.start(1, 100_000, t0);
+        let (_, wait) = b.check(1, TPM, 100_000, t0).expect_err("over");
+        assert!(wait <= Duration::from_secs(60), "{wait:?}");
+        let later = t0 + Duration::from_secs(61);
+        assert_eq!(b.check(1, TPM, 100_000, later), Ok(()));
+    }
+
+    #[test]
+    fn the_table_forgets_idle_keys_when_full() {
+        let t0 = Instant::now();
+        let mut b = Budgets::new(Duration::from_secs(1), t0);
+        for k in 1..=MAX_KEYS as u64 {
+            b.start(k, 1, t0);
+            b.end(k);
+        }
+        assert_eq!(b.len(), MAX_KEYS);
+        b.start(u64::MAX, 1, t0 + Duration::from_secs(5));
+        assert_eq!(b.len(), 1, "idle keys forgotten");
+    }
+}

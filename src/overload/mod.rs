@@ -1,0 +1,469 @@
+//! Overload and fairness: which requests go to the fleet now, which wait inside inferlb, and
+//! which are told to come back later (429 with `Retry-After`).
+//!
+//! A request first meets its key's budget (requests at once, tokens per minute:
+//! [`budget`]); then, when every live replica is over a limit in queued prefill tokens or
+//! running requests ([`policy`]), it waits in a bounded queue ordered by class and shared
+//! fairly between keys ([`queue`]), until a replica has room, its client leaves, or the wait
+//! bound passes. Responses already streaming are never touched: only admission is decided here.
+//!
+//! Not for routing (which replica: `crate::routing`) nor for answering (the proxy writes the
+//! 429 in the caller's API's shape). Everything here is off unless `inferlb.overload` is set.
+
+pub mod budget;
+pub mod conf;
+pub mod metrics;
+pub mod policy;
+pub mod queue;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+pub use conf::OverloadConf;
+use conf::{key_id, Budget};
+use metrics::METRICS;
+use policy::{Drain, Limits, ReplicaLoad};
+use queue::{Full, Pushed, Queue};
+
+use crate::registry::Registry;
+
+/// How often the queue is looked at while it holds requests (a replica's prefill ends at a
+/// first byte, which nothing here is told of).
+const PUMP_EVERY: Duration = Duration::from_millis(20);
+
+/// What a waiting request is told.
+#[derive(Debug)]
+enum Verdict {
+    /// Go to a replica; its prefill is counted in transit under this ticket.
+    Go(u64),
+    /// A higher class or a key under its share took its slot.
+    PushedOut,
+}
+
+struct State {
+    queue: Queue<oneshot::Sender<Verdict>>,
+    budgets: budget::Budgets,
+    drain: Drain,
+    /// Requests let go whose prefill no replica counts yet: ticket → tokens.
+    transit: HashMap<u64, u64>,
+    next_ticket: u64,
+}
+
+pub struct Overload {
+    conf: OverloadConf,
+    limits: Limits,
+    registry: Arc<Registry>,
+    state: Mutex<State>,
+    /// A task is looking at the queue every [`PUMP_EVERY`].
+    pumping: AtomicBool,
+}
+
+/// A 429: why, and when to come back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TooMany {
+    /// The `reason` label: `concurrency`, `tokens_per_minute`, `queue_full`, `key_share`,
+    /// `pushed_out`, `queue_timeout`.
+    pub reason: &'static str,
+    pub retry_after: u64,
+    pub message: String,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Admission {
+    Go,
+    Refused(TooMany),
+    /// The client hung up while it waited.
+    Gone,
+}
+
+/// Who sent a request, as overload protection counts it.
+#[derive(Debug, Clone)]
+pub struct Who {
+    key: u64,
+    /// The metrics label: a listed key's name, `other`, or none (`anonymous`).
+    label: Option<Arc<str>>,
+    class: usize,
+    budget: Budget,
+}
+
+/// What one request holds from admission to its end: its key's concurrency and its prefill in
+/// transit, both given back when it ends (or when it is dropped, whatever happened).
+#[derive(Default)]
+pub struct Pass {
+    owner: Option<Arc<Overload>>,
+    key: u64,
+    label: Option<Arc<str>>,
+    /// The prompt tokens charged at admission (estimated).
+    tokens: u64,
+    counted: bool,
+    ticket: Option<u64>,
+    /// For the access log: `-`, `queued`, or why it was refused or left.
+    pub note: Option<&'static str>,
+    /// How long it waited in the queue.
+    pub waited: Option<Duration>,
+}
+
+impl Pass {
+    /// The request's prefill is now counted on its replica: no longer in transit.
+    pub fn routed(&mut self) {
+        if let (Some(o), Some(t)) = (&self.owner, self.ticket.take()) {
+            o.lock().transit.remove(&t);
+        }
+    }
+
+    fn release(&mut self) {
+        self.routed();
+        if let (Some(o), true) = (&self.owner, self.counted) {
+            self.counted = false;
+            o.lock().budgets.end(self.key);
+            o.pump();
+        }
+    }
+
+    fn label(&self) -> &str {
+        self.label.as_deref().unwrap_or("anonymous")
+    }
+}
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+fn header<'h>(headers: &'h http::HeaderMap, name: Option<&str>) -> Option<&'h [u8]> {
+    let v = headers.get(name?)?.as_bytes();
+    (!v.is_empty()).then_some(v)
+}
+
+/// The client's key as `request::authorized` reads it: `Authorization: Bearer`, or `x-api-key`.
+fn api_key(headers: &http::HeaderMap) -> Option<&[u8]> {
+    headers
+        .get("authorization")
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .or_else(|| headers.get("x-api-key").map(|v| v.as_bytes()))
+        .filter(|k| !k.is_empty())
+}
+
+impl Overload {
+    pub fn new(conf: OverloadConf, registry: Arc<Registry>) -> Overload {
+        let now = Instant::now();
+        let classes = conf.classes.len();
+        for c in &conf.classes {
+            METRICS.queue_length.with_label_values(&[c]).set(0);
+        }
+        Overload {
+            limits: Limits {
+                max_queued_prefill_tokens: conf.max_queued_prefill_tokens,
+                max_running: conf.max_running,
+            },
+            state: Mutex::new(State {
+                queue: Queue::new(conf.queue_length, classes),
+                budgets: budget::Budgets::new(conf.window, now),
+                drain: Drain::new(now),
+                transit: HashMap::new(),
+                next_ticket: 1,
+            }),
+            conf,
+            registry,
+            pumping: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic elsewhere never leaves the counts half-written (each change is one step).
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The key, its label, class and budget, from the request's headers.
+    pub fn identify(&self, headers: &http::HeaderMap) -> Who {
+        let c = &self.conf;
+        let raw = header(headers, c.key_header.as_deref()).or_else(|| api_key(headers));
+        let id = raw.map_or(0, key_id);
+        let listed = raw.and(c.keys.get(&id));
+        let label: Option<Arc<str>> = match (listed, raw) {
+            (Some(k), _) => Some(Arc::from(k.name.as_str())),
+            (None, Some(_)) => Some(Arc::from("other")),
+            (None, None) => None,
+        };
+        let asked = header(headers, c.class_header.as_deref())
+            .and_then(|v| c.classes.iter().position(|n| n.as_bytes() == v));
+        // A listed key's class is also its ceiling: the header may only lower it.
+        let class = match (listed.and_then(|k| k.class), asked) {
+            (Some(own), Some(a)) => own.max(a),
+            (Some(own), None) => own,
+            (None, Some(a)) => a,
+            (None, None) => c.default_class,
+        };
+        let budget = listed.map_or(c.budget, |k| Budget {
+            max_concurrent: k.budget.max_concurrent.or(c.budget.max_concurrent),
+            tokens_per_minute: k.budget.tokens_per_minute.or(c.budget.tokens_per_minute),
+        });
+        Who {
+            key: id,
+            label,
+            class,
+            budget,
+        }
+    }
+
+    /// Each replica's load now, with what was let go but is not counted on a replica yet.
+    fn fleet(&self, transit: &HashMap<u64, u64>) -> Vec<ReplicaLoad> {
+        let mut fleet: Vec<ReplicaLoad> = self
+            .registry
+            .all()
+            .iter()
+            .map(|r| ReplicaLoad {
+                live: r.is_live(),
+                queued_tokens: r.queued_tokens(),
+                running: r.running(),
+            })
+            .collect();
+        for tokens in transit.values() {
+            self.limits.place(&mut fleet, *tokens);
+        }
+        fleet
+    }
+
+    fn let_go(s: &mut State, tokens: u64, now: Instant) -> u64 {
+        let t = s.next_ticket;
+        s.next_ticket += 1;
+        s.transit.insert(t, tokens);
+        s.drain.record(now);
+        t
+    }
+
+    fn refuse(&self, pass: &mut Pass, s: &mut State, reason: &'static str, wait: u64) -> TooMany {
+        if pass.counted {
+            // It never ran: its key gets its place and its tokens back.
+            pass.counted = false;
+            s.budgets.end(pass.key);
+            s.budgets
+                .charge(pass.key, -(pass.tokens as i64), Instant::now());
+        }
+        pass.note = Some(reason);
+        METRICS
+            .rejected
+            .with_label_values(&[pass.label(), reason])
+            .inc();
+        let message = match reason {
+            "concurrency" => "too many requests of this key at once".to_string(),
+            "tokens_per_minute" => "this key's tokens per minute are used up".to_string(),
+            "key_share" => "this key holds its share of the queue".to_string(),
+            "queue_timeout" => "the replicas are saturated and the request waited too long".into(),
+            _ => "the replicas are saturated and the queue is full".to_string(),
+        };
+        TooMany {
+            reason,
+            retry_after: wait,
+            message: format!("{message}; retry after {wait} s"),
+        }
+    }
+
+    fn retry_after(&self, s: &mut State, now: Instant) -> u64 {
+        let ahead = s.queue.len();
+        let rate = s.drain.per_second(now);
+        policy::retry_after(ahead, rate, self.conf.queue_timeout)
+    }
+
+    fn show(&self, s: &State) {
+        for (name, n) in self.conf.classes.iter().zip(s.queue.len_by_class()) {
+            METRICS
+                .queue_length
+                .with_label_values(&[name])
+                .set(n as i64);
+        }
+    }
+
+    /// Admits a request of about `tokens` prompt tokens: at once, after waiting in the queue,
+    /// or not (429). `gone` completes when the client hangs up.
+    pub async fn admit(
+        self: &Arc<Self>,
+        pass: &mut Pass,
+        who: Who,
+        tokens: u64,
+        gone: impl Future<Output = ()>,
+    ) -> Admission {
+        let Who {
+            key,
+            label,
+            class,
+            budget,
+        } = who;
+        *pass = Pass {
+            owner: Some(self.clone()),
+            key,
+            label,
+            tokens,
+            ..Pass::default()
+        };
+        let class_name = self.conf.classes[class].as_str();
+        let now = Instant::now();
+        let (id, rx) = {
+            let mut s = self.lock();
+            if let Err((over, wait)) = s.budgets.check(key, budget, tokens, now) {
+                let reason = match over {
+                    budget::Over::Concurrency => "concurrency",
+                    budget::Over::TokensPerMinute => "tokens_per_minute",
+                };
+                let wait = wait.as_secs_f64().ceil().max(1.0) as u64;
+                return Admission::Refused(self.refuse(pass, &mut s, reason, wait));
+            }
+            s.budgets.start(key, tokens, now);
+            pass.counted = true;
+            METRICS
+                .tokens
+                .with_label_values(&[pass.label(), "prompt"])
+                .inc_by(tokens);
+            let go_now = !self.conf.limits_load() || {
+                let mut fleet = self.fleet(&s.transit);
+                s.queue.is_empty() && self.limits.place(&mut fleet, tokens)
+            };
+            if go_now {
+                pass.ticket = Some(Self::let_go(&mut s, tokens, now));
+                pass.note = Some("-");
+                METRICS
+                    .queue_wait
+                    .with_label_values(&[class_name])
+                    .observe(0.0);
+                return Admission::Go;
+            }
+            let (tx, rx) = oneshot::channel();
+            let id = match s.queue.push(key, class, tokens, tx) {
+                Pushed::Queued(id) => id,
+                Pushed::Evicted(id, out) => {
+                    let _ = out.item.send(Verdict::PushedOut);
+                    id
+                }
+                Pushed::Refused(why, _) => {
+                    let reason = match why {
+                        Full::Queue => "queue_full",
+                        Full::KeyShare => "key_share",
+                    };
+                    let wait = self.retry_after(&mut s, now);
+                    return Admission::Refused(self.refuse(pass, &mut s, reason, wait));
+                }
+            };
+            METRICS.saturated.set(1);
+            self.show(&s);
+            (id, rx)
+        };
+        self.keep_pumping();
+        let mut rx = rx;
+        let waited = tokio::select! {
+            _ = &mut rx => None,
+            _ = tokio::time::sleep(self.conf.queue_timeout) => Some("queue_timeout"),
+            _ = gone => Some("client_gone"),
+        };
+        let waited_for = now.elapsed();
+        pass.waited = Some(waited_for);
+        let mut s = self.lock();
+        // Under the lock an entry is either still queued or was answered (the pump and a
+        // push-out send while they hold it): a verdict is never lost.
+        let left = waited.filter(|_| s.queue.remove(id).is_some());
+        let verdict = rx.try_recv().ok();
+        self.show(&s);
+        if waited == Some("client_gone") {
+            if left.is_some() {
+                METRICS.abandoned.with_label_values(&[class_name]).inc();
+            }
+            if let Some(Verdict::Go(ticket)) = verdict {
+                pass.ticket = Some(ticket);
+            }
+            // It never ran: its tokens go back (its place, when the pass ends).
+            s.budgets
+                .charge(pass.key, -(pass.tokens as i64), Instant::now());
+            pass.note = Some("client_gone");
+            return Admission::Gone;
+        }
+        let reason = match verdict {
+            Some(Verdict::Go(ticket)) => {
+                pass.ticket = Some(ticket);
+                pass.note = Some("queued");
+                let q = METRICS.queue_wait.with_label_values(&[class_name]);
+                q.observe(waited_for.as_secs_f64());
+                return Admission::Go;
+            }
+            Some(Verdict::PushedOut) => "pushed_out",
+            None => "queue_timeout",
+        };
+        let wait = self.retry_after(&mut s, Instant::now());
+        Admission::Refused(self.refuse(pass, &mut s, reason, wait))
+    }
+
+    /// Lets queued requests go while the fleet has room.
+    pub fn pump(&self) {
+        let now = Instant::now();
+        let mut s = self.lock();
+        if s.queue.is_empty() {
+            METRICS.saturated.set(0);
+            return;
+        }
+        let mut fleet = self.fleet(&s.transit);
+        while let Some(tokens) = s.queue.peek().map(|e| e.tokens) {
+            if !self.limits.place(&mut fleet, tokens) {
+                break;
+            }
+            let Some(e) = s.queue.pop() else { break };
+            let ticket = Self::let_go(&mut s, tokens, now);
+            if e.item.send(Verdict::Go(ticket)).is_err() {
+                // Its waiter is gone already.
+                s.transit.remove(&ticket);
+            }
+        }
+        METRICS.saturated.set(i64::from(!s.queue.is_empty()));
+        self.show(&s);
+    }
+
+    /// Makes sure a task looks at the queue every [`PUMP_EVERY`] while it holds requests.
+    fn keep_pumping(self: &Arc<Self>) {
+        if self.pumping.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(PUMP_EVERY).await;
+                me.pump();
+                if me.lock().queue.is_empty() {
+                    me.pumping.store(false, Ordering::Release);
+                    // A request queued between the look and the store starts its own pump.
+                    if me.lock().queue.is_empty() || me.pumping.swap(true, Ordering::AcqRel) {
+                        return;
+                    }
+                }
+            }
+        });
+        self.pump();
+    }
+
+    /// The request ended: its key is charged what the replica reported (the completion, and
+    /// the prompt's difference from the estimate); its place is given back.
+    pub fn finish(&self, pass: &mut Pass, prompt: Option<u64>, completion: Option<u64>) {
+        if pass.owner.is_none() {
+            return;
+        }
+        let correction = prompt.map_or(0, |p| p as i64 - pass.tokens as i64);
+        let completion = completion.unwrap_or(0);
+        if pass.counted && (correction != 0 || completion > 0) {
+            let extra = correction.saturating_add(completion as i64);
+            self.lock().budgets.charge(pass.key, extra, Instant::now());
+            METRICS
+                .tokens
+                .with_label_values(&[pass.label(), "completion"])
+                .inc_by(completion);
+        }
+        pass.release();
+    }
+
+    /// The queue's own memory now (its tables), and its length.
+    pub fn queue_bytes(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.queue.approx_bytes(), s.queue.len())
+    }
+}

@@ -1,0 +1,350 @@
+//! The bounded queue of requests waiting for room on the fleet: higher classes first; within a
+//! class, keys in turn (each key's own requests first come, first served); no key holds more
+//! than its share of the slots (the length over the keys waiting). A full queue makes room for
+//! a higher class, or for a key under its share, by pushing out the newest request of the
+//! lowest class's largest holder. Pure: no clock, no I/O; `T` is what a waiter is told by.
+
+use std::collections::{HashMap, VecDeque};
+
+/// One waiting request.
+#[derive(Debug)]
+pub struct Entry<T> {
+    pub id: u64,
+    pub key: u64,
+    pub class: usize,
+    /// Its prompt, estimated: what it will add to a replica's queued prefill.
+    pub tokens: u64,
+    pub item: T,
+}
+
+/// Why a request found no slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Full {
+    /// Every slot is taken by requests of its class or higher, each key within its share.
+    Queue,
+    /// Its key already holds its share of the slots.
+    KeyShare,
+}
+
+#[derive(Debug)]
+pub enum Pushed<T> {
+    Queued(u64),
+    /// Queued, and this entry was pushed out to make room.
+    Evicted(u64, Entry<T>),
+    Refused(Full, T),
+}
+
+#[derive(Debug)]
+struct Class<T> {
+    by_key: HashMap<u64, VecDeque<Entry<T>>>,
+    /// Keys with entries, in turn.
+    turn: VecDeque<u64>,
+}
+
+impl<T> Class<T> {
+    fn new() -> Self {
+        Class {
+            by_key: HashMap::new(),
+            turn: VecDeque::new(),
+        }
+    }
+    fn len(&self) -> usize {
+        self.by_key.values().map(VecDeque::len).sum()
+    }
+}
+
+#[derive(Debug)]
+pub struct Queue<T> {
+    capacity: usize,
+    classes: Vec<Class<T>>,
+    len: usize,
+    /// Entries of each key, all classes.
+    per_key: HashMap<u64, usize>,
+    /// Entry id → (class, key).
+    index: HashMap<u64, (usize, u64)>,
+    next_id: u64,
+}
+
+impl<T> Queue<T> {
+    /// `classes` levels, 0 the highest.
+    pub fn new(capacity: usize, classes: usize) -> Queue<T> {
+        Queue {
+            capacity: capacity.max(1),
+            classes: (0..classes.max(1)).map(|_| Class::new()).collect(),
+            len: 0,
+            per_key: HashMap::new(),
+            index: HashMap::new(),
+            next_id: 1,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Entries waiting in each class.
+    pub fn len_by_class(&self) -> Vec<usize> {
+        self.classes.iter().map(Class::len).collect()
+    }
+
+    /// The slots `key` may hold: the length shared by the keys waiting, itself included.
+    pub fn share(&self, key: u64) -> usize {
+        let keys = self.per_key.len() + usize::from(!self.per_key.contains_key(&key));
+        self.capacity.div_ceil(keys.max(1))
+    }
+
+    /// Requests of `key` waiting now.
+    pub fn held(&self, key: u64) -> usize {
+        self.per_key.get(&key).copied().unwrap_or(0)
+    }
+
+    pub fn push(&mut self, key: u64, class: usize, tokens: u64, item: T) -> Pushed<T> {
+        let class = class.min(self.classes.len() - 1);
+        let (held, share) = (self.held(key), self.share(key));
+        if held >= share {
+            let why = if held < self.capacity && self.per_key.len() > 1 {
+                Full::KeyShare
+            } else {
+                Full::Queue
+            };
+            return Pushed::Refused(why, item);
+        }
+        let evicted = if self.len >= self.capacity {
+            match self.victim(class, share) {
+                Some((c, k)) => self.take_newest(c, k),
+                None => return Pushed::Refused(Full::Queue, item),
+            }
+        } else {
+            None
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let c = &mut self.classes[class];
+        let q = c.by_key.entry(key).or_default();
+        if q.is_empty() {
+            c.turn.push_back(key);
+        }
+        q.push_back(Entry {
+            id,
+            key,
+            class,
+            tokens,
+            item,
+        });
+        self.len += 1;
+        *self.per_key.entry(key).or_default() += 1;
+        self.index.insert(id, (class, key));
+        match evicted {
+            Some(e) => Pushed::Evicted(id, e),
+            None => Pushed::Queued(id),
+        }
+    }
+
+    /// Whose newest entry makes room for a request of `class`: in the lowest class below it
+    /// that has any, the largest holder; in its own class, the largest holder if over `share`.
+    fn victim(&self, class: usize, share: usize) -> Option<(usize, u64)> {
+        for c in (class..self.classes.len()).rev() {
+            let largest = self.classes[c]
+                .by_key
+                .keys()
+                .max_by_key(|k| (self.held(**k), **k))
+                .copied();
+            if let Some(k) = largest {
+                if c > class || self.held(k) > share {
+                    return Some((c, k));
+                }
+            }
+        }
+        None
+    }
+
+    fn take_newest(&mut self, class: usize, key: u64) -> Option<Entry<T>> {
+        let e = self.classes[class].by_key.get_mut(&key)?.pop_back()?;
+        self.forget(&e);
+        Some(e)
+    }
+
+    /// Bookkeeping after `e` left its key's queue.
+    fn forget(&mut self, e: &Entry<T>) {
+        self.len -= 1;
+        self.index.remove(&e.id);
+        if let Some(n) = self.per_key.get_mut(&e.key) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_key.remove(&e.key);
+            }
+        }
+        let c = &mut self.classes[e.class];
+        if c.by_key.get(&e.key).is_some_and(VecDeque::is_empty) {
+            c.by_key.remove(&e.key);
+            c.turn.retain(|k| *k != e.key);
+        }
+    }
+
+    /// The entry [`Self::pop`] would give.
+    pub fn peek(&self) -> Option<&Entry<T>> {
+        let c = self.classes.iter().find(|c| !c.turn.is_empty())?;
+        c.by_key.get(c.turn.front()?)?.front()
+    }
+
+    /// The next entry: the highest class's key whose turn it is, its oldest request.
+    pub fn pop(&mut self) -> Option<Entry<T>> {
+        let class = self.classes.iter().position(|c| !c.turn.is_empty())?;
+        let c = &mut self.classes[class];
+        let key = c.turn.pop_front()?;
+        let e = c.by_key.get_mut(&key)?.pop_front()?;
+        if c.by_key.get(&key).is_some_and(|q| !q.is_empty()) {
+            c.turn.push_back(key);
+        }
+        self.forget(&e);
+        Some(e)
+    }
+
+    /// Takes out the entry `id` (its client left, or it waited too long); `None` when it is
+    /// no longer queued.
+    pub fn remove(&mut self, id: u64) -> Option<Entry<T>> {
+        let (class, key) = *self.index.get(&id)?;
+        let q = self.classes[class].by_key.get_mut(&key)?;
+        let at = q.iter().position(|e| e.id == id)?;
+        let e = q.remove(at)?;
+        self.forget(&e);
+        Some(e)
+    }
+
+    /// The memory the queue holds now, in bytes (its tables' allocations, not the items'
+    /// own heap data).
+    pub fn approx_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let entry = size_of::<Entry<T>>();
+        let deques: usize = self
+            .classes
+            .iter()
+            .map(|c| {
+                c.by_key
+                    .values()
+                    .map(|q| q.capacity() * entry)
+                    .sum::<usize>()
+                    + c.by_key.capacity() * (size_of::<(u64, VecDeque<Entry<T>>)>() + 1)
+                    + c.turn.capacity() * 8
+            })
+            .sum();
+        deques
+            + self.per_key.capacity() * (size_of::<(u64, usize)>() + 1)
+            + self.index.capacity() * (size_of::<(u64, (usize, u64))>() + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(q: &mut Queue<u32>) -> Vec<u32> {
+        std::iter::from_fn(|| q.pop().map(|e| e.item)).collect()
+    }
+
+    #[test]
+    fn higher_classes_first_keys_in_turn_within_a_class() {
+        let mut q = Queue::new(100, 2);
+        // key 1 floods batch (class 1) and standard...
+        for i in 0..4 {
+            q.push(1, 1, 10, 10 + i);
+        }
+        q.push(2, 1, 10, 20);
+        q.push(3, 0, 10, 30);
+        q.push(2, 1, 10, 21);
+        q.push(3, 0, 10, 31);
+        assert_eq!(q.peek().map(|e| e.item), Some(30));
+        assert_eq!(q.len_by_class(), vec![2, 6]);
+        assert_eq!(ids(&mut q), vec![30, 31, 10, 20, 11, 21, 12, 13]);
+        assert!(q.is_empty() && q.per_key.is_empty() && q.index.is_empty());
+    }
+
+    #[test]
+    fn no_key_holds_more_than_its_share() {
+        let mut q = Queue::new(4, 1);
+        for i in 0..4 {
+            assert!(matches!(q.push(1, 0, 1, i), Pushed::Queued(_)));
+        }
+        // Alone it may fill the queue; then the queue is full.
+        assert!(matches!(
+            q.push(1, 0, 1, 9),
+            Pushed::Refused(Full::Queue, 9)
+        ));
+        // A second key's share is half: the flooder's newest goes.
+        match q.push(2, 0, 1, 20) {
+            Pushed::Evicted(_, e) => assert_eq!((e.key, e.item), (1, 3)),
+            other => panic!("{other:?}"),
+        }
+        match q.push(2, 0, 1, 21) {
+            Pushed::Evicted(_, e) => assert_eq!((e.key, e.item), (1, 2)),
+            other => panic!("{other:?}"),
+        }
+        // Both at their share of 2 now.
+        assert!(matches!(
+            q.push(2, 0, 1, 22),
+            Pushed::Refused(Full::KeyShare, 22)
+        ));
+        assert!(matches!(
+            q.push(1, 0, 1, 12),
+            Pushed::Refused(Full::KeyShare, 12)
+        ));
+        assert_eq!(ids(&mut q), vec![0, 20, 1, 21]);
+    }
+
+    #[test]
+    fn a_full_queue_makes_room_for_a_higher_class_only() {
+        let mut q = Queue::new(2, 2);
+        q.push(1, 1, 1, 10);
+        q.push(2, 1, 1, 20);
+        // Same class, every key within its share of a three-key queue (1 each): full.
+        assert!(matches!(
+            q.push(3, 1, 1, 30),
+            Pushed::Refused(Full::Queue, _)
+        ));
+        match q.push(3, 0, 1, 31) {
+            Pushed::Evicted(_, e) => assert_eq!(e.class, 1),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(q.peek().map(|e| e.item), Some(31));
+    }
+
+    #[test]
+    fn a_removed_entry_leaves_at_once_and_its_id_is_gone() {
+        let mut q = Queue::new(10, 1);
+        let Pushed::Queued(a) = q.push(1, 0, 1, 1) else {
+            panic!()
+        };
+        let Pushed::Queued(b) = q.push(1, 0, 1, 2) else {
+            panic!()
+        };
+        assert_eq!(q.remove(a).map(|e| e.item), Some(1));
+        assert!(q.remove(a).is_none());
+        assert_eq!(q.len(), 1);
+        assert_eq!(q.pop().map(|e| e.id), Some(b));
+        assert!(q.remove(b).is_none(), "popped already");
+        assert!(q.approx_bytes() > 0);
+    }
+
+    #[test]
+    fn the_bound_holds_under_many_keys_and_many_pushes() {
+        let mut q = Queue::new(1000, 3);
+        let mut queued = 0;
+        for i in 0..20_000u32 {
+            let key = u64::from(i % 7);
+            match q.push(key, (i % 3) as usize, 100, i) {
+                Pushed::Queued(_) => queued += 1,
+                Pushed::Evicted(..) | Pushed::Refused(..) => {}
+            }
+            assert!(q.len() <= 1000);
+            assert!(q.held(key) <= q.share(key).max(1000 / 7 + 1));
+        }
+        assert_eq!(q.len(), 1000);
+        assert!(queued >= 1000);
+        let n = ids(&mut q).len();
+        assert_eq!(n, 1000);
+    }
+}
