@@ -1,6 +1,7 @@
 //! The processes the tests and the bench run: simulated replicas ([`Sim`]), the balancer
 //! ([`Lb`], with its conf written by [`LbConf`]), nginx ([`Nginx`]) and the peer routers
-//! ([`Peer`]: SGLang's and vLLM's), each on free loopback ports.
+//! ([`Peer`]: SGLang's and vLLM's) and Redis ([`Redis`], the store inferlb instances share
+//! state through), each on free loopback ports.
 //!
 //! Every process is held by a [`Proc`], which stops it the way that program stops cleanly when
 //! the handle drops (and kills it only if it does not exit in time), so nothing a test or a
@@ -13,6 +14,7 @@ mod lb;
 mod nginx;
 mod peer;
 mod proc;
+mod redis;
 mod sim;
 
 use std::io::{Read, Write};
@@ -26,6 +28,7 @@ pub use nginx::Nginx;
 pub use nix::sys::signal::Signal;
 pub use peer::{Peer, PeerConf, PeerKind};
 pub use proc::Proc;
+pub use redis::Redis;
 pub use sim::Sim;
 
 /// A loopback port nothing listens on right now.
