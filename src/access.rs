@@ -27,6 +27,9 @@ pub struct Record<'a> {
     pub duration_ms: f64,
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
+    /// Overload protection: `-` (went on at once), `queued`, or why it was refused.
+    pub overload: Option<&'a str>,
+    pub queue_ms: Option<f64>,
 }
 
 /// A value as one token of a key=value line: quoted when it holds spaces, quotes or `=`.
@@ -46,7 +49,7 @@ impl Record<'_> {
             Format::Kv => {
                 let opt = |v: Option<u64>| v.map_or("-".to_owned(), |n| n.to_string());
                 Some(format!(
-                    "request_id={} method={} path={} model={} route={} replica={} attempts={} failovers={} status={} ttfb_ms={} duration_ms={:.1} prompt_tokens={} cached_tokens={}",
+                    "request_id={} method={} path={} model={} route={} replica={} attempts={} failovers={} status={} ttfb_ms={} duration_ms={:.1} prompt_tokens={} cached_tokens={}{}",
                     kv_value(self.request_id),
                     self.method,
                     kv_value(self.path),
@@ -60,6 +63,10 @@ impl Record<'_> {
                     self.duration_ms,
                     opt(self.prompt_tokens),
                     opt(self.cached_tokens),
+                    self.overload.map_or(String::new(), |o| format!(
+                        " overload={o} queue_ms={}",
+                        self.queue_ms.map_or("-".to_owned(), |t| format!("{t:.1}"))
+                    )),
                 ))
             }
         }
@@ -85,6 +92,8 @@ mod tests {
             duration_ms: 56.78,
             prompt_tokens: Some(900),
             cached_tokens: None,
+            overload: None,
+            queue_ms: None,
         }
     }
 
@@ -103,6 +112,13 @@ mod tests {
                 .expect("test fixture");
         assert_eq!(v["replica"], "gpu0");
         assert_eq!(v["cached_tokens"], serde_json::Value::Null);
+        let queued = Record {
+            overload: Some("queued"),
+            queue_ms: Some(250.0),
+            ..record()
+        };
+        let line = queued.render(Format::Kv).expect("kv");
+        assert!(line.ends_with(" overload=queued queue_ms=250.0"), "{line}");
         assert_eq!(record().render(Format::Off), None);
     }
 }

@@ -46,6 +46,8 @@ pub struct Config {
     /// Shared routing state with other instances; `None`: this process alone.
     pub cluster: Option<ClusterConf>,
     pub discovery: DiscoveryConf,
+    /// Overload protection; `None`: every request goes on, as before.
+    pub overload: Option<crate::overload::OverloadConf>,
 }
 
 #[derive(Debug, Clone)]
@@ -153,6 +155,7 @@ struct RawSection {
     cluster: Option<RawCluster>,
     discovery_interval_seconds: f64,
     discovery_nameserver: Option<String>,
+    overload: Option<crate::overload::conf::RawOverload>,
 }
 
 impl Default for RawSection {
@@ -179,6 +182,7 @@ impl Default for RawSection {
             cluster: None,
             discovery_interval_seconds: 5.0,
             discovery_nameserver: None,
+            overload: None,
         }
     }
 }
@@ -508,6 +512,7 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         load_poll_interval: seconds("load_poll_interval_seconds", raw.load_poll_interval_seconds)?,
         cluster,
         discovery,
+        overload: raw.overload.map(crate::overload::conf::validate).transpose()?,
     })
 }
 

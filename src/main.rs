@@ -144,7 +144,8 @@ fn main() {
         conf.routing,
         conf.replicas.len()
     );
-    if conf.routing == inferlb::routing::Mode::PrefillCost {
+    // Overload protection reads the replicas' own queues too, whatever the policy.
+    if conf.routing == inferlb::routing::Mode::PrefillCost || conf.overload.is_some() {
         let load = inferlb::load::LoadReader {
             registry: registry_for_load,
             interval: conf.load_poll_interval,

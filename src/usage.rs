@@ -20,6 +20,8 @@ const MAX_SSE_LINE: usize = 1024 * 1024;
 pub struct Usage {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Generated tokens (`completion_tokens`, or `output_tokens`).
+    pub completion_tokens: u64,
 }
 
 /// Reads a response's usage (and a Responses answer's id) from its body chunks.
@@ -45,6 +47,7 @@ fn usage_of(family: Family, v: &Value) -> Option<Usage> {
             Some(Usage {
                 prompt_tokens: u64_at(u, &["prompt_tokens"])?,
                 cached_tokens: u64_at(u, &["prompt_tokens_details", "cached_tokens"]).unwrap_or(0),
+                completion_tokens: u64_at(u, &["completion_tokens"]).unwrap_or(0),
             })
         }
         Family::Responses => {
@@ -53,6 +56,7 @@ fn usage_of(family: Family, v: &Value) -> Option<Usage> {
             Some(Usage {
                 prompt_tokens: u64_at(u, &["input_tokens"])?,
                 cached_tokens: u64_at(u, &["input_tokens_details", "cached_tokens"]).unwrap_or(0),
+                completion_tokens: u64_at(u, &["output_tokens"]).unwrap_or(0),
             })
         }
         Family::Messages => {
@@ -65,6 +69,7 @@ fn usage_of(family: Family, v: &Value) -> Option<Usage> {
             Some(Usage {
                 prompt_tokens: uncached + read + created,
                 cached_tokens: read,
+                completion_tokens: u64_at(u, &["output_tokens"]).unwrap_or(0),
             })
         }
     }
@@ -130,7 +135,16 @@ impl UsageReader {
             return;
         }
         if let Ok(v) = serde_json::from_slice::<Value>(data) {
-            self.found = usage_of(self.family, &v).or(self.found);
+            self.found = match (usage_of(self.family, &v), self.found) {
+                (Some(u), _) => Some(u),
+                // Anthropic's `message_delta` carries the final output count alone.
+                (None, Some(mut u)) => {
+                    let out = v.get("usage").and_then(|u| u64_at(u, &["output_tokens"]));
+                    u.completion_tokens = out.unwrap_or(u.completion_tokens);
+                    Some(u)
+                }
+                (None, None) => None,
+            };
             if wants_id {
                 self.response_id = response_id_of(&v);
             }
@@ -172,7 +186,8 @@ mod tests {
                 r.finish(),
                 Some(Usage {
                     prompt_tokens: 900,
-                    cached_tokens: 640
+                    cached_tokens: 640,
+                    completion_tokens: 3
                 })
             );
         }
@@ -191,7 +206,8 @@ data: [DONE]\n\n";
                 r.finish(),
                 Some(Usage {
                     prompt_tokens: 12,
-                    cached_tokens: 8
+                    cached_tokens: 8,
+                    completion_tokens: 0
                 }),
                 "cut {cut}"
             );
@@ -212,7 +228,8 @@ data: [DONE]\n\n";
             r.finish(),
             Some(Usage {
                 prompt_tokens: 5,
-                cached_tokens: 0
+                cached_tokens: 0,
+                completion_tokens: 0
             })
         );
     }
@@ -225,7 +242,8 @@ data: [DONE]\n\n";
             r.finish(),
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: 64
+                cached_tokens: 64,
+                completion_tokens: 5
             })
         );
         assert_eq!(r.response_id(), Some("resp_9"));
@@ -235,7 +253,8 @@ data: [DONE]\n\n";
             r.finish(),
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: 64
+                cached_tokens: 64,
+                completion_tokens: 5
             })
         );
         assert_eq!(r.response_id(), None, "only Responses answers are stored");
@@ -258,7 +277,8 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{
             r.finish(),
             Some(Usage {
                 prompt_tokens: 50,
-                cached_tokens: 32
+                cached_tokens: 32,
+                completion_tokens: 0
             })
         );
         let stream = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":10,\"cache_read_input_tokens\":90,\"output_tokens\":1}}}\n\n\
@@ -270,7 +290,8 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
             r.finish(),
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: 90
+                cached_tokens: 90,
+                completion_tokens: 7
             })
         );
     }

@@ -90,6 +90,9 @@ pub struct LbConf {
     pub stored_lookup_timeout_seconds: Option<f64>,
     /// How often each replica's `/metrics` is read for its load.
     pub load_poll_interval_seconds: Option<f64>,
+    /// The `overload:` section's body as YAML (`"max_running: 2\nqueue_length: 10\n"`),
+    /// indented under the key by the writer.
+    pub overload: Option<String>,
     /// After the replicas [`Lb::start`] adds for the sims it is given.
     pub replicas: Vec<Replica>,
     /// Further lines at the end of the `inferlb:` section, indented by two spaces, for rare keys.
@@ -196,6 +199,12 @@ impl LbConf {
         }
         if let Some(v) = self.load_poll_interval_seconds {
             line!("  load_poll_interval_seconds: {v}");
+        }
+        if let Some(section) = &self.overload {
+            line!("  overload:");
+            for l in section.lines().filter(|l| !l.trim().is_empty()) {
+                line!("    {l}");
+            }
         }
         line!("  replicas:");
         for r in &self.replicas {
@@ -391,6 +400,7 @@ mod tests {
             stored_responses_capacity: Some(5),
             stored_lookup_timeout_seconds: Some(0.5),
             load_poll_interval_seconds: Some(0.25),
+            overload: Some("max_running: 2\nkeys:\n  - {name: a, key: k1}\n".into()),
             replicas: vec![
                 Replica::new("gpu0", "127.0.0.1:3"),
                 Replica {
@@ -428,6 +438,10 @@ mod tests {
             \x20 stored_responses_capacity: 5\n\
             \x20 stored_lookup_timeout_seconds: 0.5\n\
             \x20 load_poll_interval_seconds: 0.25\n\
+            \x20 overload:\n\
+            \x20   max_running: 2\n\
+            \x20   keys:\n\
+            \x20     - {name: a, key: k1}\n\
             \x20 replicas:\n\
             \x20   - {id: \"gpu0\", address: \"127.0.0.1:3\"}\n\
             \x20   - {id: \"gpu1\", address: \"127.0.0.1:4\", api_key: \"secret\", models: [\"a\", \"b\"], cache_tokens: 200000, weight: 2}\n\

@@ -363,7 +363,7 @@ mod tests {
                 .unwrap_or_else(|| panic!("accepted: {yaml}"));
             assert!(e.contains(needle), "{needle:?} not in {e:?}");
         }
-        let e = parse("queue_lenght: 5").err().expect("unknown key refused");
+        let e = parse("queue_lenght: 5").expect_err("unknown key refused");
         assert!(e.contains("queue_lenght"), "{e}");
     }
 }

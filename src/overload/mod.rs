@@ -63,6 +63,16 @@ pub struct Overload {
     pumping: AtomicBool,
 }
 
+/// Every reason a request is answered 429.
+pub const REASONS: [&str; 6] = [
+    "concurrency",
+    "tokens_per_minute",
+    "queue_full",
+    "key_share",
+    "pushed_out",
+    "queue_timeout",
+];
+
 /// A 429: why, and when to come back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TooMany {
@@ -150,13 +160,61 @@ fn api_key(headers: &http::HeaderMap) -> Option<&[u8]> {
         .filter(|k| !k.is_empty())
 }
 
+/// The key, its label, class and budget, from the request's headers.
+fn identify(c: &OverloadConf, headers: &http::HeaderMap) -> Who {
+    let raw = header(headers, c.key_header.as_deref()).or_else(|| api_key(headers));
+    let id = raw.map_or(0, key_id);
+    let listed = raw.and(c.keys.get(&id));
+    let label: Option<Arc<str>> = match (listed, raw) {
+        (Some(k), _) => Some(Arc::from(k.name.as_str())),
+        (None, Some(_)) => Some(Arc::from("other")),
+        (None, None) => None,
+    };
+    let asked = header(headers, c.class_header.as_deref())
+        .and_then(|v| c.classes.iter().position(|n| n.as_bytes() == v));
+    // A listed key's class is also its ceiling: the header may only lower it.
+    let class = match (listed.and_then(|k| k.class), asked) {
+        (Some(own), Some(a)) => own.max(a),
+        (Some(own), None) => own,
+        (None, Some(a)) => a,
+        (None, None) => c.default_class,
+    };
+    let budget = listed.map_or(c.budget, |k| Budget {
+        max_concurrent: k.budget.max_concurrent.or(c.budget.max_concurrent),
+        tokens_per_minute: k.budget.tokens_per_minute.or(c.budget.tokens_per_minute),
+    });
+    Who {
+        key: id,
+        label,
+        class,
+        budget,
+    }
+}
+
 impl Overload {
+    /// Overload protection as configured (`None`: off). Its series exist either way, at zero,
+    /// so dashboards and alerts find them.
+    pub fn from_conf(conf: Option<OverloadConf>, registry: Arc<Registry>) -> Option<Arc<Overload>> {
+        let default = ["default".to_string()];
+        let classes = conf.as_ref().map_or(&default[..], |c| &c.classes[..]);
+        for c in classes {
+            METRICS.queue_length.with_label_values(&[c]).set(0);
+            METRICS.queue_wait.with_label_values(&[c]);
+            METRICS.abandoned.with_label_values(&[c]);
+        }
+        for reason in REASONS {
+            METRICS.rejected.with_label_values(&["anonymous", reason]);
+        }
+        for kind in ["prompt", "completion"] {
+            METRICS.tokens.with_label_values(&["anonymous", kind]);
+        }
+        METRICS.saturated.set(0);
+        conf.map(|c| Arc::new(Overload::new(c, registry)))
+    }
+
     pub fn new(conf: OverloadConf, registry: Arc<Registry>) -> Overload {
         let now = Instant::now();
         let classes = conf.classes.len();
-        for c in &conf.classes {
-            METRICS.queue_length.with_label_values(&[c]).set(0);
-        }
         Overload {
             limits: Limits {
                 max_queued_prefill_tokens: conf.max_queued_prefill_tokens,
@@ -182,34 +240,7 @@ impl Overload {
 
     /// The key, its label, class and budget, from the request's headers.
     pub fn identify(&self, headers: &http::HeaderMap) -> Who {
-        let c = &self.conf;
-        let raw = header(headers, c.key_header.as_deref()).or_else(|| api_key(headers));
-        let id = raw.map_or(0, key_id);
-        let listed = raw.and(c.keys.get(&id));
-        let label: Option<Arc<str>> = match (listed, raw) {
-            (Some(k), _) => Some(Arc::from(k.name.as_str())),
-            (None, Some(_)) => Some(Arc::from("other")),
-            (None, None) => None,
-        };
-        let asked = header(headers, c.class_header.as_deref())
-            .and_then(|v| c.classes.iter().position(|n| n.as_bytes() == v));
-        // A listed key's class is also its ceiling: the header may only lower it.
-        let class = match (listed.and_then(|k| k.class), asked) {
-            (Some(own), Some(a)) => own.max(a),
-            (Some(own), None) => own,
-            (None, Some(a)) => a,
-            (None, None) => c.default_class,
-        };
-        let budget = listed.map_or(c.budget, |k| Budget {
-            max_concurrent: k.budget.max_concurrent.or(c.budget.max_concurrent),
-            tokens_per_minute: k.budget.tokens_per_minute.or(c.budget.tokens_per_minute),
-        });
-        Who {
-            key: id,
-            label,
-            class,
-            budget,
-        }
+        identify(&self.conf, headers)
     }
 
     /// Each replica's load now, with what was let go but is not counted on a replica yet.
@@ -355,10 +386,10 @@ impl Overload {
         };
         self.keep_pumping();
         let mut rx = rx;
-        let waited = tokio::select! {
-            _ = &mut rx => None,
-            _ = tokio::time::sleep(self.conf.queue_timeout) => Some("queue_timeout"),
-            _ = gone => Some("client_gone"),
+        let (waited, answered) = tokio::select! {
+            v = &mut rx => (None, v.ok()),
+            _ = tokio::time::sleep(self.conf.queue_timeout) => (Some("queue_timeout"), None),
+            _ = gone => (Some("client_gone"), None),
         };
         let waited_for = now.elapsed();
         pass.waited = Some(waited_for);
@@ -366,7 +397,7 @@ impl Overload {
         // Under the lock an entry is either still queued or was answered (the pump and a
         // push-out send while they hold it): a verdict is never lost.
         let left = waited.filter(|_| s.queue.remove(id).is_some());
-        let verdict = rx.try_recv().ok();
+        let verdict = answered.or_else(|| rx.try_recv().ok());
         self.show(&s);
         if waited == Some("client_gone") {
             if left.is_some() {
@@ -465,5 +496,102 @@ impl Overload {
     pub fn queue_bytes(&self) -> (usize, usize) {
         let s = self.lock();
         (s.queue.approx_bytes(), s.queue.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conf() -> OverloadConf {
+        let raw: conf::RawOverload = serde_yaml::from_str(
+            "classes: [interactive, standard, batch]\ndefault_class: standard\n\
+             class_header: x-priority\nkey_header: x-tenant\nbudget: {max_concurrent: 4}\n\
+             keys:\n  - {name: agents, key: sk-agents-1, class: standard, tokens_per_minute: 9}\n",
+        )
+        .expect("yaml");
+        conf::validate(raw).expect("valid")
+    }
+
+    fn who(headers: &[(&'static str, &'static str)]) -> Who {
+        let mut h = http::HeaderMap::new();
+        for (n, v) in headers {
+            h.insert(*n, http::HeaderValue::from_static(v));
+        }
+        identify(&conf(), &h)
+    }
+
+    /// (headers, label, class, max_concurrent, tokens_per_minute)
+    type Row = (
+        &'static [(&'static str, &'static str)],
+        Option<&'static str>,
+        usize,
+        Option<u32>,
+        Option<u64>,
+    );
+
+    #[test]
+    fn keys_classes_and_budgets_from_the_headers() {
+        // (headers, label, class, max_concurrent, tokens_per_minute)
+        let rows: &[Row] = &[
+            (&[], None, 1, Some(4), None),
+            (
+                &[("authorization", "Bearer sk-agents-1")],
+                Some("agents"),
+                1,
+                Some(4),
+                Some(9),
+            ),
+            (
+                &[("x-api-key", "sk-agents-1")],
+                Some("agents"),
+                1,
+                Some(4),
+                Some(9),
+            ),
+            // The header may lower a listed key's class, never raise it.
+            (
+                &[("x-api-key", "sk-agents-1"), ("x-priority", "batch")],
+                Some("agents"),
+                2,
+                Some(4),
+                Some(9),
+            ),
+            (
+                &[("x-api-key", "sk-agents-1"), ("x-priority", "interactive")],
+                Some("agents"),
+                1,
+                Some(4),
+                Some(9),
+            ),
+            // Unlisted keys take the header's class.
+            (
+                &[("x-api-key", "sk-unknown"), ("x-priority", "interactive")],
+                Some("other"),
+                0,
+                Some(4),
+                None,
+            ),
+            (&[("x-priority", "nonsense")], None, 1, Some(4), None),
+            // The tenant header names the client in place of its key.
+            (
+                &[("x-tenant", "sk-agents-1"), ("x-api-key", "sk-x")],
+                Some("agents"),
+                1,
+                Some(4),
+                Some(9),
+            ),
+        ];
+        for (headers, label, class, concurrent, tpm) in rows {
+            let w = who(headers);
+            assert_eq!(w.label.as_deref(), *label, "{headers:?}");
+            assert_eq!(w.class, *class, "{headers:?}");
+            assert_eq!(w.budget.max_concurrent, *concurrent, "{headers:?}");
+            assert_eq!(w.budget.tokens_per_minute, *tpm, "{headers:?}");
+        }
+        assert_ne!(
+            who(&[("x-api-key", "a-key-one")]).key,
+            who(&[("x-api-key", "a-key-two")]).key
+        );
     }
 }

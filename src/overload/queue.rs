@@ -330,6 +330,24 @@ mod tests {
     }
 
     #[test]
+    fn five_thousand_entries_take_well_under_a_megabyte() {
+        // What the balancer queues: a one-shot sender per waiter (its shared cell is a small
+        // allocation of its own, counted separately below).
+        let mut q: Queue<tokio::sync::oneshot::Sender<u8>> = Queue::new(5000, 2);
+        let cells = 5000 * 96;
+        for i in 0..5000u64 {
+            let (tx, _rx) = tokio::sync::oneshot::channel();
+            assert!(matches!(
+                q.push(i % 2, (i % 2) as usize, 300, tx),
+                Pushed::Queued(_)
+            ));
+        }
+        let bytes = q.approx_bytes() + cells;
+        eprintln!("5000 queued: {bytes} bytes, {} a request", bytes / 5000);
+        assert!(bytes < 1 << 20, "{bytes}");
+    }
+
+    #[test]
     fn the_bound_holds_under_many_keys_and_many_pushes() {
         let mut q = Queue::new(1000, 3);
         let mut queued = 0;

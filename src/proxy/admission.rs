@@ -4,11 +4,12 @@
 use pingora_http::RequestHeader;
 use pingora_proxy::Session;
 
-use super::answers::Refusal;
+use super::answers::{self, Refusal};
 use super::{request, stored_key, Balancer, Ctx};
 use crate::api::{classify, stored_response_path};
 use crate::body::{BodyLimits, BodyReplay};
 use crate::cluster::Table;
+use crate::overload::Admission;
 
 impl Balancer {
     /// What the request head alone settles: its size and its key.
@@ -99,5 +100,48 @@ impl Balancer {
             ),
             close: false,
         })
+    }
+
+    /// Overload protection, when configured: the request goes on now, waits for room, or is
+    /// answered 429 here. True when it was answered here (or its client left while it waited).
+    pub(super) async fn admit_load(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+    ) -> pingora_core::Result<bool> {
+        let (Some(overload), Some(info)) = (&self.overload, &ctx.info) else {
+            return Ok(false);
+        };
+        let who = overload.identify(&session.req_header().headers);
+        let tokens = info.shape.prompt_tokens();
+        let downstream = session.as_downstream_mut();
+        // The whole body is read: the next read ends only when the client hangs up.
+        let gone = async {
+            if downstream.read_body_or_idle(true).await.is_ok() {
+                std::future::pending::<()>().await;
+            }
+        };
+        match overload.admit(&mut ctx.overload, who, tokens, gone).await {
+            Admission::Go => Ok(false),
+            Admission::Refused(too_many) => {
+                answers::too_many(session, &ctx.request_id, ctx.family, &too_many).await?;
+                Ok(true)
+            }
+            Admission::Gone => {
+                session.set_keepalive(None);
+                Ok(true)
+            }
+        }
+    }
+
+    /// The request ended: its key is charged the tokens its replica reported, its place given
+    /// back.
+    pub(super) fn release_load(&self, ctx: &mut Ctx) {
+        if let Some(overload) = &self.overload {
+            let usage = ctx.usage;
+            let prompt = usage.map(|u| u.prompt_tokens);
+            let completion = usage.map(|u| u.completion_tokens);
+            overload.finish(&mut ctx.overload, prompt, completion);
+        }
     }
 }

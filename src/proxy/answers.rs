@@ -24,6 +24,7 @@ pub struct Refusal {
 /// An error body in OpenAI's JSON shape.
 pub fn openai_error(status: u16, message: &str) -> Bytes {
     let kind = match status {
+        429 => "rate_limit_exceeded",
         400..=499 => "invalid_request_error",
         503 => "service_unavailable",
         _ => "server_error",
@@ -99,7 +100,40 @@ pub async fn respond_json(
     status: u16,
     body: Bytes,
 ) -> Result<()> {
-    let mut resp = ResponseHeader::build(status, Some(4))?;
+    respond_json_with(session, request_id, status, body, None).await
+}
+
+/// A 429 of overload protection, with `Retry-After`; counted like every refusal.
+pub async fn too_many(
+    session: &mut Session,
+    request_id: &str,
+    family: Family,
+    t: &crate::overload::TooMany,
+) -> Result<()> {
+    METRICS.rejected.with_label_values(&[t.reason]).inc();
+    let body = error_body(family, 429, &t.message);
+    let retry_after = t.retry_after.to_string();
+    respond_json_with(
+        session,
+        request_id,
+        429,
+        body,
+        Some(("retry-after", retry_after)),
+    )
+    .await
+}
+
+async fn respond_json_with(
+    session: &mut Session,
+    request_id: &str,
+    status: u16,
+    body: Bytes,
+    extra: Option<(&'static str, String)>,
+) -> Result<()> {
+    let mut resp = ResponseHeader::build(status, Some(5))?;
+    if let Some((name, value)) = extra {
+        resp.insert_header(name, value)?;
+    }
     resp.insert_header("content-type", "application/json")?;
     resp.insert_header("content-length", body.len().to_string())?;
     resp.insert_header("x-request-id", request_id)?;
@@ -152,6 +186,7 @@ mod tests {
         for (status, kind) in [
             (400, "invalid_request_error"),
             (404, "invalid_request_error"),
+            (429, "rate_limit_exceeded"),
             (502, "server_error"),
             (503, "service_unavailable"),
         ] {

@@ -47,6 +47,8 @@ pub struct Balancer {
     max_attempts: u32,
     /// This process is handing over to a new one or stopping.
     leaving: Arc<AtomicBool>,
+    /// Overload protection, when the conf sets it.
+    overload: Option<Arc<crate::overload::Overload>>,
 }
 
 impl Balancer {
@@ -64,6 +66,7 @@ impl Balancer {
                 mode: conf.routing,
                 spill_margin: conf.spill_margin,
             },
+            overload: crate::overload::Overload::from_conf(conf.overload.clone(), registry.clone()),
             registry,
             affinity,
             stored,
@@ -106,6 +109,8 @@ pub struct Ctx {
     failovers: u32,
     usage_reader: Option<UsageReader>,
     usage: Option<Usage>,
+    /// Its place under overload protection (its key's budget, its prefill in transit).
+    overload: crate::overload::Pass,
 }
 
 impl Ctx {
@@ -140,6 +145,7 @@ impl ProxyHttp for Balancer {
             failovers: 0,
             usage_reader: None,
             usage: None,
+            overload: Default::default(),
         }
     }
 
@@ -170,11 +176,13 @@ impl ProxyHttp for Balancer {
             answers::respond_json(session, &ctx.request_id, 200, body).await?;
             return Ok(true);
         }
-        Ok(false)
+        self.admit_load(session, ctx).await
     }
 
     async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let Some((replica, route)) = self.choose(ctx) else {
+        let chosen = self.choose(ctx);
+        ctx.overload.routed();
+        let Some((replica, route)) = chosen else {
             let (path, tried) = (session.req_header().uri.path(), ctx.tried.len());
             log::warn!("no live replica for {path} (tried {tried})");
             // No replica holds this request any more.
@@ -358,5 +366,6 @@ impl ProxyHttp for Balancer {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         self.finish(session, e, ctx);
+        self.release_load(ctx);
     }
 }

@@ -58,7 +58,8 @@ impl Balancer {
                 c.pin(Table::Affinity, key, &replica.id);
             }
         }
-        if cost {
+        // Overload protection reads queued prefill whatever the policy.
+        if cost || self.overload.is_some() {
             let held = candidates.iter().find(|c| Arc::ptr_eq(c.handle, &replica));
             let cached = held.map_or(0, |c| c.cached_tokens);
             ctx.prefill = Some(replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));
@@ -235,6 +236,8 @@ impl Balancer {
             duration_ms: ctx.arrived.elapsed().as_secs_f64() * 1e3,
             prompt_tokens: ctx.usage.map(|u| u.prompt_tokens),
             cached_tokens: ctx.usage.map(|u| u.cached_tokens),
+            overload: ctx.overload.note,
+            queue_ms: ctx.overload.waited.map(|w| w.as_secs_f64() * 1e3),
         };
         if let Some(line) = record.render(self.conf.access_log) {
             log::info!(target: "access", "{line}");
