@@ -18,7 +18,13 @@ use crate::routing::Mode;
 /// Everything inferlb reads from its conf, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// The client listener: TLS (offering h2 and http/1.1) when `tls` is set, else plain HTTP.
     pub listen: String,
+    /// With `tls` set, a second listener for plain HTTP (inside a cluster, for probes).
+    pub plain_listen: Option<String>,
+    pub tls: Option<crate::tls::TlsConf>,
+    /// HTTP/2 with prior knowledge on the plain listener(s).
+    pub h2c: bool,
     pub admin_listen: String,
     pub replicas: Vec<ReplicaConf>,
     pub routing: Mode,
@@ -77,8 +83,16 @@ fn default_pin_ttl() -> f64 {
 pub struct ReplicaConf {
     /// A stable name: metrics, logs, headers and the affinity table use it.
     pub id: String,
-    /// host:port of the replica's OpenAI-compatible server.
+    /// host:port of the replica's OpenAI-compatible server; `https://host:port` for one
+    /// behind TLS (`http://` is allowed and means plain).
     pub address: String,
+    /// With `https://`: the name sent as SNI and checked against its certificate; default,
+    /// the address's host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sni: Option<String>,
+    /// Connections to it are TLS (`address` is `https://`); set by validation.
+    #[serde(skip)]
+    pub tls: bool,
     /// Sent to this replica as `Authorization: Bearer ...` in place of the client's.
     #[serde(default)]
     pub api_key: Option<String>,
@@ -128,6 +142,8 @@ pub struct UpstreamConf {
     pub write_timeout: Duration,
     /// Below uvicorn's 5 s keep-alive, so a pooled connection is never used after vLLM closed it.
     pub idle_timeout: Duration,
+    /// Trust and identity toward replicas behind TLS.
+    pub tls: crate::tls::UpstreamTls,
 }
 
 /// The `inferlb:` section as written; see the README for each key.
@@ -135,6 +151,9 @@ pub struct UpstreamConf {
 #[serde(deny_unknown_fields, default)]
 struct RawSection {
     listen: String,
+    plain_listen: Option<String>,
+    tls: Option<crate::tls::RawTls>,
+    h2c: bool,
     admin_listen: String,
     replicas: Vec<ReplicaConf>,
     routing: Mode,
@@ -162,6 +181,9 @@ impl Default for RawSection {
     fn default() -> Self {
         RawSection {
             listen: "0.0.0.0:7770".into(),
+            plain_listen: None,
+            tls: None,
+            h2c: false,
             admin_listen: "127.0.0.1:7771".into(),
             replicas: vec![],
             routing: Mode::Adaptive,
@@ -216,6 +238,9 @@ struct RawUpstream {
     read_timeout_seconds: f64,
     write_timeout_seconds: f64,
     idle_timeout_seconds: f64,
+    ca_file: Option<PathBuf>,
+    client_cert_file: Option<PathBuf>,
+    client_key_file: Option<PathBuf>,
 }
 
 impl Default for RawUpstream {
@@ -225,6 +250,9 @@ impl Default for RawUpstream {
             read_timeout_seconds: 300.0,
             write_timeout_seconds: 30.0,
             idle_timeout_seconds: 4.0,
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
         }
     }
 }
@@ -280,9 +308,29 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
             ));
         }
     }
+    let (tls, host_port) = split_address(&r.address).map_err(|e| format!("{key}.address: {e}"))?;
+    r.tls = tls;
+    if tls && r.sni.is_none() {
+        let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
+        r.sni = Some(
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+        );
+    }
+    if let Some(sni) = &r.sni {
+        if !tls {
+            return Err(format!("{key}.sni: only for an https:// address"));
+        }
+        if sni.is_empty() || rustls_pki_types::ServerName::try_from(sni.as_str()).is_err() {
+            return Err(format!(
+                "{key}.sni: {sni:?} is not a host name or IP address"
+            ));
+        }
+    }
     if r.discover.is_some() {
         // Found later, and again and again: a name with no address yet is fine.
-        let host_port = r.address.rsplit_once(':');
+        let host_port = host_port.rsplit_once(':');
         if !host_port.is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()) {
             return Err(format!(
                 "{key}.address: {:?} must be host:port to discover by DNS",
@@ -291,7 +339,7 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
         }
         return Ok(());
     }
-    match r.address.to_socket_addrs().map(|mut a| a.next()) {
+    match host_port.to_socket_addrs().map(|mut a| a.next()) {
         Ok(Some(socket)) => {
             r.socket = Some(socket);
             Ok(())
@@ -301,6 +349,29 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
             r.address
         )),
     }
+}
+
+/// A replica address's scheme and `host:port`: `host:port` and `http://host:port` are plain,
+/// `https://host:port` is TLS.
+pub fn split_address(address: &str) -> Result<(bool, &str), String> {
+    let (tls, rest) = if let Some(rest) = address.strip_prefix("https://") {
+        (true, rest)
+    } else if let Some(rest) = address.strip_prefix("http://") {
+        (false, rest)
+    } else if address.contains("://") {
+        return Err(format!(
+            "{address:?}: only http:// and https:// are understood"
+        ));
+    } else {
+        (false, address)
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('/') {
+        return Err(format!(
+            "{address:?}: a replica is host:port, without a path"
+        ));
+    }
+    Ok((tls, rest))
 }
 
 /// Reads and validates a conf file. `routing_env` is `$ROUTING`, which overrides the file.
@@ -387,10 +458,33 @@ fn seconds(key: &str, v: f64) -> Result<Duration, String> {
     }
 }
 
+fn upstream_tls(u: &RawUpstream) -> Result<crate::tls::UpstreamTls, String> {
+    let client = match (&u.client_cert_file, &u.client_key_file) {
+        (None, None) => None,
+        (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+        _ => {
+            return Err("inferlb.upstream.client_cert_file and client_key_file go together".into())
+        }
+    };
+    crate::tls::UpstreamTls::load(u.ca_file.as_deref(), client, "inferlb.upstream")
+}
+
 fn validate(raw: RawSection) -> Result<Config, String> {
-    for (key, addr) in [("listen", &raw.listen), ("admin_listen", &raw.admin_listen)] {
+    let plain = raw.plain_listen.as_ref();
+    for (key, addr) in [
+        ("listen", Some(&raw.listen)),
+        ("admin_listen", Some(&raw.admin_listen)),
+        ("plain_listen", plain),
+    ] {
+        let Some(addr) = addr else { continue };
         addr.parse::<SocketAddr>()
             .map_err(|e| format!("inferlb.{key}: {addr:?} is not an ip:port ({e})"))?;
+    }
+    if plain.is_some() && raw.tls.is_none() {
+        return Err("inferlb.plain_listen: only with `tls` (without it, `listen` is plain)".into());
+    }
+    if plain.is_some_and(|p| *p == raw.listen || *p == raw.admin_listen) {
+        return Err("inferlb.plain_listen: must differ from `listen` and `admin_listen`".into());
     }
     if raw.replicas.is_empty() {
         return Err("inferlb.replicas: at least one replica (id and address) is needed".into());
@@ -433,6 +527,7 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         read_timeout: seconds("upstream.read_timeout_seconds", u.read_timeout_seconds)?,
         write_timeout: seconds("upstream.write_timeout_seconds", u.write_timeout_seconds)?,
         idle_timeout: seconds("upstream.idle_timeout_seconds", u.idle_timeout_seconds)?,
+        tls: upstream_tls(u)?,
     };
     if raw.api_keys.iter().any(|k| k.len() < 8) {
         return Err("inferlb.api_keys: each key must be at least 8 characters".into());
@@ -488,8 +583,12 @@ fn validate(raw: RawSection) -> Result<Config, String> {
             }
         },
     };
+    let tls = raw.tls.map(crate::tls::RawTls::validate).transpose()?;
     Ok(Config {
         listen: raw.listen,
+        plain_listen: raw.plain_listen,
+        tls,
+        h2c: raw.h2c,
         admin_listen: raw.admin_listen,
         replicas: raw.replicas,
         routing: raw.routing,
@@ -512,7 +611,10 @@ fn validate(raw: RawSection) -> Result<Config, String> {
         load_poll_interval: seconds("load_poll_interval_seconds", raw.load_poll_interval_seconds)?,
         cluster,
         discovery,
-        overload: raw.overload.map(crate::overload::conf::validate).transpose()?,
+        overload: raw
+            .overload
+            .map(crate::overload::conf::validate)
+            .transpose()?,
     })
 }
 

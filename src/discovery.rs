@@ -74,7 +74,10 @@ fn resolver(conf: &DiscoveryConf) -> Result<Resolver<TokioRuntimeProvider>, Stri
 impl Discovery {
     /// Re-resolves one entry and brings the registry in line; errors leave it as it is.
     async fn refresh(&self, resolver: &Resolver<TokioRuntimeProvider>, entry: &ReplicaConf) {
-        let Some((host, port)) = entry.address.rsplit_once(':') else {
+        let Ok((tls, host_port)) = crate::config::split_address(&entry.address) else {
+            return;
+        };
+        let Some((host, port)) = host_port.rsplit_once(':') else {
             return;
         };
         let Ok(port) = port.parse::<u16>() else {
@@ -103,7 +106,12 @@ impl Discovery {
         for (id, socket) in add {
             let conf = ReplicaConf {
                 id,
-                address: socket.to_string(),
+                // The entry's scheme and SNI (its DNS name) carry over to each address.
+                address: if tls {
+                    format!("https://{socket}")
+                } else {
+                    socket.to_string()
+                },
                 socket: Some(socket),
                 discover: None,
                 ..entry.clone()

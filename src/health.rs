@@ -4,12 +4,14 @@
 //! logged once. Probes go by replica, never by address, so two replicas that share an address
 //! are each checked and re-admitted.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use futures::future::join_all;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
+use pingora_core::upstreams::peer::HttpPeer;
 use pingora_http::RequestHeader;
 use pingora_load_balancing::health_check::{HealthCheck, HttpHealthCheck};
 
@@ -18,30 +20,44 @@ use crate::registry::Registry;
 use crate::replica::Replica;
 
 pub struct HealthChecker {
+    /// The check of every plain-HTTP replica.
     http: HttpHealthCheck,
+    /// A replica behind TLS is checked with its own peer (SNI, trusted roots, client
+    /// certificate), by id; dropped when the replica leaves.
+    tls: Mutex<HashMap<Arc<str>, Arc<HttpHealthCheck>>>,
     conf: HealthConf,
     registry: Arc<Registry>,
 }
 
 impl HealthChecker {
     pub fn new(conf: &HealthConf, registry: Arc<Registry>) -> Self {
-        let mut http = HttpHealthCheck::new("localhost", false);
-        if let Ok(mut req) = RequestHeader::build("GET", conf.path.as_bytes(), None) {
-            let _ = req.append_header("Host", "localhost");
-            http.req = req;
-        }
-        http.peer_template.options.connection_timeout = Some(conf.timeout);
-        http.peer_template.options.read_timeout = Some(conf.timeout);
         HealthChecker {
-            http,
+            http: http_check(conf, "localhost", None),
+            tls: Mutex::new(HashMap::new()),
             conf: conf.clone(),
             registry,
         }
     }
 
+    fn tls_check(&self, r: &Replica) -> Arc<HttpHealthCheck> {
+        let mut checks = self.tls.lock().unwrap_or_else(|e| e.into_inner());
+        checks
+            .entry(r.id.clone())
+            .or_insert_with(|| Arc::new(http_check(&self.conf, &r.host, Some(&r.peer))))
+            .clone()
+    }
+
     async fn check(&self, r: &Replica) {
         let before = r.demotions();
-        let ok = self.http.check(&r.backend).await.is_ok();
+        let ok = if r.peer.is_tls() {
+            self.tls_check(r).check(&r.backend).await
+        } else {
+            self.http.check(&r.backend).await
+        };
+        if let Err(e) = &ok {
+            log::debug!("health check of {} failed: {e}", r.id);
+        }
+        let ok = ok.is_ok();
         let (flipped, passed) =
             r.observe_check(ok, before, self.conf.failures, self.conf.successes);
         match flipped {
@@ -66,6 +82,23 @@ impl HealthChecker {
     }
 }
 
+/// `GET {conf.path}` with `Host: host`; over `peer`'s TLS settings when given.
+fn http_check(conf: &HealthConf, host: &str, peer: Option<&HttpPeer>) -> HttpHealthCheck {
+    let mut http = HttpHealthCheck::new(host, false);
+    if let Some(peer) = peer {
+        http.peer_template = peer.clone();
+    }
+    if let Ok(mut req) = RequestHeader::build("GET", conf.path.as_bytes(), None) {
+        let _ = req.append_header("Host", host);
+        http.req = req;
+    }
+    let o = &mut http.peer_template.options;
+    o.connection_timeout = Some(conf.timeout);
+    o.total_connection_timeout = Some(conf.timeout);
+    o.read_timeout = Some(conf.timeout);
+    http
+}
+
 #[async_trait]
 impl BackgroundService for HealthChecker {
     async fn start(&self, mut shutdown: ShutdownWatch) {
@@ -76,7 +109,12 @@ impl BackgroundService for HealthChecker {
                 _ = shutdown.changed() => return,
                 _ = tick.tick() => {}
             }
-            join_all(self.registry.all().iter().map(|r| self.check(r))).await;
+            let replicas = self.registry.all();
+            self.tls
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|id, _| replicas.iter().any(|r| r.id == *id));
+            join_all(replicas.iter().map(|r| self.check(r))).await;
         }
     }
 }

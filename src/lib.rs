@@ -23,4 +23,5 @@ pub mod replica;
 pub mod routing;
 pub mod shape;
 pub mod state;
+pub mod tls;
 pub mod usage;

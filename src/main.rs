@@ -66,6 +66,7 @@ fn main() {
         }
     });
 
+    inferlb::probe::init();
     let registry = Arc::new(Registry::new(&conf.replicas, &conf.upstream));
     let metrics = &inferlb::metrics::METRICS;
     let affinity = Arc::new(AffinityTable::new(
@@ -129,7 +130,39 @@ fn main() {
         ),
         "inferlb",
     );
-    proxy.add_tcp(&conf.listen);
+    let reloader = match &conf.tls {
+        None => {
+            proxy.add_tcp(&conf.listen);
+            None
+        }
+        Some(tls) => {
+            let served = inferlb::tls::ServedCertificate::new(tls)
+                .and_then(|served| Ok((served.listener_settings()?, served)));
+            let (settings, served) = match served {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("inferlb: {e}");
+                    std::process::exit(2);
+                }
+            };
+            proxy.add_tls_with_settings(&conf.listen, None, settings);
+            if let Some(plain) = &conf.plain_listen {
+                proxy.add_tcp(plain);
+            }
+            Some(background_service(
+                "certificate reload",
+                inferlb::tls::CertificateReloader { served },
+            ))
+        }
+    };
+    if conf.h2c {
+        // On TLS connections ALPN decides; this lets a plain connection open with h2's preface.
+        if let Some(app) = proxy.app_logic_mut() {
+            let mut options = pingora_core::apps::HttpServerOptions::default();
+            options.h2c = true;
+            app.server_options = Some(options);
+        }
+    }
 
     let mut admin = Service::new(
         "admin".to_string(),
@@ -138,8 +171,16 @@ fn main() {
     admin.add_tcp(&conf.admin_listen);
 
     log::info!(
-        "inferlb listening on {} (admin and metrics on {}), routing {:?}, {} replicas",
+        "inferlb listening on {}{}{} (admin and metrics on {}), routing {:?}, {} replicas",
         conf.listen,
+        if conf.tls.is_some() {
+            " (TLS: h2, http/1.1)"
+        } else {
+            ""
+        },
+        conf.plain_listen
+            .as_ref()
+            .map_or(String::new(), |p| format!(" and {p} (plain)")),
         conf.admin_listen,
         conf.routing,
         conf.replicas.len()
@@ -165,6 +206,9 @@ fn main() {
             registry: registry_for_discovery,
         };
         server.add_service(background_service("discovery", discovery));
+    }
+    if let Some(s) = reloader {
+        server.add_service(s);
     }
     if let Some(s) = cluster_service {
         server.add_service(s);

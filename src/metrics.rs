@@ -25,6 +25,7 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     pub prompt_tokens: IntCounterVec,
     pub cached_tokens: IntCounterVec,
+    pub tls_reloads: IntCounter,
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
@@ -94,6 +95,10 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "inferlb_cached_prompt_tokens_total",
             "Prompt tokens the replicas served from their prefix cache (usage.prompt_tokens_details.cached_tokens).",
             &["replica"]
+        )?,
+        tls_reloads: register_int_counter!(
+            "inferlb_tls_certificate_reloads_total",
+            "Times the listener's certificate was replaced from its changed files."
         )?,
         rejected: register_int_counter_vec!(
             "inferlb_rejected_total",

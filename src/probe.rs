@@ -1,33 +1,62 @@
 //! The few requests inferlb itself sends to replicas, off the data path: `GET /v1/models`
-//! (what a replica serves) and `GET /v1/responses/{id}` (which replica stores a response).
-//! Plain HTTP/1.0 over a fresh connection, bounded in time and size.
+//! (what a replica serves), `GET /metrics` (its load) and `GET /v1/responses/{id}` (which
+//! replica stores a response). Sent over Pingora's connector to the replica's own peer, so TLS,
+//! SNI, the trusted roots and a client certificate are exactly the data path's; bounded in time
+//! and size.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use pingora_core::connectors::http::Connector;
+use pingora_http::RequestHeader;
 
 use crate::replica::Replica;
 
+/// The largest answer read from a replica.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// One connector (and connection pool) for every probe.
+static CONNECTOR: LazyLock<Connector> = LazyLock::new(|| Connector::new(None));
+
+/// Builds the connector now (it reads the system's trusted roots), so that the first probes
+/// after start are not the ones to wait for it.
+pub fn init() {
+    LazyLock::force(&CONNECTOR);
+}
+
 /// `GET path` on `r`: the status and body, or None when it does not answer in time.
 pub(crate) async fn get(r: &Replica, path: &str, timeout: Duration) -> Option<(u16, Vec<u8>)> {
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(r.socket).await.ok()?;
-        let auth = r
-            .api_key
-            .as_ref()
-            .map_or(String::new(), |k| format!("authorization: Bearer {k}\r\n"));
-        let req = format!("GET {path} HTTP/1.0\r\nhost: {}\r\n{auth}\r\n", r.address);
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut out = Vec::new();
-        s.take(1 << 20).read_to_end(&mut out).await.ok()?;
-        Some(out)
-    };
-    let out = tokio::time::timeout(timeout, exchange).await.ok()??;
-    let split = out.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let status = std::str::from_utf8(out.get(9..12)?).ok()?.parse().ok()?;
-    Some((status, out[split + 4..].to_vec()))
+    tokio::time::timeout(timeout, exchange(r, path))
+        .await
+        .ok()?
+}
+
+async fn exchange(r: &Replica, path: &str) -> Option<(u16, Vec<u8>)> {
+    let mut req = RequestHeader::build("GET", path.as_bytes(), None).ok()?;
+    req.insert_header("host", &r.host).ok()?;
+    if let Some(k) = &r.api_key {
+        req.insert_header("authorization", format!("Bearer {k}"))
+            .ok()?;
+    }
+    let (mut session, _reused) = CONNECTOR.get_http_session(&r.peer).await.ok()?;
+    session.write_request_header(Box::new(req)).await.ok()?;
+    session.finish_request_body().await.ok()?;
+    session.read_response_header().await.ok()?;
+    let status = session.response_header()?.status.as_u16();
+    let mut body = Vec::new();
+    while let Some(chunk) = session.read_response_body().await.ok()? {
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return None;
+        }
+        body.extend_from_slice(&chunk);
+    }
+    if session.response_done() {
+        CONNECTOR
+            .release_http_session(session, &r.peer, r.peer.options.idle_timeout)
+            .await;
+    }
+    Some((status, body))
 }
 
 /// The ids in a replica's `/v1/models`, or None when it does not answer sensibly.

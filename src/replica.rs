@@ -23,8 +23,10 @@ pub const DEFAULT_CACHE_TOKENS: u64 = 1_000_000;
 pub struct Replica {
     /// The configured id: metrics, logs, headers and the affinity table name it.
     pub id: Arc<str>,
-    /// As configured (`host:port`); sent as `Host`.
+    /// As configured (`host:port`, or `https://host:port`).
     pub address: String,
+    /// `host:port` of `address`: sent as `Host`.
+    pub host: String,
     /// `address`, resolved once at start.
     pub socket: SocketAddr,
     /// What the proxy connects to, with the upstream timeouts set.
@@ -132,7 +134,15 @@ impl Replica {
         let socket = conf
             .socket
             .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)));
-        let mut peer = HttpPeer::new(socket, false, String::new());
+        let sni = conf.sni.clone().unwrap_or_default();
+        let mut peer = HttpPeer::new(socket, conf.tls, sni);
+        let o = &mut peer.options;
+        if conf.tls {
+            // Verification stays on (Pingora's default): a replica whose certificate does not
+            // check out fails to connect, and is demoted like any other connect failure.
+            o.ca = upstream.tls.ca.clone();
+            peer.client_cert_key = upstream.tls.client.clone();
+        }
         let o = &mut peer.options;
         o.connection_timeout = Some(upstream.connect_timeout);
         o.total_connection_timeout = Some(upstream.connect_timeout);
@@ -153,6 +163,8 @@ impl Replica {
         Replica {
             id: Arc::from(conf.id.as_str()),
             address: conf.address.clone(),
+            host: crate::config::split_address(&conf.address)
+                .map_or_else(|_| conf.address.clone(), |(_, h)| h.to_string()),
             socket,
             peer,
             backend,
@@ -486,12 +498,15 @@ mod tests {
             socket: address.parse().ok(),
             cache_tokens: None,
             discover: None,
+            sni: None,
+            tls: false,
         };
         let upstream = crate::config::UpstreamConf {
             connect_timeout: std::time::Duration::from_secs(1),
             read_timeout: std::time::Duration::from_secs(1),
             write_timeout: std::time::Duration::from_secs(1),
             idle_timeout: std::time::Duration::from_secs(1),
+            tls: Default::default(),
         };
         Replica::new(&conf, &upstream)
     }

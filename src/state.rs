@@ -175,6 +175,8 @@ mod tests {
             socket: "127.0.0.1:1".parse().ok(),
             cache_tokens: None,
             discover: None,
+            sni: None,
+            tls: false,
         };
         let t = Duration::from_secs(1);
         let upstream = UpstreamConf {
@@ -182,6 +184,7 @@ mod tests {
             read_timeout: t,
             write_timeout: t,
             idle_timeout: t,
+            tls: Default::default(),
         };
         StateKeeper {
             affinity: Arc::new(AffinityTable::new(100, None)),

@@ -96,10 +96,23 @@ impl Sim {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Polls `/health` until it answers 200 or `limit` passes.
+    /// Polls `/health` until it answers 200 or `limit` passes; a replica serving TLS
+    /// (`--tls-cert`) is ready when it accepts connections.
     pub fn wait_healthy(&self, limit: Duration) -> bool {
+        if self.serves_tls() {
+            return wait_until(limit, || {
+                std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+            });
+        }
         wait_until(limit, || {
             http_status(self.port, "/health", Duration::from_secs(1)) == Some(200)
         })
+    }
+
+    /// Started with `--tls-cert`: it speaks HTTPS only.
+    pub fn serves_tls(&self) -> bool {
+        self.args
+            .iter()
+            .any(|a| a == "--tls-cert" || a.starts_with("--tls-cert="))
     }
 }

@@ -31,6 +31,7 @@ mod engine;
 mod messages;
 mod render;
 mod responses;
+mod tls;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -110,6 +111,15 @@ struct Args {
     /// ... and at most this many MiB of their text.
     #[arg(long, default_value_t = 1024)]
     response_store_mib: usize,
+    /// Serve HTTPS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// With --tls-cert: require a client certificate signed by this CA (mTLS).
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<std::path::PathBuf>,
     /// A YAML file with any of these keys (flags given on the command line win).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
@@ -810,6 +820,19 @@ async fn main() {
         .route("/sim/echo", axum::routing::any(echo))
         .with_state(sim);
 
+    let tls = match &args.tls_cert {
+        None => None,
+        Some(cert) => {
+            let key = args.tls_key.as_deref().unwrap_or(cert);
+            match tls::acceptor(cert, key, args.tls_client_ca.as_deref()) {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    eprintln!("inferlb-sim: TLS: {e}");
+                    std::process::exit(2);
+                }
+            }
+        }
+    };
     // The listener loop: closing it is how "refuse connections" is simulated.
     let mut pause = refuse_for;
     loop {
@@ -825,14 +848,24 @@ async fn main() {
         };
         eprintln!("inferlb-sim {} listening on {}", args.id, args.listen);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        // Token events are small writes: without TCP_NODELAY each waits for a delayed ACK.
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let serve = axum::serve(listener, app.clone()).with_graceful_shutdown(async {
-            let _ = stop_rx.await;
-        });
-        let server = tokio::spawn(async move { serve.await });
+        let server = match &tls {
+            Some(acceptor) => {
+                tokio::spawn(tls::serve(listener, acceptor.clone(), app.clone(), stop_rx))
+            }
+            None => {
+                // Token events are small writes: without TCP_NODELAY each waits for a delayed
+                // ACK.
+                let listener = listener.tap_io(|tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
+                let serve = axum::serve(listener, app.clone()).with_graceful_shutdown(async {
+                    let _ = stop_rx.await;
+                });
+                tokio::spawn(async move {
+                    let _ = serve.await;
+                })
+            }
+        };
         match ctl_rx.recv().await {
             Some(d) => {
                 // Give the control request's own response a moment to leave.

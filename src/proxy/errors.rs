@@ -46,7 +46,8 @@ pub fn failure_of(e: &Error, seen: Seen) -> Failure {
         | ErrorType::ConnectTimedout
         | ErrorType::ConnectNoRoute
         | ErrorType::ConnectError
-        | ErrorType::TLSHandshakeFailure => Failure::Connect,
+        | ErrorType::TLSHandshakeFailure
+        | ErrorType::InvalidCert => Failure::Connect,
         _ => Failure::Broken,
     }
 }
@@ -57,9 +58,9 @@ pub fn reason(e: &Error) -> &'static str {
         ErrorType::ConnectRefused => "connect_refused",
         ErrorType::ConnectTimedout => "connect_timeout",
         ErrorType::ConnectNoRoute => "connect_no_route",
-        ErrorType::TLSHandshakeFailure | ErrorType::ConnectError | ErrorType::SocketError => {
-            "connect_error"
-        }
+        // A certificate that does not check out, or no common protocol or cipher.
+        ErrorType::TLSHandshakeFailure | ErrorType::InvalidCert => "tls_handshake",
+        ErrorType::ConnectError | ErrorType::SocketError => "connect_error",
         ErrorType::ReadTimedout => "read_timeout",
         ErrorType::WriteTimedout => "write_timeout",
         ErrorType::ConnectionClosed => "connection_closed",

@@ -78,6 +78,9 @@ impl Balancer {
     }
 }
 
+/// How long a cut HTTP/2 stream waits for its error event to leave before the reset.
+const H2_FLUSH_WAIT: Duration = Duration::from_millis(50);
+
 /// The key of a stored response id in the `stored` table.
 pub fn stored_key(id: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(id.as_bytes())
@@ -218,7 +221,7 @@ impl ProxyHttp for Balancer {
             upstream.set_uri(uri);
         }
         if let Some(r) = ctx.current() {
-            upstream.insert_header("host", &r.address)?;
+            upstream.insert_header("host", &r.host)?;
             if let Some(key) = &r.api_key {
                 upstream.insert_header("authorization", format!("Bearer {key}"))?;
             }
@@ -351,6 +354,11 @@ impl ProxyHttp for Balancer {
                 let message = format!("replica {replica}'s stream broke ({})", reason(e));
                 let event = answers::stream_error_event(ctx.family, &message);
                 let _ = session.write_response_body(Some(event), false).await;
+                if session.as_downstream().is_http2() {
+                    // HTTP/2 then resets the stream, and a reset discards data frames still
+                    // queued for it: let the connection task send the event first.
+                    tokio::time::sleep(H2_FLUSH_WAIT).await;
+                }
             }
             return done;
         }

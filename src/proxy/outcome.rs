@@ -121,11 +121,12 @@ impl Balancer {
                 let why = reason(e);
                 METRICS.failovers.with_label_values(&[&r.id, why]).inc();
                 log::warn!(
-                    "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica",
+                    "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica ({})",
                     r.id,
                     why,
                     session.req_header().uri.path(),
-                    ctx.attempts
+                    ctx.attempts,
+                    e
                 );
             }
             (Retry::Same, Some(r)) => {
