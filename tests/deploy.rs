@@ -1,6 +1,9 @@
 //! deploy/k8s: every manifest parses and is named, the kustomization lists them all, the
 //! ConfigMap's conf passes the real `inferlb -t`, and the Deployment, Services and conf agree
-//! on ports, probe paths, names and the grace period.
+//! on ports, probe paths, names and the grace period. deploy/Dockerfile (no container runtime
+//! here, so it is read, not built): its stages, the binary it copies out of the build stage's
+//! cargo target, its user, ports and entrypoint agree with Cargo.toml, the Deployment and the
+//! conf, and .dockerignore keeps what the build reads.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -419,4 +422,321 @@ fn services_reach_what_the_conf_names() {
     let headless = object(&docs, "Service", service);
     assert_eq!(str_at(headless, "spec.clusterIP"), "None");
     assert_eq!(u64_at(headless, "spec.ports.0.port"), port_of(address));
+}
+
+/// One stage of a Dockerfile: `FROM base AS name` and its instructions (keyword upper-cased,
+/// the rest as written, continuation lines joined).
+#[derive(Debug)]
+struct Stage {
+    base: String,
+    name: Option<String>,
+    instructions: Vec<(String, String)>,
+}
+
+impl Stage {
+    /// The arguments of every instruction `keyword` in this stage.
+    fn all(&self, keyword: &str) -> Vec<&str> {
+        self.instructions
+            .iter()
+            .filter(|(k, _)| k == keyword)
+            .map(|(_, a)| a.as_str())
+            .collect()
+    }
+
+    /// The arguments of the last instruction `keyword` (the one that takes effect).
+    fn last(&self, keyword: &str) -> &str {
+        self.all(keyword)
+            .last()
+            .copied()
+            .unwrap_or_else(|| panic!("no {keyword} in the stage FROM {}", self.base))
+    }
+}
+
+/// deploy/Dockerfile's stages, in order.
+fn dockerfile() -> Vec<Stage> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/Dockerfile");
+    let text = std::fs::read_to_string(&path).expect("deploy/Dockerfile exists");
+    let mut lines: Vec<String> = vec![];
+    let mut open = String::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with('#') || (t.is_empty() && open.is_empty()) {
+            continue;
+        }
+        match t.strip_suffix('\\') {
+            Some(head) => {
+                open.push_str(head);
+                open.push(' ');
+            }
+            None => {
+                open.push_str(t);
+                lines.push(std::mem::take(&mut open));
+            }
+        }
+    }
+    let mut stages: Vec<Stage> = vec![];
+    for line in lines {
+        let (keyword, args) = line.split_once(char::is_whitespace).unwrap_or((&line, ""));
+        let (keyword, args) = (keyword.to_ascii_uppercase(), args.trim().to_string());
+        if keyword == "FROM" {
+            let words: Vec<&str> = args.split_whitespace().collect();
+            let name = match words.as_slice() {
+                [_, as_, name] if as_.eq_ignore_ascii_case("as") => Some(name.to_string()),
+                [_] => None,
+                _ => panic!("FROM {args}: expected `FROM image [AS name]`"),
+            };
+            stages.push(Stage {
+                base: words[0].to_string(),
+                name,
+                instructions: vec![],
+            });
+        } else {
+            let stage = stages
+                .last_mut()
+                .unwrap_or_else(|| panic!("{keyword} before the first FROM"));
+            stage.instructions.push((keyword, args));
+        }
+    }
+    stages
+}
+
+/// An exec-form (JSON array) instruction's words.
+fn exec_form(args: &str) -> Vec<String> {
+    serde_json::from_str(args).unwrap_or_else(|e| panic!("{args}: not the exec (JSON) form: {e}"))
+}
+
+#[test]
+fn dockerfile_builds_the_release_binary_and_runs_it_as_the_deployment_expects() {
+    let stages = dockerfile();
+    assert!(
+        stages.len() >= 2,
+        "multi-stage: a build stage and a run stage"
+    );
+    let run = stages.last().unwrap();
+    let build_name = run
+        .last("COPY")
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("--from="))
+        .expect("the run stage copies from a build stage")
+        .to_string();
+    let build = stages
+        .iter()
+        .find(|s| s.name.as_deref() == Some(build_name.as_str()))
+        .unwrap_or_else(|| panic!("no stage named {build_name}"));
+    assert!(
+        build.base.starts_with("rust:"),
+        "the build stage is a Rust image: {}",
+        build.base
+    );
+    // Small: distroless (no shell) or a slim Debian, and never the build image again.
+    assert!(
+        run.base.starts_with("gcr.io/distroless/cc") || run.base.contains("-slim"),
+        "the run stage is a small image: {}",
+        run.base
+    );
+    assert_ne!(run.base, build.base);
+
+    // The build stage's cargo builds inferlb's binary, in release, from Cargo.lock.
+    let cargo = build
+        .all("RUN")
+        .into_iter()
+        .find(|r| r.contains("cargo build"))
+        .expect("the build stage runs cargo build");
+    let words: Vec<&str> = cargo.split_whitespace().collect();
+    let flag = |f: &str| words.windows(2).find(|w| w[0] == f).map(|w| w[1]);
+    assert!(words.contains(&"--release") && words.contains(&"--locked"));
+    // Cargo.toml's `[package] name = "..."` (no TOML parser among the dependencies).
+    let cargo_toml =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+            .expect("Cargo.toml");
+    let package = cargo_toml
+        .split("[package]")
+        .nth(1)
+        .and_then(|p| p.lines().find_map(|l| l.trim().strip_prefix("name = ")))
+        .map(|n| n.trim_matches('"'))
+        .expect("the root package's name");
+    assert_eq!(flag("--package").or(flag("-p")), Some(package));
+    let bin = flag("--bin").expect("cargo build --bin NAME");
+    // The root package's binary is src/main.rs, named after the package.
+    assert_eq!(bin, package);
+    assert!(Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/main.rs")
+        .exists());
+    assert_eq!(
+        Path::new(env!("CARGO_BIN_EXE_inferlb"))
+            .file_name()
+            .unwrap(),
+        bin
+    );
+
+    // What the run stage copies is where that build put it: <WORKDIR>/target/release/<bin>.
+    let workdir = build.last("WORKDIR").trim_end_matches('/');
+    let copy: Vec<&str> = run
+        .last("COPY")
+        .split_whitespace()
+        .filter(|w| !w.starts_with("--"))
+        .collect();
+    let [from, to] = copy.as_slice() else {
+        panic!("COPY --from={build_name} SOURCE DEST");
+    };
+    assert_eq!(*from, format!("{workdir}/target/release/{bin}"));
+    assert!(
+        build
+            .all("COPY")
+            .iter()
+            .any(|c| c.split_whitespace().collect::<Vec<_>>() == [".", "."]),
+        "the build stage copies the build context (the repository root) into its WORKDIR"
+    );
+
+    // The pod runs the image's user: not root, and the uid/gid the Deployment sets.
+    let deployment_docs = docs();
+    let deployment = object(&deployment_docs, "Deployment", "inferlb");
+    let pod = at(deployment, "spec.template.spec").expect("pod spec");
+    let user = run.last("USER");
+    let (uid, gid) = user.split_once(':').unwrap_or((user, user));
+    assert!(
+        !matches!(uid, "root" | "0") && uid.parse::<u64>().is_ok(),
+        "USER {user}: a numeric uid other than 0 (runAsNonRoot checks a numeric uid)"
+    );
+    assert_eq!(
+        uid.parse::<u64>().ok(),
+        at(pod, "securityContext.runAsUser").and_then(Value::as_u64)
+    );
+    assert_eq!(
+        gid.parse::<u64>().ok(),
+        at(pod, "securityContext.runAsGroup").and_then(Value::as_u64)
+    );
+
+    // EXPOSE: the conf's two listeners, which are the Deployment's container ports.
+    let conf = conf(&deployment_docs);
+    let c = container(deployment);
+    let mut exposed: Vec<u64> = run
+        .all("EXPOSE")
+        .iter()
+        .flat_map(|e| e.split_whitespace())
+        .map(|p| p.trim_end_matches("/tcp").parse().expect("EXPOSE port"))
+        .collect();
+    exposed.sort();
+    let mut listeners = vec![
+        port_of(str_at(&conf, "inferlb.listen")),
+        port_of(str_at(&conf, "inferlb.admin_listen")),
+    ];
+    listeners.sort();
+    let mut container_ports: Vec<u64> = at(c, "ports")
+        .and_then(Value::as_sequence)
+        .expect("container ports")
+        .iter()
+        .map(|p| u64_at(p, "containerPort"))
+        .collect();
+    container_ports.sort();
+    assert_eq!(exposed, listeners, "EXPOSE and the conf's listeners");
+    assert_eq!(
+        exposed, container_ports,
+        "EXPOSE and the Deployment's ports"
+    );
+
+    // ENTRYPOINT: the copied binary (on distroless's PATH) reading the conf where the
+    // Deployment mounts the ConfigMap, as the Deployment's own command does.
+    let entry = exec_form(run.last("ENTRYPOINT"));
+    assert_eq!(
+        Path::new(to).parent(),
+        Some(Path::new("/usr/local/bin")),
+        "the binary goes on the PATH"
+    );
+    assert_eq!(
+        entry[0],
+        Path::new(to).file_name().unwrap().to_str().unwrap()
+    );
+    let command: Vec<String> = at(c, "command")
+        .and_then(Value::as_sequence)
+        .expect("command")
+        .iter()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(entry, command, "ENTRYPOINT and the Deployment's command");
+    let conf_path = entry
+        .windows(2)
+        .find(|w| w[0] == "-c")
+        .map(|w| w[1].clone())
+        .expect("ENTRYPOINT has -c FILE");
+    let (dir, file) = conf_path.rsplit_once('/').expect("an absolute path");
+    let mount = at(c, "volumeMounts")
+        .and_then(Value::as_sequence)
+        .expect("volumeMounts")
+        .iter()
+        .find(|m| str_at(m, "mountPath") == dir)
+        .unwrap_or_else(|| panic!("the Deployment mounts nothing at {dir}"));
+    let volume = at(pod, "volumes")
+        .and_then(Value::as_sequence)
+        .expect("volumes")
+        .iter()
+        .find(|v| str_at(v, "name") == str_at(mount, "name"))
+        .expect("the mount's volume");
+    let config_map = object(
+        &deployment_docs,
+        "ConfigMap",
+        str_at(volume, "configMap.name"),
+    );
+    assert!(
+        at(config_map, "data").and_then(|d| d.get(file)).is_some(),
+        "the ConfigMap has the key {file}"
+    );
+}
+
+#[test]
+fn dockerignore_keeps_what_the_build_reads_and_leaves_the_build_tree_out() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join(".dockerignore")).expect(".dockerignore exists");
+    let patterns: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    // Plain paths, `**/name` and `*.ext` (a root-level name): what this check can read right.
+    let simple = |p: &&str| {
+        let rest = p.strip_prefix("**/").or(p.strip_prefix("*.")).unwrap_or(p);
+        !p.starts_with('!') && !rest.contains(['*', '?', '['])
+    };
+    assert!(patterns.iter().all(simple), "{patterns:?}");
+    // Whether `path` (relative to the root) is left out of the build context.
+    let ignored = |path: &str| {
+        patterns.iter().any(|p| {
+            let under = |prefix: &str| path == prefix || path.starts_with(&format!("{prefix}/"));
+            if let Some(name) = p.strip_prefix("**/") {
+                path.split('/').any(|part| part == name)
+            } else if let Some(ext) = p.strip_prefix("*.") {
+                !path.contains('/') && path.ends_with(&format!(".{ext}"))
+            } else {
+                under(p.trim_matches('/'))
+            }
+        })
+    };
+    for out in [".git", "target", "target/release/inferlb", "bench/results"] {
+        assert!(ignored(out), "{out} stays out of the build context");
+    }
+    // Every workspace member's manifest and sources, the lockfile and the declared bench.
+    let mut needed = vec![
+        "Cargo.toml".to_string(),
+        "Cargo.lock".into(),
+        "src/main.rs".into(),
+        "benches/hot_path.rs".into(),
+    ];
+    let workspace = std::fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
+    let members = workspace
+        .split("members = [")
+        .nth(1)
+        .and_then(|m| m.split(']').next())
+        .expect("workspace members");
+    for m in members
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| *m != "." && !m.is_empty())
+    {
+        needed.push(format!("{m}/Cargo.toml"));
+        needed.push(format!("{m}/src"));
+    }
+    for path in &needed {
+        assert!(root.join(path).exists(), "{path} exists");
+        assert!(!ignored(path), "{path} is in the build context");
+    }
 }
