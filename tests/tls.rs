@@ -582,3 +582,150 @@ fn tls_conf_mistakes_are_refused_with_the_key_named() {
     let (code, err) = check(tls_section(&cert, &key, None), "https://localhost:9");
     assert_eq!(code, Some(0), "a valid TLS conf passes: {err}");
 }
+
+#[test]
+fn a_graceful_upgrade_serves_the_new_certificate_and_drops_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Pki::new(dir.path(), "first");
+    let second = Pki::new(dir.path(), "second");
+    let (cert, key) = first.issue("server", &["127.0.0.1"], false);
+    let (a, b) = two_sims(dir.path(), &["--decode-interval-ms", "5"]);
+    let mut section = tls_section(&cert, &key, None);
+    // No reload by polling here: only the upgrade may bring the new certificate.
+    section = section.replace(
+        "reload_interval_seconds: 0.2",
+        "reload_interval_seconds: 3600",
+    );
+    let conf = LbConf {
+        extra: section,
+        ..test_conf()
+    };
+    let old = Lb::start(dir.path(), &[&a, &b], conf);
+    let port = old.port;
+
+    // Clients that trust both CAs keep sending over kept-alive HTTPS connections throughout.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (ca1, ca2) = (first.ca_pem(), second.ca_pem());
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let stop = stop.clone();
+            let client = reqwest::blocking::Client::builder()
+                .use_rustls_tls()
+                .tls_built_in_root_certs(false)
+                .add_root_certificate(reqwest::Certificate::from_pem(&ca1).unwrap())
+                .add_root_certificate(reqwest::Certificate::from_pem(&ca2).unwrap())
+                .timeout(Duration::from_secs(30))
+                .no_proxy()
+                .build()
+                .unwrap();
+            std::thread::spawn(move || {
+                let url = format!("https://127.0.0.1:{port}/v1/chat/completions");
+                let (mut sent, mut failed) = (0u32, vec![]);
+                let deadline = Instant::now() + Duration::from_secs(40);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline
+                {
+                    let body = chat_body(&[("user", &format!("worker {w} turn {sent}"))], true, 8);
+                    sent += 1;
+                    match client.post(&url).json(&body).send() {
+                        Ok(r) if r.status() == 200 => {
+                            let (events, err) = sse_events(r);
+                            if err.is_some()
+                                || events.last().map(|e| e.1.as_str()) != Some("[DONE]")
+                            {
+                                failed.push(format!("cut: {err:?}"));
+                            }
+                        }
+                        Ok(r) => failed.push(format!("status {}", r.status())),
+                        Err(e) => failed.push(format!("{e}")),
+                    }
+                }
+                (sent, failed)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+
+    let (cert2, key2) = second.issue("server2", &["127.0.0.1"], false);
+    replace_file(&key, &key2);
+    replace_file(&cert, &cert2);
+    let mut cmd = old.command();
+    cmd.arg("-u").env("RUST_LOG", "info");
+    let new = Lb::spawn("inferlb (upgraded)", cmd, Some(&dir.path().join("new.log"))).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        old.proc.signal(Signal::SIGQUIT),
+        "SIGQUIT to the old process"
+    );
+    let served = wait_until(Duration::from_secs(15), || {
+        curl_https_ip(port, &second.ca_file()) == (0, "2 200".into())
+    });
+    assert!(
+        served,
+        "the new process serves the new certificate:\n{}",
+        new.log_text()
+    );
+    let mut old = old;
+    assert!(
+        old.proc.wait_exit(Duration::from_secs(20)).is_some(),
+        "the old process exits"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut sent, mut failed) = (0, vec![]);
+    for w in workers {
+        let (s, f) = w.join().unwrap();
+        sent += s;
+        failed.extend(f);
+    }
+    eprintln!(
+        "HTTPS across an upgrade: sent {sent}, failed {}",
+        failed.len()
+    );
+    assert!(sent > 20, "load ran: {sent}");
+    assert!(failed.is_empty(), "{failed:?}");
+}
+
+/// curl to `https://127.0.0.1:port` trusting `ca`: (exit code, `http_version http_code`).
+fn curl_https_ip(port: u16, ca: &Path) -> (i32, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "5", "--http2", "--cacert"])
+        .arg(ca)
+        .args(["-o", "/dev/null", "-w", "%{http_version} %{http_code}"])
+        .arg(format!("https://127.0.0.1:{port}/v1/models"))
+        .output()
+        .expect("curl");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn h2c_with_prior_knowledge_on_the_plain_listener_when_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &[]);
+    let conf = LbConf {
+        extra: "  h2c: true\n".into(),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[&a, &b], conf);
+    let body = chat_body(&[("user", "h2c")], true, 4).to_string();
+    for (flag, version) in [("--http2-prior-knowledge", "2"), ("--http1.1", "1.1")] {
+        let out = Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "10",
+                flag,
+                "-H",
+                "content-type: application/json",
+            ])
+            .args(["-d", &body, "-w", "\n%{http_version} %{http_code}"])
+            .arg(lb.url("/v1/chat/completions"))
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.ends_with(&format!("{version} 200")), "{flag}: {text}");
+        assert!(text.contains("data: [DONE]"), "{flag}: {text}");
+    }
+}
