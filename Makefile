@@ -9,7 +9,8 @@ BIN := target/$(PROFILE)
 all: build
 
 # What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), redis-server
-# (cluster tests), dnsmasq (DNS discovery test), nginx and rsvg-convert (bench).
+# (cluster tests), dnsmasq (DNS discovery test), nginx and rsvg-convert (bench), curl (TLS and
+# HTTP/2 tests: a client that is not ours).
 deps:
 	@missing=""; \
 	command -v cmake >/dev/null || missing="$$missing cmake"; \
@@ -18,6 +19,7 @@ deps:
 	command -v dnsmasq >/dev/null || [ -x /usr/sbin/dnsmasq ] || missing="$$missing dnsmasq-base"; \
 	command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	command -v rsvg-convert >/dev/null || missing="$$missing librsvg2-bin"; \
+	command -v curl >/dev/null || missing="$$missing curl"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -32,7 +34,7 @@ VENV := target/venv
 # Rebuilt when this Makefile changes (a package added here reaches existing venvs too).
 $(VENV)/.done: Makefile
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check openai anthropic pytest
+	$(VENV)/bin/pip install -q --disable-pip-version-check openai anthropic pytest trustme
 	touch $@
 
 # Two simulated replicas on :8001/:8002 and the balancer on :7770 (admin/metrics on :7771).
