@@ -76,6 +76,9 @@ pub struct Args {
     /// Skip the fork scene.
     #[arg(long)]
     no_fork: bool,
+    /// Skip the overload scene (a flooding batch tenant beside an interactive one).
+    #[arg(long)]
+    no_overload: bool,
     /// Targets of the fork scene (comma-separated: inferlb policies, sglang, vllm).
     #[arg(
         long,
@@ -442,6 +445,14 @@ async fn main() {
     timings.since("rolling deploy", t);
 
     let t = std::time::Instant::now();
+    let overloaded = if a.no_overload {
+        None
+    } else {
+        Some(scenarios::overload::overload(&client, &a, a.smoke).await)
+    };
+    timings.since("overload", t);
+
+    let t = std::time::Instant::now();
     let soaked = if a.soak_seconds > 0.0 {
         let (connections, seconds) = if a.smoke {
             (50, 2.0)
@@ -474,6 +485,7 @@ async fn main() {
         apis: apis.as_ref(),
         fork: forked.as_ref(),
         trace: traced.as_ref(),
+        overload: overloaded.as_ref(),
         timings: &timings,
     }
     .write(&a.out);
@@ -510,6 +522,11 @@ async fn main() {
                         r.shape, r.scheduler, r.policy
                     ));
                 }
+            }
+        }
+        for r in overloaded.iter().flat_map(|x| &x.rows) {
+            if r.answered == 0 {
+                broken.push(format!("overload, {} {}", r.run, r.class));
             }
         }
         if !broken.is_empty() {

@@ -6,5 +6,6 @@ pub mod deploy;
 pub mod failover;
 pub mod fork;
 pub mod overhead;
+pub mod overload;
 pub mod soak;
 pub mod trace;
