@@ -340,8 +340,8 @@ fn the_queue_holds_its_bound_under_5000_waiting_requests_and_leaving_clients_are
     assert_eq!((answered, with_retry), (1000, 1000));
     assert_eq!(lb.metric(queue), 4000.0, "still at the bound");
     // What a waiting request costs the process: mostly Pingora's own per-request buffers (a
-    // 64 KiB body read buffer among them); the queue's entry is about 100 bytes of it (see
-    // the unit test `queue::tests::five_thousand_entries_take_well_under_a_megabyte`).
+    // 64 KiB body read buffer among them); the queue's own share is about 200 bytes of it (see
+    // the unit test `queue::tests::five_thousand_entries_take_about_a_megabyte`).
     let per_request = at_bound.saturating_sub(before) as f64 / 4000.0;
     eprintln!(
         "4000 queued (1000 refused): inferlb RSS {:.1} MB -> {:.1} MB, {per_request:.0} bytes per \
