@@ -4,49 +4,17 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use common::*;
+use inferlb_harness::Redis;
 
-fn redis_server() -> Option<PathBuf> {
-    ["/usr/bin/redis-server", "/usr/local/bin/redis-server"]
-        .iter()
-        .map(PathBuf::from)
-        .find(|p| p.exists())
-}
-
-/// A throwaway Redis on `port`, nothing saved to disk; stopped with SIGTERM.
-fn start_redis(dir: &Path, port: u16) -> Proc {
-    let bin = redis_server().expect("redis-server (make deps installs it)");
-    let mut cmd = Command::new(bin);
-    cmd.args([
-        "--port",
-        &port.to_string(),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-    ])
-    .args(["--appendonly", "no", "--dir"])
-    .arg(dir);
-    let p = Proc::spawn("redis", cmd, Some(&dir.join("redis.log")), Signal::SIGTERM)
-        .expect("spawn redis-server");
-    let up = wait_until(Duration::from_secs(10), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
-    assert!(up, "redis-server did not start");
-    p
-}
-
-fn instance(root: &Path, name: &str, sims: &[&Sim], redis_port: u16) -> Lb {
+fn instance(root: &Path, name: &str, sims: &[&Sim], redis: &Redis) -> Lb {
     let dir = root.join(name);
     std::fs::create_dir_all(&dir).expect("dir");
     let conf = LbConf {
-        extra: format!(
-            "  cluster: {{redis_url: \"redis://127.0.0.1:{redis_port}\", instance_id: {name}}}\n"
-        ),
+        extra: redis.cluster_conf(name),
         ..test_conf()
     };
     Lb::start(&dir, sims, conf)
@@ -74,15 +42,11 @@ fn turn(lb: &Lb, conversation: &str, n: usize) -> (String, String) {
 
 #[test]
 fn two_instances_route_a_conversation_alike_and_share_drains() {
-    if redis_server().is_none() {
-        panic!("redis-server is not installed: `make deps` installs it");
-    }
     let root = tempfile::tempdir().expect("tempdir");
-    let redis_port = free_port();
-    let _redis = start_redis(root.path(), redis_port);
+    let redis = Redis::start(root.path());
     let (a, b) = two_sims(root.path(), &[]);
-    let one = instance(root.path(), "one", &[&a, &b], redis_port);
-    let two = instance(root.path(), "two", &[&a, &b], redis_port);
+    let one = instance(root.path(), "one", &[&a, &b], &redis);
+    let two = instance(root.path(), "two", &[&a, &b], &redis);
     assert!(wait_until(Duration::from_secs(10), || connected(&one)
         && connected(&two)));
 
@@ -149,11 +113,10 @@ fn two_instances_route_a_conversation_alike_and_share_drains() {
 #[test]
 fn without_redis_each_instance_goes_on_alone_and_resyncs_when_it_is_back() {
     let root = tempfile::tempdir().expect("tempdir");
-    let redis_port = free_port();
-    let mut redis = start_redis(root.path(), redis_port);
+    let mut redis = Redis::start(root.path());
     let (a, b) = two_sims(root.path(), &[]);
-    let one = instance(root.path(), "one", &[&a, &b], redis_port);
-    let two = instance(root.path(), "two", &[&a, &b], redis_port);
+    let one = instance(root.path(), "one", &[&a, &b], &redis);
+    let two = instance(root.path(), "two", &[&a, &b], &redis);
     assert!(wait_until(Duration::from_secs(10), || connected(&one)
         && connected(&two)));
 
@@ -178,7 +141,7 @@ fn without_redis_each_instance_goes_on_alone_and_resyncs_when_it_is_back() {
     );
 
     // Redis is back: both reconnect, and the pins made meanwhile reach the other instance.
-    let _redis = start_redis(root.path(), redis_port);
+    redis.restart();
     assert!(wait_until(Duration::from_secs(15), || connected(&one)
         && connected(&two)));
     for (name, home) in &homes {
