@@ -5,7 +5,8 @@
 //! direct connection to one replica) it starts fresh replicas, so every target begins with
 //! cold caches, and runs the seed's scenarios: agent loop, cold burst, mixed, failover. Then:
 //! the agent loop through every agent API (chat, Responses full and chained, Anthropic
-//! Messages), a fork of a long history into staggered siblings, a replay of the Mooncake trace
+//! Messages), a fork of a long history into staggered siblings, several instances in front of
+//! the same replicas (sharing state through Redis or not), a replay of the Mooncake trace
 //! on four replicas (inferlb's policies and the peer routers, SGLang's and vLLM's), a rolling
 //! deploy, a soak, and the proxy's own overhead against a direct connection and nginx. Ratios
 //! measured in the same run are the result; absolute times on a shared 2-core machine are
@@ -76,6 +77,9 @@ pub struct Args {
     /// Skip the fork scene.
     #[arg(long)]
     no_fork: bool,
+    /// Skip the several-instances scene (1 instance, 3 sharing state through Redis, 3 not).
+    #[arg(long)]
+    no_instances: bool,
     /// Skip the overload scene (a flooding batch tenant beside an interactive one).
     #[arg(long)]
     no_overload: bool,
@@ -369,6 +373,14 @@ async fn main() {
     timings.since("fork", t);
 
     let t = std::time::Instant::now();
+    let several = if a.no_instances {
+        None
+    } else {
+        Some(scenarios::instances::instances(&client, &a, a.smoke).await)
+    };
+    timings.since("several instances", t);
+
+    let t = std::time::Instant::now();
     let traced = if a.no_trace {
         None
     } else {
@@ -490,6 +502,9 @@ async fn main() {
     }
     .write(&a.out);
     println!("{report}");
+    if let Some(i) = &several {
+        println!("{}", scenarios::instances::write(i, &a.out));
+    }
     // The smoke run is a test: every scenario must have produced numbers.
     if a.smoke {
         let mut broken: Vec<String> = vec![];
@@ -527,6 +542,11 @@ async fn main() {
         for r in overloaded.iter().flat_map(|x| &x.rows) {
             if r.answered == 0 {
                 broken.push(format!("overload, {} {}", r.run, r.class));
+            }
+        }
+        for r in several.iter().flat_map(|x| &x.rows) {
+            if r.skipped.is_none() && (r.warm_ttft_ms.is_empty() || r.errors > 0) {
+                broken.push(format!("several instances, {}", r.setup));
             }
         }
         if !broken.is_empty() {

@@ -5,6 +5,7 @@ pub mod agent_apis;
 pub mod deploy;
 pub mod failover;
 pub mod fork;
+pub mod instances;
 pub mod overhead;
 pub mod overload;
 pub mod soak;
