@@ -1,10 +1,13 @@
 //! Micro-benchmarks of the request path's own work (`cargo bench --bench hot_path`): reading a
 //! body into its prompt chain, for every API family and three sizes, and one routing decision
-//! over 2, 16 and 128 replicas with a large prefix index.
+//! over 2, 16 and 128 replicas with a prefix index of 1M chunks, with its p50/p99 printed.
 
+use std::cell::OnceCell;
 use std::hint::black_box;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use inferlb::api::prompt::Link;
 use inferlb::api::{classify, Family};
 use inferlb::index::PrefixIndex;
 use inferlb::routing::{Candidate, Mode, Policy};
@@ -67,6 +70,29 @@ fn classification(c: &mut Criterion) {
     g.finish();
 }
 
+/// Per replica, 1M indexed chunks over the fleet, and `links` held by the middle replica.
+fn fleet(replicas: usize, links: &[Link]) -> Vec<PrefixIndex> {
+    let per = 1_000_000 / replicas;
+    let index: Vec<PrefixIndex> = (0..replicas)
+        .map(|r| {
+            let idx = PrefixIndex::new(u64::MAX / 2);
+            let filler: Vec<Link> = (0..per as u64)
+                .map(|i| Link {
+                    hash: ((i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)) ^ r as u64,
+                    part_end: false,
+                    bytes: (i % 400 + 1) * 1024,
+                })
+                .collect();
+            filler.chunks(400).for_each(|p| idx.record(p));
+            idx
+        })
+        .collect();
+    index[replicas / 2].record(links);
+    index
+}
+
+/// One routing decision, timed call by call (criterion's mean comes from the same calls), so
+/// the tail is seen too: p50, p99 and the worst are printed after each case.
 fn decision(c: &mut Criterion) {
     let mut g = c.benchmark_group("decide");
     // A 100k-token agent prompt.
@@ -74,24 +100,9 @@ fn decision(c: &mut Criterion) {
     let info = classify(Family::Chat, &prompt);
     let links = info.shape.links().to_vec();
     for replicas in [2usize, 16, 128] {
-        // 1M indexed chunks over the fleet, this prompt held by one replica.
-        let per = 1_000_000 / replicas;
+        // Built only when a case of this size runs (criterion filters by name).
+        let index = OnceCell::new();
         let ids: Vec<String> = (0..replicas).map(|i| format!("gpu{i}")).collect();
-        let index: Vec<PrefixIndex> = (0..replicas)
-            .map(|r| {
-                let idx = PrefixIndex::new(u64::MAX / 2);
-                let filler: Vec<inferlb::api::prompt::Link> = (0..per as u64)
-                    .map(|i| inferlb::api::prompt::Link {
-                        hash: ((i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)) ^ r as u64,
-                        part_end: false,
-                        bytes: (i % 400 + 1) * 1024,
-                    })
-                    .collect();
-                filler.chunks(400).for_each(|p| idx.record(p));
-                idx
-            })
-            .collect();
-        index[replicas / 2].record(&links);
         for (mode, name) in [
             (Mode::PrefillCost, "prefill_cost"),
             (Mode::Adaptive, "adaptive"),
@@ -100,8 +111,10 @@ fn decision(c: &mut Criterion) {
                 mode,
                 spill_margin: Some(4),
             };
+            let mut each: Vec<Duration> = Vec::new();
             g.bench_function(BenchmarkId::new(name, replicas), |bench| {
-                bench.iter(|| {
+                let index: &Vec<PrefixIndex> = index.get_or_init(|| fleet(replicas, &links));
+                let decide = || {
                     let candidates: Vec<Candidate<usize>> = ids
                         .iter()
                         .enumerate()
@@ -121,8 +134,30 @@ fn decision(c: &mut Criterion) {
                         })
                         .collect();
                     policy.decide(&info.shape, None, &candidates, |_| None::<&str>, 7)
+                };
+                bench.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        black_box(decide());
+                        let d = t.elapsed();
+                        total += d;
+                        each.push(d);
+                    }
+                    total
                 })
             });
+            if !each.is_empty() {
+                each.sort_unstable();
+                let at = |q: f64| each[((each.len() - 1) as f64 * q) as usize];
+                println!(
+                    "decide/{name}/{replicas}: p50 {:?} p99 {:?} max {:?} ({} calls, 1M chunks indexed)",
+                    at(0.5),
+                    at(0.99),
+                    each[each.len() - 1],
+                    each.len()
+                );
+            }
         }
     }
     g.finish();

@@ -50,13 +50,21 @@ impl PrefixIndex {
     }
 
     /// Tokens of the longest prefix of `links` this replica likely holds.
+    ///
+    /// Most replicas of a large fleet hold none of a prompt, and the one that served it holds
+    /// all of it: the first link and the last answer those in one lookup each, and only a
+    /// partial hit pays for the binary search.
     pub fn cached_tokens(&self, links: &[Link]) -> u64 {
         let Ok(held) = self.inner.lock() else {
             return 0;
         };
-        let n = links.partition_point(|l| held.links.contains(&l.hash));
-        n.checked_sub(1)
-            .map_or(0, |i| links[i].bytes / BYTES_PER_TOKEN)
+        let tokens = |n: usize| links[n - 1].bytes / BYTES_PER_TOKEN;
+        match (links.first(), links.last()) {
+            (Some(first), _) if !held.links.contains(&first.hash) => 0,
+            (_, Some(last)) if held.links.contains(&last.hash) => tokens(links.len()),
+            (None, _) => 0,
+            _ => tokens(1 + links[1..].partition_point(|l| held.links.contains(&l.hash))),
+        }
     }
 
     /// The replica was sent the prompt `links`: each link becomes most recently used, and the

@@ -1,31 +1,28 @@
 //! OpenAI chat completions: `tools`, then each of `messages` by role, with its content, tool
 //! calls and name.
 
-use serde_json::value::RawValue;
-
-use super::prompt::{json_digest, PromptHasher};
-use super::{content, field, text, tools, Message, Top};
+use super::{text, Reader, Top, MESSAGE};
 
 /// `None` when the body has no message list.
-pub(super) fn read(top: &Top, h: &mut PromptHasher) -> Option<()> {
-    let messages = field::<Vec<&RawValue>>(top.messages)?;
+pub(super) fn read(top: &Top, r: &mut Reader) -> Option<()> {
+    let messages = top.messages?.elements()?;
     if messages.is_empty() {
         return None;
     }
-    tools(top.tools, h);
+    r.tools(top.tools);
     for raw in messages {
-        let Some(m) = field::<Message>(Some(raw)) else {
-            h.begin_part("item");
-            h.digest(json_digest(raw));
+        let Some([role, content, name, tool_calls]) = raw.fields(&MESSAGE) else {
+            r.part("item");
+            r.digest(raw);
             continue;
         };
-        h.begin_part(&text(m.role).unwrap_or_default());
-        if let Some(name) = text(m.name) {
-            h.text(&name);
+        r.part_of("", text(role));
+        if let Some(name) = text(name) {
+            r.text(Some(name));
         }
-        content(m.content, h);
-        if let Some(calls) = m.tool_calls {
-            h.digest(json_digest(calls));
+        r.content(content, 0);
+        if let Some(calls) = tool_calls {
+            r.digest(calls);
         }
     }
     Some(())

@@ -2,29 +2,26 @@
 //! with its content blocks (`text`, `tool_use`, `tool_result`, others by structure).
 //! `cache_control` never changes the prompt.
 
-use serde_json::value::RawValue;
+use super::{text, Reader, Top, MESSAGE};
 
-use super::prompt::{json_digest, PromptHasher};
-use super::{content, field, text, tools, Message, Top};
-
-pub(super) fn read(top: &Top, h: &mut PromptHasher) -> Option<()> {
-    let messages = field::<Vec<&RawValue>>(top.messages)?;
+pub(super) fn read(top: &Top, r: &mut Reader) -> Option<()> {
+    let messages = top.messages?.elements()?;
     if messages.is_empty() {
         return None;
     }
     if top.system.is_some() {
-        h.begin_part("system");
-        content(top.system, h);
+        r.part("system");
+        r.content(top.system, 0);
     }
-    tools(top.tools, h);
+    r.tools(top.tools);
     for raw in messages {
-        let Some(m) = field::<Message>(Some(raw)) else {
-            h.begin_part("item");
-            h.digest(json_digest(raw));
+        let Some([role, content, ..]) = raw.fields(&MESSAGE) else {
+            r.part("item");
+            r.digest(raw);
             continue;
         };
-        h.begin_part(&text(m.role).unwrap_or_default());
-        content(m.content, h);
+        r.part_of("", text(role));
+        r.content(content, 0);
     }
     Some(())
 }

@@ -1,23 +1,24 @@
 //! Endpoint families: how each API's request body becomes a prompt (see [`prompt`]).
 //!
 //! One module per family (`chat`, `responses`, `messages`, `completions`); each reads only the
-//! fields its API defines into the shared prompt model. Pure and total: any bytes give an
+//! fields its API defines into the shared prompt model, from the body's bytes in one checked
+//! pass and one read (`json`, `digest`; `oracle` keeps the tree-based reader they are tested
+//! against). Pure and total: any bytes give an
 //! answer and never a panic; what cannot be read is `Shape::Other` and spreads, and the
 //! replica answers a bad request itself.
 
 mod chat;
 mod completions;
+mod digest;
+mod json;
 mod messages;
 pub mod prompt;
 mod responses;
 
-use std::borrow::Cow;
-
-use serde::Deserialize;
-use serde_json::value::RawValue;
-
 use crate::shape::Shape;
-use prompt::{json_digest, PromptHasher};
+use digest::Digester;
+use json::{Raw, Str};
+use prompt::PromptHasher;
 
 /// How many bytes of an unreadable body name its "prefix" for the `affinity` policy.
 const OTHER_KEY_BYTES: usize = 4096;
@@ -71,47 +72,63 @@ pub struct RequestInfo {
 
 /// The top-level fields any family reads, each kept raw until its family reads it, so one of
 /// the wrong type spoils only itself.
-#[derive(Deserialize, Default)]
 struct Top<'a> {
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    messages: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    system: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    instructions: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    prompt: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    previous_response_id: Option<&'a RawValue>,
+    model: Option<Raw<'a>>,
+    stream: Option<Raw<'a>>,
+    messages: Option<Raw<'a>>,
+    tools: Option<Raw<'a>>,
+    system: Option<Raw<'a>>,
+    instructions: Option<Raw<'a>>,
+    input: Option<Raw<'a>>,
+    prompt: Option<Raw<'a>>,
+    previous_response_id: Option<Raw<'a>>,
 }
 
-/// A JSON string, borrowed from the body unless it had escapes.
-#[derive(Deserialize)]
-struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
-
-/// Reads one raw field as `T`; `None` when absent or of another type.
-fn field<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>) -> Option<T> {
-    serde_json::from_str(raw?.get()).ok()
+impl<'a> Top<'a> {
+    /// Checks the whole body (see [`json`]) and keeps the fields any family reads.
+    fn read(body: &'a [u8]) -> Result<Top<'a>, json::Invalid> {
+        let [model, stream, messages, tools, system, instructions, input, prompt, previous_response_id] =
+            json::top_fields(
+                body,
+                &[
+                    "model",
+                    "stream",
+                    "messages",
+                    "tools",
+                    "system",
+                    "instructions",
+                    "input",
+                    "prompt",
+                    "previous_response_id",
+                ],
+            )?;
+        Ok(Top {
+            model,
+            stream,
+            messages,
+            tools,
+            system,
+            instructions,
+            input,
+            prompt,
+            previous_response_id,
+        })
+    }
 }
 
-fn text<'a>(raw: Option<&'a RawValue>) -> Option<Cow<'a, str>> {
-    field::<Text>(raw).map(|t| t.0)
+fn text(raw: Option<Raw>) -> Option<Str> {
+    raw?.string()
 }
 
 /// Classifies a request body of `family`. `body` may be anything, including invalid UTF-8.
+///
+/// One check of the body, then one read of the fields the family needs, fed straight into
+/// the hasher: no tree and no allocation per message (see [`json`]).
 pub fn classify(family: Family, body: &[u8]) -> RequestInfo {
     let other = || Shape::Other {
         key: xxhash_rust::xxh3::xxh3_64(&body[..body.len().min(OTHER_KEY_BYTES)]),
     };
-    let Ok(top) = serde_json::from_slice::<Top>(body) else {
+    let Ok(top) = Top::read(body) else {
         return RequestInfo {
             shape: other(),
             model: None,
@@ -119,15 +136,18 @@ pub fn classify(family: Family, body: &[u8]) -> RequestInfo {
             previous_response_id: None,
         };
     };
-    let model = text(top.model).map(Cow::into_owned);
-    let mut h = PromptHasher::new(model.as_deref().unwrap_or(""));
-    let read = match family {
-        Family::Chat => chat::read(&top, &mut h),
-        Family::Completions => completions::read(&top, &mut h),
-        Family::Responses => responses::read(&top, &mut h),
-        Family::Messages => messages::read(&top, &mut h),
+    let model = text(top.model).map(Str::owned);
+    let mut r = Reader {
+        h: PromptHasher::new(model.as_deref().unwrap_or("")),
+        digests: Digester::default(),
     };
-    let links = h.finish();
+    let read = match family {
+        Family::Chat => chat::read(&top, &mut r),
+        Family::Completions => completions::read(&top, &mut r),
+        Family::Responses => responses::read(&top, &mut r),
+        Family::Messages => messages::read(&top, &mut r),
+    };
+    let links = r.h.finish();
     let shape = match read {
         Some(()) if !links.is_empty() => Shape::Prompt { links },
         _ => other(),
@@ -135,82 +155,103 @@ pub fn classify(family: Family, body: &[u8]) -> RequestInfo {
     RequestInfo {
         shape,
         model,
-        stream: field::<bool>(top.stream) == Some(true),
+        stream: top.stream.is_some_and(|s| s.text == b"true"),
         previous_response_id: match family {
-            Family::Responses => text(top.previous_response_id).map(Cow::into_owned),
+            Family::Responses => text(top.previous_response_id).map(Str::owned),
             _ => None,
         },
     }
 }
 
-/// A message of chat or Anthropic Messages: each family reads the fields its API defines
-/// (Anthropic has no `name` or `tool_calls`).
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    role: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    name: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
+/// The fields of a message of chat or Anthropic Messages: each family reads the ones its API
+/// defines (Anthropic has no `name` or `tool_calls`), but a message repeating any is unread.
+const MESSAGE: [&str; 4] = ["role", "content", "name", "tool_calls"];
+
+/// The fields of a content block of any family that carry prompt text: `text`; Anthropic's
+/// `tool_use` (`name`, `input`) and `tool_result` (`content`).
+const BLOCK: [&str; 5] = ["type", "text", "name", "input", "content"];
+
+/// How deep `tool_result` blocks are read inside each other; deeper ones are digested whole.
+const MAX_NESTED_RESULTS: usize = 32;
+
+/// A prompt being read: the hasher, and the digests' reusable scratch.
+struct Reader {
+    h: PromptHasher,
+    digests: Digester,
 }
 
-/// A content block of any family: the fields that carry prompt text.
-#[derive(Deserialize)]
-struct Block<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    text: Option<&'a RawValue>,
-    /// Anthropic `tool_use`.
-    #[serde(borrow, default)]
-    name: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
-    /// Anthropic `tool_result`.
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-}
-
-/// Feeds message content: a string, or a list of blocks (text blocks as text, tool uses as
-/// name and input, tool results by their own content, anything else by its structure).
-fn content(raw: Option<&RawValue>, h: &mut PromptHasher) {
-    let Some(raw) = raw else { return };
-    if let Some(t) = field::<Text>(Some(raw)) {
-        return h.text(&t.0);
+impl Reader {
+    fn part(&mut self, kind: &str) {
+        self.h.begin_part(kind);
     }
-    let Some(blocks) = field::<Vec<&RawValue>>(Some(raw)) else {
-        return h.digest(json_digest(raw));
-    };
-    for b in blocks {
-        let Some(block) = field::<Block>(Some(b)) else {
-            h.digest(json_digest(b));
-            continue;
+
+    /// A part whose kind is `prefix` and a string (a role, an item type); `""` if none.
+    fn part_of(&mut self, prefix: &str, kind: Option<Str>) {
+        self.h.start_part();
+        self.h.extend(prefix.as_bytes());
+        if let Some(k) = kind {
+            k.pieces(|p| self.h.extend(p));
+        }
+        self.h.end_kind();
+    }
+
+    /// A text fragment: the string, or `""` if none.
+    fn text(&mut self, s: Option<Str>) {
+        self.h.begin_fragment();
+        if let Some(s) = s {
+            s.pieces(|p| self.h.extend(p));
+        }
+    }
+
+    fn digest(&mut self, raw: Raw) {
+        let d = self.digests.digest(raw);
+        self.h.digest(d);
+    }
+
+    /// Feeds message content: a string, or a list of blocks (text blocks as text, tool uses
+    /// as name and input, tool results by their own content, anything else by its
+    /// structure).
+    fn content(&mut self, raw: Option<Raw>, nested: usize) {
+        let Some(raw) = raw else { return };
+        if let Some(t) = raw.string() {
+            return self.text(Some(t));
+        }
+        let Some(blocks) = raw.elements() else {
+            return self.digest(raw);
         };
-        let kind = text(block.kind);
-        match (kind.as_deref(), text(block.text)) {
-            (_, Some(t)) => h.text(&t),
-            (Some("tool_use"), None) => {
-                h.text(&text(block.name).unwrap_or_default());
-                if let Some(input) = block.input {
-                    h.digest(json_digest(input));
+        for b in blocks {
+            let Some([kind, text_, name, input, content]) = b.fields(&BLOCK) else {
+                self.digest(b);
+                continue;
+            };
+            let kind = text(kind);
+            let is = |k: &str| kind.is_some_and(|s| s.is(k));
+            match text(text_) {
+                Some(t) => self.text(Some(t)),
+                None if is("tool_use") => {
+                    self.text(text(name));
+                    if let Some(input) = input {
+                        self.digest(input);
+                    }
                 }
+                None if is("tool_result") && nested < MAX_NESTED_RESULTS => {
+                    self.content(content, nested + 1)
+                }
+                None => self.digest(b),
             }
-            (Some("tool_result"), None) => content(block.content, h),
-            _ => h.digest(json_digest(b)),
+        }
+    }
+
+    /// Feeds tool definitions as one part, by structure.
+    fn tools(&mut self, raw: Option<Raw>) {
+        if let Some(raw) = raw.filter(|r| r.text != b"[]") {
+            self.part("tools");
+            self.digest(raw);
         }
     }
 }
 
-/// Feeds tool definitions as one part, by structure.
-fn tools(raw: Option<&RawValue>, h: &mut PromptHasher) {
-    if let Some(raw) = raw.filter(|r| r.get() != "[]") {
-        h.begin_part("tools");
-        h.digest(json_digest(raw));
-    }
-}
-
+#[cfg(test)]
+mod oracle;
 #[cfg(test)]
 mod tests;

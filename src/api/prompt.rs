@@ -11,12 +11,10 @@
 //!   (partial reuse: a prefix index can match a shared beginning).
 //!
 //! Key order and whitespace of the client's JSON never reach the hasher: the family modules
-//! feed it parsed strings and structural digests. Streaming by design: parts and fragments are
+//! feed it decoded strings and structural digests (`digest.rs`). Streaming by design: parts and fragments are
 //! fed in order and nothing is kept but the running state and the links.
 
-use serde_json::value::RawValue;
-use serde_json::Value;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use xxhash_rust::xxh3::Xxh3Default;
 
 /// Bumped whenever any input to the chain changes meaning; state written under another
 /// version is not read back.
@@ -44,7 +42,8 @@ const PART_END: u8 = 0x1c;
 /// Builds the chain: `begin_part`, then `text`/`digest` fragments, then `end_part`, per part.
 pub struct PromptHasher {
     prev: u64,
-    state: Xxh3,
+    /// The running chunk's hash (the default secret, as `Xxh3::new()`, but reset in place).
+    state: Xxh3Default,
     in_chunk: usize,
     bytes: u64,
     fragments: usize,
@@ -55,14 +54,16 @@ pub struct PromptHasher {
 impl PromptHasher {
     /// The model seeds the chain: a replica's cache is per model.
     pub fn new(model: &str) -> PromptHasher {
-        let mut seed = Xxh3::new();
+        let mut seed = Xxh3Default::new();
         seed.update(b"inferlb-prompt");
         seed.update(&HASH_VERSION.to_le_bytes());
         seed.update(model.as_bytes());
         let prev = seed.digest();
+        let mut state = Xxh3Default::new();
+        state.update(&prev.to_le_bytes());
         PromptHasher {
             prev,
-            state: chained(prev),
+            state,
             in_chunk: 0,
             bytes: 0,
             fragments: 0,
@@ -73,19 +74,40 @@ impl PromptHasher {
 
     /// Starts a part of kind `kind` (a role, an item type); ends an open one first.
     pub fn begin_part(&mut self, kind: &str) {
+        self.start_part();
+        self.extend(kind.as_bytes());
+        self.end_kind();
+    }
+
+    /// Starts a part whose kind is then given in pieces by [`Self::extend`], up to
+    /// [`Self::end_kind`]: the same chain as [`Self::begin_part`] with the pieces joined.
+    pub fn start_part(&mut self) {
         if self.open {
             self.end_part();
         }
         self.open = true;
         self.fragments = 0;
         self.feed(&[PART_HEADER]);
-        self.feed(kind.as_bytes());
+    }
+
+    pub fn end_kind(&mut self) {
         self.feed(&[PART_HEADER]);
     }
 
     /// One text fragment of the open part.
     pub fn text(&mut self, text: &str) {
         self.bytes(text.as_bytes());
+    }
+
+    /// Starts a fragment of the open part, whose bytes are then given in pieces by
+    /// [`Self::extend`]: the same chain as [`Self::bytes`] with the pieces joined.
+    pub fn begin_fragment(&mut self) {
+        self.separate();
+    }
+
+    /// More bytes of the kind or fragment being given in pieces.
+    pub fn extend(&mut self, bytes: &[u8]) {
+        self.feed(bytes);
     }
 
     /// One fragment of raw bytes (token ids, say) of the open part.
@@ -144,58 +166,9 @@ impl PromptHasher {
             bytes: self.bytes,
         });
         self.prev = hash;
-        self.state = chained(hash);
+        self.state.reset();
+        self.state.update(&hash.to_le_bytes());
         self.in_chunk = 0;
-    }
-}
-
-fn chained(prev: u64) -> Xxh3 {
-    let mut h = Xxh3::new();
-    h.update(&prev.to_le_bytes());
-    h
-}
-
-/// A structural digest of a JSON value: key order and whitespace do not matter, and keys
-/// named `cache_control` are left out at every depth (a caching hint, not prompt content).
-pub fn json_digest(raw: &RawValue) -> u64 {
-    match serde_json::from_str::<Value>(raw.get()) {
-        Ok(v) => {
-            let mut h = Xxh3::new();
-            hash_value(&v, &mut h);
-            h.digest()
-        }
-        Err(_) => xxh3_64(raw.get().as_bytes()),
-    }
-}
-
-fn hash_value(v: &Value, h: &mut Xxh3) {
-    match v {
-        Value::Null => h.update(b"n"),
-        Value::Bool(b) => h.update(if *b { b"t" } else { b"f" }),
-        Value::Number(n) => {
-            h.update(b"#");
-            h.update(n.to_string().as_bytes());
-        }
-        Value::String(s) => {
-            h.update(b"s");
-            h.update(&(s.len() as u64).to_le_bytes());
-            h.update(s.as_bytes());
-        }
-        Value::Array(items) => {
-            h.update(b"[");
-            h.update(&(items.len() as u64).to_le_bytes());
-            items.iter().for_each(|i| hash_value(i, h));
-        }
-        Value::Object(map) => {
-            h.update(b"{");
-            // serde_json's map iterates in sorted key order.
-            for (k, v) in map.iter().filter(|(k, _)| *k != "cache_control") {
-                h.update(&(k.len() as u64).to_le_bytes());
-                h.update(k.as_bytes());
-                hash_value(v, h);
-            }
-            h.update(b"}");
-        }
     }
 }
 
@@ -277,19 +250,5 @@ mod tests {
             h.feed(p.as_bytes());
         }
         assert_eq!(h.finish(), la);
-    }
-
-    #[test]
-    fn json_digests_ignore_key_order_whitespace_and_cache_control() {
-        let raw = |s: &str| serde_json::from_str::<Box<RawValue>>(s).expect("json");
-        let a = json_digest(&raw(r#"{"name":"f","parameters":{"a":1,"b":[true,null]}}"#));
-        let b = json_digest(&raw(
-            r#"{ "parameters": {"b": [true, null], "a": 1}, "name": "f", "cache_control": {"type":"ephemeral"} }"#,
-        ));
-        assert_eq!(a, b);
-        assert_ne!(
-            a,
-            json_digest(&raw(r#"{"name":"g","parameters":{"a":1,"b":[true,null]}}"#))
-        );
     }
 }

@@ -2,71 +2,62 @@
 //! user message) or a list of items — messages by role, `function_call` (name and arguments),
 //! `function_call_output`, `reasoning` (its summary), and unknown item types by structure.
 
-use serde::Deserialize;
-use serde_json::value::RawValue;
+use super::{text, Reader, Top};
 
-use super::prompt::{json_digest, PromptHasher};
-use super::{content, field, text, tools, Text, Top};
-
-#[derive(Deserialize)]
-struct Item<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    role: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    name: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    arguments: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    output: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    summary: Option<&'a RawValue>,
-}
+const ITEM: [&str; 7] = [
+    "type",
+    "role",
+    "content",
+    "name",
+    "arguments",
+    "output",
+    "summary",
+];
 
 /// `None` when `input` is absent or neither a string nor a list.
-pub(super) fn read(top: &Top, h: &mut PromptHasher) -> Option<()> {
+pub(super) fn read(top: &Top, r: &mut Reader) -> Option<()> {
     let input = top.input?;
     if let Some(instructions) = text(top.instructions) {
-        h.begin_part("system");
-        h.text(&instructions);
+        r.part("system");
+        r.text(Some(instructions));
     }
-    tools(top.tools, h);
-    if let Some(t) = field::<Text>(Some(input)) {
-        h.begin_part("user");
-        h.text(&t.0);
+    r.tools(top.tools);
+    if let Some(t) = input.string() {
+        r.part("user");
+        r.text(Some(t));
         return Some(());
     }
-    for raw in field::<Vec<&RawValue>>(Some(input))? {
-        let Some(item) = field::<Item>(Some(raw)) else {
-            h.begin_part("item");
-            h.digest(json_digest(raw));
+    for raw in input.elements()? {
+        let Some([kind, role, content, name, arguments, output, summary]) = raw.fields(&ITEM)
+        else {
+            r.part("item");
+            r.digest(raw);
             continue;
         };
-        match (text(item.kind).as_deref(), text(item.role)) {
+        let kind = text(kind);
+        let is = |k: &str| kind.is_some_and(|s| s.is(k));
+        match text(role) {
             // A message, with or without `"type": "message"`.
-            (None | Some("message"), Some(role)) => {
-                h.begin_part(&role);
-                content(item.content, h);
+            Some(role) if kind.is_none() || is("message") => {
+                r.part_of("", Some(role));
+                r.content(content, 0);
             }
-            (Some("function_call"), _) => {
-                h.begin_part("function_call");
-                h.text(&text(item.name).unwrap_or_default());
-                h.text(&text(item.arguments).unwrap_or_default());
+            _ if is("function_call") => {
+                r.part("function_call");
+                r.text(text(name));
+                r.text(text(arguments));
             }
-            (Some("function_call_output"), _) => {
-                h.begin_part("function_call_output");
-                content(item.output, h);
+            _ if is("function_call_output") => {
+                r.part("function_call_output");
+                r.content(output, 0);
             }
-            (Some("reasoning"), _) => {
-                h.begin_part("reasoning");
-                content(item.summary, h);
+            _ if is("reasoning") => {
+                r.part("reasoning");
+                r.content(summary, 0);
             }
-            (kind, _) => {
-                h.begin_part(&format!("item:{}", kind.unwrap_or("")));
-                h.digest(json_digest(raw));
+            _ => {
+                r.part_of("item:", kind);
+                r.digest(raw);
             }
         }
     }

@@ -301,3 +301,66 @@ proptest! {
         prop_assert_eq!(&a, &classify(family, reversed.as_bytes()).shape);
     }
 }
+
+/// Bodies of every family whose chain is pinned to the values version 2 gave before the
+/// single-pass reader: the hasher and the readers may change only with `HASH_VERSION`.
+fn golden_bodies() -> Vec<(Family, &'static [u8])> {
+    vec![
+        (
+            Family::Chat,
+            br#"{"model":"m","tools":[{"type":"function","function":{"name":"f","parameters":{"b":1.5,"a":[null,true]}}}],"messages":[{"role":"system","content":"S \u00e9\ud83d\ude00"},{"role":"user","name":"u","content":[{"type":"text","text":"hi\n"},{"type":"image_url","image_url":{"url":"data:x"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},7]}"#,
+        ),
+        (
+            Family::Messages,
+            br#"{"model":"claude","system":[{"type":"text","text":"S","cache_control":{"type":"ephemeral"}}],"tools":[{"name":"ls","input_schema":{"type":"object"}}],"messages":[{"role":"user","content":"list"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"ls","input":{"path":"."}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"a b"}]},{"type":"mystery","x":-2e3}]}]}"#,
+        ),
+        (
+            Family::Responses,
+            br#"{"model":"m","instructions":"be brief","input":[{"role":"user","content":"hi"},{"type":"function_call","name":"f","arguments":"{\"a\":1}"},{"type":"function_call_output","output":"42"},{"type":"reasoning","summary":[{"type":"summary_text","text":"t"}]},{"type":"web_search_call","id":"w"}]}"#,
+        ),
+        (Family::Completions, br#"{"model":"m","prompt":[[1,2,3],[4294967295]]}"#),
+        (Family::Completions, br#"{"model":"m","prompt":["a","b\t"]}"#),
+    ]
+}
+
+#[test]
+fn hashes_are_those_version_2_always_gave() {
+    let got: Vec<Vec<u64>> = golden_bodies()
+        .into_iter()
+        .map(|(f, b)| {
+            classify(f, b)
+                .shape
+                .links()
+                .iter()
+                .map(|l| l.hash)
+                .collect()
+        })
+        .collect();
+    let want: Vec<Vec<u64>> = vec![
+        vec![
+            0x787844ba10d6d850,
+            0xa6ef62d0ed255ee6,
+            0x21c53825828a1d25,
+            0xd8f5f6fbd16ca667,
+            0x15aa1033f57813d1,
+        ],
+        vec![
+            0x10209462ee438c5c,
+            0x59de3bda9efa10b4,
+            0x530f51d62e508393,
+            0x4c6014f01123cda2,
+            0xdc56d8fd6263ab5,
+        ],
+        vec![
+            0x26f6decf27c3de6e,
+            0xcffd4c5674a8965c,
+            0xc213792bc42f7db3,
+            0x53aafc4631fc616e,
+            0xc3e3b1a5ac765cb,
+            0x5c707afde7ae718d,
+        ],
+        vec![0xb1048e3cadc376a9, 0x85aa182c0f7bbc4b],
+        vec![0xadc90555573485f8, 0x3251a1742e8e286e],
+    ];
+    assert_eq!(got, want);
+}
