@@ -408,3 +408,58 @@ fn bad_overload_limits_are_refused_at_start_with_the_key_named() {
         assert!(stderr.contains(key), "{key} not named: {stderr}");
     }
 }
+
+#[test]
+fn two_instances_share_a_keys_budget_through_redis_and_count_alone_when_it_is_gone() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut redis = inferlb_harness::Redis::start(root.path());
+    let (a, b) = two_sims(root.path(), &["--speed", "10"]);
+    // 60k tokens a minute over a 4 s window: 4000 tokens a window, whichever instance.
+    let overload = "window_seconds: 4\n\
+        keys:\n  - {name: metered, key: sk-metered-tenant, tokens_per_minute: 60000}\n";
+    let start = |name: &str| {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let conf = LbConf {
+            api_keys: vec![METERED.into()],
+            overload: Some(overload.into()),
+            extra: redis.cluster_conf(name),
+            ..test_conf()
+        };
+        Lb::start(&dir, &[&a, &b], conf)
+    };
+    let (one, two) = (start("one"), start("two"));
+    let shared = "inferlb_overload_shared";
+    // Sharing starts with an instance's first request.
+    assert_eq!(chat(one.port, METERED, "s1", 1500).status(), 200);
+    assert_eq!(chat(two.port, METERED, "s2", 100).status(), 200);
+    assert!(wait_until(Duration::from_secs(5), || {
+        one.metric(shared) == 1.0 && two.metric(shared) == 1.0
+    }));
+    assert_eq!(chat(one.port, METERED, "s3", 1500).status(), 200);
+    // Instance two learns what one used (about 3100 of 4000) within a few exchanges.
+    std::thread::sleep(Duration::from_millis(800));
+    let r = chat(two.port, METERED, "s4", 1500);
+    assert_eq!(r.status(), 429, "two counts what one used");
+    assert!(r.headers().contains_key("retry-after"));
+
+    // Redis gone: requests never wait on it; each instance counts only its own use again.
+    redis.kill();
+    assert!(wait_until(Duration::from_secs(5), || two.metric(shared) == 0.0));
+    let started = Instant::now();
+    assert_eq!(
+        chat(two.port, METERED, "s5", 1500).status(),
+        200,
+        "two alone has used about 100 tokens"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "not blocked on Redis"
+    );
+    assert!(
+        two.proc
+            .log_text()
+            .contains("counting this instance's use only"),
+        "the outage is logged"
+    );
+}

@@ -60,12 +60,23 @@ impl Use {
     }
 }
 
+/// What the other instances of a cluster use of a key's budget, as last read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Remote {
+    pub tokens: u64,
+    pub concurrent: u32,
+}
+
 /// Every key's use.
 #[derive(Debug)]
 pub struct Budgets {
     window: Duration,
     origin: Instant,
     keys: HashMap<u64, Use>,
+    /// Tokens charged since the last [`Budgets::take_pending`], by key (for sharing).
+    pending: HashMap<u64, i64>,
+    /// The other instances' use, by key.
+    remote: HashMap<u64, Remote>,
 }
 
 impl Budgets {
@@ -74,6 +85,8 @@ impl Budgets {
             window,
             origin,
             keys: HashMap::new(),
+            pending: HashMap::new(),
+            remote: HashMap::new(),
         }
     }
 
@@ -118,15 +131,18 @@ impl Budgets {
         let into = now.saturating_duration_since(self.origin).as_nanos() % slice.as_nanos().max(1);
         let to_next_slice = slice.saturating_sub(Duration::from_nanos(into as u64));
         let window = self.window;
+        let remote = self.remote.get(&key).copied().unwrap_or_default();
         let u = self.entry(key, now);
-        if budget.max_concurrent.is_some_and(|m| u.concurrent >= m) {
+        let concurrent = u.concurrent.saturating_add(remote.concurrent);
+        if budget.max_concurrent.is_some_and(|m| concurrent >= m) {
             return Err((Over::Concurrency, Duration::from_secs(1)));
         }
         let Some(per_minute) = budget.tokens_per_minute else {
             return Ok(());
         };
         let limit = (per_minute as u128 * window.as_millis() / 60_000) as u64;
-        let used = u.used();
+        // The other instances' part leaves their windows as it may: only ours is timed.
+        let used = u.used() + remote.tokens;
         if used == 0 || used + tokens <= limit.max(1) {
             return Ok(());
         }
@@ -150,6 +166,7 @@ impl Budgets {
 
     /// A request of `key` starts: counted as concurrent, its `tokens` charged.
     pub fn start(&mut self, key: u64, tokens: u64, now: Instant) {
+        *self.pending.entry(key).or_default() += tokens as i64;
         let u = self.entry(key, now);
         u.concurrent += 1;
         let at = (u.epoch % SLICES as u64) as usize;
@@ -158,6 +175,7 @@ impl Budgets {
 
     /// Adds (or, for an overestimate, takes back) tokens of `key` now.
     pub fn charge(&mut self, key: u64, tokens: i64, now: Instant) {
+        *self.pending.entry(key).or_default() += tokens;
         let u = self.entry(key, now);
         let at = (u.epoch % SLICES as u64) as usize;
         if tokens >= 0 {
@@ -177,6 +195,22 @@ impl Budgets {
         if let Some(u) = self.keys.get_mut(&key) {
             u.concurrent = u.concurrent.saturating_sub(1);
         }
+    }
+
+    /// Tokens charged (or given back) by key since the last call.
+    pub fn take_pending(&mut self) -> Vec<(u64, i64)> {
+        self.pending.drain().filter(|(_, t)| *t != 0).collect()
+    }
+
+    /// Each key in use (requests here now, or tokens in its window) and its requests here.
+    pub fn concurrency(&self) -> Vec<(u64, u32)> {
+        let busy = self.keys.iter().filter(|(_, u)| !u.idle());
+        busy.map(|(k, u)| (*k, u.concurrent)).collect()
+    }
+
+    /// What the other instances use now; keys absent use nothing elsewhere.
+    pub fn set_remote(&mut self, remote: HashMap<u64, Remote>) {
+        self.remote = remote;
     }
 
     /// Keys tracked now.
@@ -265,6 +299,41 @@ mod tests {
         assert!(wait <= Duration::from_secs(60), "{wait:?}");
         let later = t0 + Duration::from_secs(61);
         assert_eq!(b.check(1, TPM, 100_000, later), Ok(()));
+    }
+
+    #[test]
+    fn other_instances_use_counts_against_the_same_budget() {
+        let t0 = Instant::now();
+        let mut b = Budgets::new(Duration::from_secs(60), t0);
+        let both = Budget {
+            max_concurrent: Some(2),
+            tokens_per_minute: Some(60_000),
+        };
+        b.start(1, 100, t0);
+        b.charge(1, -40, t0);
+        assert_eq!(b.take_pending(), vec![(1, 60)]);
+        assert!(b.take_pending().is_empty(), "taken");
+        let remote = Remote {
+            tokens: 59_000,
+            concurrent: 1,
+        };
+        b.set_remote(HashMap::from([(1, remote)]));
+        assert_eq!(
+            b.check(1, both, 10, t0).map_err(|e| e.0),
+            Err(Over::Concurrency)
+        );
+        b.end(1);
+        assert_eq!(
+            b.check(1, both, 5_000, t0).map_err(|e| e.0),
+            Err(Over::TokensPerMinute)
+        );
+        assert_eq!(b.check(1, both, 500, t0), Ok(()));
+        b.set_remote(HashMap::new());
+        assert_eq!(
+            b.check(1, both, 5_000, t0),
+            Ok(()),
+            "gone: local counts only"
+        );
     }
 
     #[test]

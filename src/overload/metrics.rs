@@ -15,6 +15,7 @@ pub struct OverloadMetrics {
     pub abandoned: IntCounterVec,
     pub tokens: IntCounterVec,
     pub saturated: IntGauge,
+    pub shared: IntGauge,
 }
 
 fn build() -> Result<OverloadMetrics, prometheus::Error> {
@@ -48,6 +49,10 @@ fn build() -> Result<OverloadMetrics, prometheus::Error> {
         saturated: register_int_gauge!(
             "inferlb_overload_saturated",
             "1 while every live replica is over a limit and requests queue in inferlb."
+        )?,
+        shared: register_int_gauge!(
+            "inferlb_overload_shared",
+            "1 while per-key budgets are shared with the cluster's other instances through Redis."
         )?,
     })
 }

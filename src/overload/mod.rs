@@ -15,6 +15,7 @@ pub mod conf;
 pub mod metrics;
 pub mod policy;
 pub mod queue;
+pub mod shared;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -61,6 +62,9 @@ pub struct Overload {
     state: Mutex<State>,
     /// A task is looking at the queue every [`PUMP_EVERY`].
     pumping: AtomicBool,
+    /// Budgets shared with a cluster's other instances, when it has any.
+    sharing: Option<shared::Sharing>,
+    sharing_started: AtomicBool,
 }
 
 /// Every reason a request is answered 429.
@@ -194,7 +198,11 @@ fn identify(c: &OverloadConf, headers: &http::HeaderMap) -> Who {
 impl Overload {
     /// Overload protection as configured (`None`: off). Its series exist either way, at zero,
     /// so dashboards and alerts find them.
-    pub fn from_conf(conf: Option<OverloadConf>, registry: Arc<Registry>) -> Option<Arc<Overload>> {
+    pub fn from_conf(
+        conf: Option<OverloadConf>,
+        sharing: Option<shared::Sharing>,
+        registry: Arc<Registry>,
+    ) -> Option<Arc<Overload>> {
         let default = ["default".to_string()];
         let classes = conf.as_ref().map_or(&default[..], |c| &c.classes[..]);
         for c in classes {
@@ -209,7 +217,12 @@ impl Overload {
             METRICS.tokens.with_label_values(&["anonymous", kind]);
         }
         METRICS.saturated.set(0);
-        conf.map(|c| Arc::new(Overload::new(c, registry)))
+        METRICS.shared.set(0);
+        conf.map(|c| {
+            let mut o = Overload::new(c, registry);
+            o.sharing = sharing;
+            Arc::new(o)
+        })
     }
 
     pub fn new(conf: OverloadConf, registry: Arc<Registry>) -> Overload {
@@ -230,6 +243,8 @@ impl Overload {
             conf,
             registry,
             pumping: AtomicBool::new(false),
+            sharing: None,
+            sharing_started: AtomicBool::new(false),
         }
     }
 
@@ -334,6 +349,7 @@ impl Overload {
             ..Pass::default()
         };
         let class_name = self.conf.classes[class].as_str();
+        self.keep_sharing();
         let now = Instant::now();
         let (id, rx) = {
             let mut s = self.lock();
@@ -449,6 +465,15 @@ impl Overload {
         }
         METRICS.saturated.set(i64::from(!s.queue.is_empty()));
         self.show(&s);
+    }
+
+    /// Starts sharing budgets with the cluster, once, from the first request's runtime.
+    fn keep_sharing(self: &Arc<Self>) {
+        if let Some(sharing) = &self.sharing {
+            if !self.sharing_started.swap(true, Ordering::AcqRel) {
+                tokio::spawn(shared::run(self.clone(), sharing.clone()));
+            }
+        }
     }
 
     /// Makes sure a task looks at the queue every [`PUMP_EVERY`] while it holds requests.

@@ -66,7 +66,16 @@ impl Balancer {
                 mode: conf.routing,
                 spill_margin: conf.spill_margin,
             },
-            overload: crate::overload::Overload::from_conf(conf.overload.clone(), registry.clone()),
+            overload: crate::overload::Overload::from_conf(
+                conf.overload.clone(),
+                conf.cluster
+                    .as_ref()
+                    .map(|c| crate::overload::shared::Sharing {
+                        redis_url: c.redis_url.clone(),
+                        instance: c.instance_id.clone(),
+                    }),
+                registry.clone(),
+            ),
             registry,
             affinity,
             stored,
