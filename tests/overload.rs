@@ -18,7 +18,8 @@ const METERED: &str = "sk-metered-tenant";
 const OTHER: &str = "sk-someone-else";
 
 /// A streamed chat of about `tokens` cold prompt tokens; (status, Retry-After, seconds to the
-/// first streamed event).
+/// first streamed event). Panics when a stream that began does not end with `[DONE]`: streams
+/// already running are never touched.
 fn streamed(port: u16, key: &str, seed: &str, tokens: usize) -> (u16, Option<u64>, f64) {
     let body = chat_body(&[("user", &text_of(seed, tokens))], true, 4);
     let start = Instant::now();
@@ -41,6 +42,11 @@ fn streamed(port: u16, key: &str, seed: &str, tokens: usize) -> (u16, Option<u64
         return (status, retry, start.elapsed().as_secs_f64());
     }
     let (events, _) = sse_events(r);
+    assert_eq!(
+        events.last().map(|(_, d)| d.as_str()),
+        Some("[DONE]"),
+        "a stream that began ends whole"
+    );
     let first = events
         .first()
         .map_or(f64::NAN, |(at, _)| at.duration_since(start).as_secs_f64());
