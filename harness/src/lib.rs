@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub use lb::{Lb, LbConf, Replica};
-pub use nginx::Nginx;
+pub use nginx::{Nginx, NginxTls};
 pub use nix::sys::signal::Signal;
 pub use peer::{Peer, PeerConf, PeerKind};
 pub use proc::Proc;

@@ -1,4 +1,5 @@
-//! nginx as a plain reverse proxy: the bench's comparison target for the proxy's own overhead.
+//! nginx as a plain reverse proxy, optionally terminating TLS too: the bench's comparison target
+//! for the proxy's own overhead.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,10 +12,30 @@ use crate::{free_port, http_status, wait_until, Proc, Signal};
 /// would leave the workers running, orphaned.
 const NGINX_STOP: Signal = Signal::SIGTERM;
 
+/// TLS on a second `server` of the same nginx ([`Nginx::start_tls`]): the same `location`,
+/// behind `listen ... ssl`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NginxTls {
+    /// PEM, the server's certificate first (a chain allowed): `ssl_certificate`.
+    pub cert_file: PathBuf,
+    /// PEM: `ssl_certificate_key`.
+    pub key_file: PathBuf,
+    /// `ssl_protocols` (e.g. `"TLSv1.3"`); None: nginx's default.
+    pub protocols: Option<String>,
+    /// TLS 1.3 cipher suites, OpenSSL's `Ciphersuites` through `ssl_conf_command` (e.g.
+    /// `"TLS_AES_128_GCM_SHA256"`); None: OpenSSL's default.
+    pub ciphersuites: Option<String>,
+    /// `ssl_ecdh_curve` (e.g. `"X25519"`); None: nginx's default.
+    pub curves: Option<String>,
+}
+
 /// An nginx master process (in the foreground, `daemon off`) and its two workers, proxying to
 /// upstream ports on loopback with keep-alive and without buffering.
 pub struct Nginx {
+    /// The plain HTTP server.
     pub port: u16,
+    /// The TLS server, when started with [`Nginx::start_tls`].
+    pub tls_port: Option<u16>,
     proc: Proc,
     pid_file: PathBuf,
 }
@@ -32,8 +53,33 @@ impl Nginx {
     /// free port in front of `upstreams` and waits (at most 10 s) until `/health` answers 200
     /// through it.
     pub fn start(bin: &Path, dir: &Path, upstreams: &[u16]) -> Result<Nginx, String> {
+        Nginx::start_with(bin, dir, upstreams, None)
+    }
+
+    /// [`Nginx::start`], with a second server on another free port terminating TLS as `tls`
+    /// says, in front of the same upstreams. Also waits until that port answers: nginx answers
+    /// a plain HTTP request on a TLS port with 400, which it does only once the server is up
+    /// with its certificate loaded.
+    pub fn start_tls(
+        bin: &Path,
+        dir: &Path,
+        upstreams: &[u16],
+        tls: &NginxTls,
+    ) -> Result<Nginx, String> {
+        Nginx::start_with(bin, dir, upstreams, Some(tls))
+    }
+
+    fn start_with(
+        bin: &Path,
+        dir: &Path,
+        upstreams: &[u16],
+        tls: Option<&NginxTls>,
+    ) -> Result<Nginx, String> {
         let port = free_port();
-        let conf = write_conf(dir, port, upstreams).map_err(|e| format!("nginx conf: {e}"))?;
+        let tls = tls.map(|t| (free_port(), t));
+        let conf = dir.join("nginx.conf");
+        std::fs::write(&conf, render_conf(dir, port, upstreams, tls))
+            .map_err(|e| format!("nginx conf: {e}"))?;
         let mut cmd = Command::new(bin);
         cmd.args(["-e", "stderr", "-p"])
             .arg(dir)
@@ -45,12 +91,16 @@ impl Nginx {
             .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
         let mut nginx = Nginx {
             port,
+            tls_port: tls.map(|(p, _)| p),
             proc,
             pid_file: dir.join("nginx.pid"),
         };
         let up = wait_until(Duration::from_secs(10), || {
-            http_status(port, "/health", Duration::from_secs(1)) == Some(200)
-                || nginx.proc.has_exited()
+            let serving = http_status(port, "/health", Duration::from_secs(1)) == Some(200)
+                && nginx
+                    .tls_port
+                    .is_none_or(|p| http_status(p, "/health", Duration::from_secs(1)) == Some(400));
+            serving || nginx.proc.has_exited()
         });
         if !up || nginx.proc.has_exited() {
             return Err(format!(
@@ -63,6 +113,11 @@ impl Nginx {
 
     pub fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// `https://<host>:<tls port>` (`host` as the certificate names it), when it serves TLS.
+    pub fn tls_url(&self, host: &str) -> Option<String> {
+        self.tls_port.map(|p| format!("https://{host}:{p}"))
     }
 
     pub fn pid(&self) -> u32 {
@@ -83,21 +138,40 @@ impl Drop for Nginx {
     }
 }
 
-fn write_conf(dir: &Path, port: u16, upstreams: &[u16]) -> std::io::Result<PathBuf> {
+/// nginx.conf's text: a plain server on `port` and, with `tls`, a TLS server on its port, both
+/// with the same `location`.
+fn render_conf(dir: &Path, port: u16, upstreams: &[u16], tls: Option<(u16, &NginxTls)>) -> String {
     let servers: String = upstreams
         .iter()
         .map(|p| format!("    server 127.0.0.1:{p};\n"))
         .collect();
     let d = dir.display();
-    let text = format!(
+    let location = "    location / {\n      proxy_pass http://replicas;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }\n";
+    let mut text = format!(
         "worker_processes 2;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log;\nevents {{ worker_connections 4096; }}\n\
          http {{\n  access_log off;\n  client_body_temp_path {d};\n  proxy_temp_path {d};\n  fastcgi_temp_path {d};\n  uwsgi_temp_path {d};\n  scgi_temp_path {d};\n\
          \x20 upstream replicas {{\n{servers}    keepalive 64;\n  }}\n\
-         \x20 server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://replicas;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n"
+         \x20 server {{\n    listen 127.0.0.1:{port};\n{location}  }}\n"
     );
-    let path = dir.join("nginx.conf");
-    std::fs::write(&path, text)?;
-    Ok(path)
+    if let Some((tls_port, t)) = tls {
+        text.push_str(&format!(
+            "  server {{\n    listen 127.0.0.1:{tls_port} ssl;\n    ssl_certificate {};\n    ssl_certificate_key {};\n",
+            t.cert_file.display(),
+            t.key_file.display()
+        ));
+        if let Some(p) = &t.protocols {
+            text.push_str(&format!("    ssl_protocols {p};\n"));
+        }
+        if let Some(c) = &t.ciphersuites {
+            text.push_str(&format!("    ssl_conf_command Ciphersuites {c};\n"));
+        }
+        if let Some(c) = &t.curves {
+            text.push_str(&format!("    ssl_ecdh_curve {c};\n"));
+        }
+        text.push_str(&format!("{location}  }}\n"));
+    }
+    text.push_str("}\n");
+    text
 }
 
 #[cfg(test)]
@@ -124,12 +198,36 @@ mod tests {
     }
 
     #[test]
-    fn nginx_proxies_and_leaves_no_worker_behind() {
-        let Some(bin) = Nginx::find() else {
-            eprintln!("nginx is not installed: skipped (`make deps` installs it)");
-            return;
+    fn the_tls_server_has_the_plain_servers_location_behind_listen_ssl() {
+        let tls = NginxTls {
+            cert_file: "/d/server.crt".into(),
+            key_file: "/d/server.key".into(),
+            protocols: Some("TLSv1.3".into()),
+            ciphersuites: Some("TLS_AES_128_GCM_SHA256".into()),
+            curves: Some("X25519".into()),
         };
-        // An upstream answering 200 to every request.
+        let plain = render_conf(Path::new("/d"), 7, &[9], None);
+        let both = render_conf(Path::new("/d"), 7, &[9], Some((8, &tls)));
+        assert!(!plain.contains("ssl"), "{plain}");
+        assert_eq!(plain.matches("server {").count(), 1);
+        assert_eq!(both.matches("server {").count(), 2);
+        let tls_server = &both[both.find("listen 127.0.0.1:8 ssl;").expect("listen ssl")..];
+        for line in [
+            "ssl_certificate /d/server.crt;",
+            "ssl_certificate_key /d/server.key;",
+            "ssl_protocols TLSv1.3;",
+            "ssl_conf_command Ciphersuites TLS_AES_128_GCM_SHA256;",
+            "ssl_ecdh_curve X25519;",
+            "proxy_pass http://replicas;",
+        ] {
+            assert!(tls_server.contains(line), "{line} missing:\n{both}");
+        }
+        // Without the TLS server, the text is the plain one.
+        assert!(both.starts_with(plain.trim_end_matches("}\n")));
+    }
+
+    /// An upstream answering 200 to every request, on a loopback port.
+    fn ok_upstream() -> u16 {
         let upstream = TcpListener::bind("127.0.0.1:0").unwrap();
         let up_port = upstream.local_addr().unwrap().port();
         std::thread::spawn(move || {
@@ -142,6 +240,82 @@ mod tests {
                 );
             }
         });
+        up_port
+    }
+
+    #[test]
+    fn nginx_serves_tls_beside_plain_http() {
+        let Some(bin) = Nginx::find() else {
+            eprintln!("nginx is not installed: skipped (`make deps` installs it)");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+        // A self-signed certificate from the openssl CLI (the harness has no TLS library).
+        let made = std::process::Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+            .args(["ec_paramgen_curve:P-256", "-nodes", "-days", "1", "-subj"])
+            .args(["/CN=localhost", "-keyout"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output();
+        if !made.is_ok_and(|o| o.status.success()) {
+            eprintln!("the openssl CLI could not make a certificate: skipped");
+            return;
+        }
+        let tls = NginxTls {
+            cert_file: cert,
+            key_file: key,
+            protocols: Some("TLSv1.3".into()),
+            ciphersuites: Some("TLS_AES_128_GCM_SHA256".into()),
+            curves: Some("X25519".into()),
+        };
+        let mut nginx =
+            Nginx::start_tls(&bin, dir.path(), &[ok_upstream()], &tls).expect("nginx starts");
+        let tls_port = nginx.tls_port.expect("a TLS port");
+        assert_ne!(tls_port, nginx.port);
+        assert_eq!(
+            nginx.tls_url("localhost"),
+            Some(format!("https://localhost:{tls_port}"))
+        );
+        assert_eq!(
+            http_status(nginx.port, "/x", Duration::from_secs(2)),
+            Some(200)
+        );
+        // Plain HTTP on the TLS port: nginx's 400, so TLS is what that port speaks.
+        assert_eq!(
+            http_status(tls_port, "/x", Duration::from_secs(2)),
+            Some(400)
+        );
+        nginx.stop();
+        assert!(!dir.path().join("nginx.pid").exists());
+    }
+
+    #[test]
+    fn a_tls_server_whose_certificate_is_missing_is_an_error() {
+        let Some(bin) = Nginx::find() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let tls = NginxTls {
+            cert_file: dir.path().join("absent.crt"),
+            key_file: dir.path().join("absent.key"),
+            ..NginxTls::default()
+        };
+        let err = Nginx::start_tls(&bin, dir.path(), &[ok_upstream()], &tls)
+            .err()
+            .expect("no certificate, no nginx");
+        assert!(err.contains("absent.crt"), "{err}");
+    }
+
+    #[test]
+    fn nginx_proxies_and_leaves_no_worker_behind() {
+        let Some(bin) = Nginx::find() else {
+            eprintln!("nginx is not installed: skipped (`make deps` installs it)");
+            return;
+        };
+        let up_port = ok_upstream();
         let dir = tempfile::tempdir().unwrap();
         let mut nginx = Nginx::start(&bin, dir.path(), &[up_port]).expect("nginx starts");
         let master = nginx.pid();
