@@ -12,6 +12,9 @@ use crate::{free_port, http_status, wait_until, Proc, Signal};
 /// would leave the workers running, orphaned.
 const NGINX_STOP: Signal = Signal::SIGTERM;
 
+/// `keepalive_requests` of an nginx started with TLS ([`Nginx::start_tls`]).
+pub const KEEPALIVE_REQUESTS: u64 = 1_000_000;
+
 /// TLS on a second `server` of the same nginx ([`Nginx::start_tls`]): the same `location`,
 /// behind `listen ... ssl`.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -59,7 +62,9 @@ impl Nginx {
     /// [`Nginx::start`], with a second server on another free port terminating TLS as `tls`
     /// says, in front of the same upstreams. Also waits until that port answers: nginx answers
     /// a plain HTTP request on a TLS port with 400, which it does only once the server is up
-    /// with its certificate loaded.
+    /// with its certificate loaded. Both servers keep a client's connection for up to
+    /// [`KEEPALIVE_REQUESTS`] requests (nginx's default closes it after 1,000, which would put
+    /// handshakes into a steady-state measurement of TLS).
     pub fn start_tls(
         bin: &Path,
         dir: &Path,
@@ -154,6 +159,7 @@ fn render_conf(dir: &Path, port: u16, upstreams: &[u16], tls: Option<(u16, &Ngin
          \x20 server {{\n    listen 127.0.0.1:{port};\n{location}  }}\n"
     );
     if let Some((tls_port, t)) = tls {
+        text.push_str(&format!("  keepalive_requests {KEEPALIVE_REQUESTS};\n"));
         text.push_str(&format!(
             "  server {{\n    listen 127.0.0.1:{tls_port} ssl;\n    ssl_certificate {};\n    ssl_certificate_key {};\n",
             t.cert_file.display(),
@@ -209,6 +215,8 @@ mod tests {
         let plain = render_conf(Path::new("/d"), 7, &[9], None);
         let both = render_conf(Path::new("/d"), 7, &[9], Some((8, &tls)));
         assert!(!plain.contains("ssl"), "{plain}");
+        assert!(!plain.contains("keepalive_requests"), "{plain}");
+        assert!(both.contains("  keepalive_requests 1000000;\n"), "{both}");
         assert_eq!(plain.matches("server {").count(), 1);
         assert_eq!(both.matches("server {").count(), 2);
         let tls_server = &both[both.find("listen 127.0.0.1:8 ssl;").expect("listen ssl")..];
