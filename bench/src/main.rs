@@ -8,9 +8,9 @@
 //! Messages), a fork of a long history into staggered siblings, several instances in front of
 //! the same replicas (sharing state through Redis or not), a replay of the Mooncake trace
 //! on four replicas (inferlb's policies and the peer routers, SGLang's and vLLM's), a rolling
-//! deploy, a soak, and the proxy's own overhead against a direct connection and nginx. Ratios
-//! measured in the same run are the result; absolute times on a shared 2-core machine are
-//! noise.
+//! deploy, a soak, and the proxy's own overhead against a direct connection and nginx, over
+//! plain HTTP and over HTTPS (both terminating TLS with the same cipher suite). Ratios measured
+//! in the same run are the result; absolute times on a shared 2-core machine are noise.
 //!
 //! Every process comes from `inferlb-harness` and is stopped when the scenario that started it
 //! ends.
@@ -68,6 +68,12 @@ pub struct Args {
     /// Skip the proxy-overhead pass.
     #[arg(long)]
     no_overhead: bool,
+    /// Skip the proxy-overhead pass over HTTPS (inferlb and nginx terminating TLS).
+    #[arg(long)]
+    no_overhead_tls: bool,
+    /// Rounds of the HTTPS overhead pass (smoke: 1, HTTPS rows only).
+    #[arg(long, default_value_t = 3)]
+    overhead_tls_rounds: usize,
     /// Skip the agent loop through every agent API.
     #[arg(long)]
     no_agent_apis: bool,
@@ -485,6 +491,15 @@ async fn main() {
         scenarios::overhead::overhead(&client, &s).await
     };
     timings.since("proxy overhead", t);
+
+    let t = std::time::Instant::now();
+    let lat_tls = if a.no_overhead_tls {
+        None
+    } else {
+        let rounds = a.overhead_tls_rounds;
+        Some(scenarios::overhead_tls::overhead_tls(&client, &s, rounds, a.smoke).await)
+    };
+    timings.since("proxy overhead over https", t);
     timings.since("total", run_started);
 
     let report = report::Report {
@@ -492,6 +507,7 @@ async fn main() {
         sizes: &s,
         targets: &results,
         overhead: &lat,
+        overhead_tls: lat_tls.as_ref(),
         deploys: &deploys,
         soak: soaked.as_ref(),
         apis: apis.as_ref(),
@@ -549,6 +565,7 @@ async fn main() {
                 broken.push(format!("several instances, {}", r.setup));
             }
         }
+        broken.extend(lat_tls.iter().flat_map(scenarios::overhead_tls::broken));
         if !broken.is_empty() {
             eprintln!(
                 "smoke run: no measurement (or errors) from: {}",

@@ -21,6 +21,7 @@ pub struct Report<'a> {
     pub sizes: &'a Sizes,
     pub targets: &'a [TargetResult],
     pub overhead: &'a [Latency],
+    pub overhead_tls: Option<&'a crate::scenarios::overhead_tls::TlsOverheadResult>,
     pub deploys: &'a [DeployResult],
     pub soak: Option<&'a SoakResult>,
     pub apis: Option<&'a AgentApisResult>,
@@ -43,6 +44,9 @@ impl Report<'_> {
     /// results.md's text.
     pub fn markdown(&self) -> String {
         let mut md = table(self.targets, self.overhead, self.sizes, self.args);
+        if let Some(t) = self.overhead_tls {
+            md.push_str(&crate::scenarios::overhead_tls::table(t));
+        }
         if let Some(x) = self.apis {
             md.push_str(&apis_table(x, self.args));
         }
@@ -67,7 +71,7 @@ impl Report<'_> {
     pub fn write(&self, out: &Path) -> String {
         let report = self.markdown();
         std::fs::write(out.join("results.md"), &report).expect("write results.md");
-        let raw = json!({"command": Report::command(), "sizes": self.sizes, "targets": self.targets, "agent_apis": self.apis, "fork": self.fork, "trace": self.trace, "overload": self.overload, "overhead": self.overhead, "deploy": self.deploys, "soak": self.soak, "timings_s": self.timings});
+        let raw = json!({"command": Report::command(), "sizes": self.sizes, "targets": self.targets, "agent_apis": self.apis, "fork": self.fork, "trace": self.trace, "overload": self.overload, "overhead": self.overhead, "overhead_tls": self.overhead_tls, "deploy": self.deploys, "soak": self.soak, "timings_s": self.timings});
         std::fs::write(
             out.join("results.json"),
             serde_json::to_vec_pretty(&raw).unwrap_or_default(),

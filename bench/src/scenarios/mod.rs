@@ -7,6 +7,7 @@ pub mod failover;
 pub mod fork;
 pub mod instances;
 pub mod overhead;
+pub mod overhead_tls;
 pub mod overload;
 pub mod soak;
 pub mod trace;

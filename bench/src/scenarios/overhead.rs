@@ -34,7 +34,12 @@ struct ClientRun {
 }
 
 /// Fixed rate, saturation and SSE pacing against `base`.
-async fn overhead_target(client: &reqwest::Client, name: &str, base: &str, s: &Sizes) -> Latency {
+pub(crate) async fn overhead_target(
+    client: &reqwest::Client,
+    name: &str,
+    base: &str,
+    s: &Sizes,
+) -> Latency {
     let mut l = Latency {
         target: name.into(),
         ..Default::default()
