@@ -469,3 +469,65 @@ fn two_instances_share_a_keys_budget_through_redis_and_count_alone_when_it_is_go
         "the outage is logged"
     );
 }
+
+#[test]
+fn a_saturated_models_queue_does_not_hold_back_another_models_requests() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // gpu0 serves model a at one token a second: its first request holds it for minutes.
+    let slow = Sim::start(
+        dir.path(),
+        "gpu0",
+        &["--model", "model-a", "--prefill-tokens-per-s", "1"],
+    );
+    let fast = Sim::start(dir.path(), "gpu1", &["--model", "model-b"]);
+    let conf = LbConf {
+        overload: Some("max_queued_prefill_tokens: 1\nqueue_timeout_seconds: 60\n".into()),
+        replicas: vec![
+            Replica {
+                models: vec!["model-a".into()],
+                ..Replica::of(&slow)
+            },
+            Replica {
+                models: vec!["model-b".into()],
+                ..Replica::of(&fast)
+            },
+        ],
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[], conf);
+    let send = |model: &str, text: &str| {
+        let body = serde_json::json!({"model": model, "max_tokens": 1,
+            "messages": [{"role": "user", "content": text}]})
+        .to_string();
+        let mut s = TcpStream::connect(("127.0.0.1", lb.port)).expect("connect");
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(format!("{head}{body}").as_bytes())
+            .expect("write");
+        s
+    };
+    let _holding = send("model-a", &text_of("long", 400));
+    assert!(wait_until(Duration::from_secs(5), || {
+        lb.metric("inferlb_replica_in_flight{replica=\"gpu0\"}") == 1.0
+    }));
+    let _waiting = [send("model-a", "one"), send("model-a", "two")];
+    let queue = "inferlb_overload_queue_length{class=\"default\"}";
+    assert!(wait_until(Duration::from_secs(5), || lb.metric(queue) == 2.0));
+    // Model b's replica has room: its requests go at once, past model a's queue.
+    for i in 0..3 {
+        let started = Instant::now();
+        let r = http()
+            .post(lb.url("/v1/chat/completions"))
+            .json(&serde_json::json!({"model": "model-b", "max_tokens": 1,
+                "messages": [{"role": "user", "content": format!("b {i}")}]}))
+            .send()
+            .expect("send");
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-inferlb-replica"], "gpu1");
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+    assert_eq!(lb.metric(queue), 2.0, "model a's requests still wait");
+}

@@ -46,12 +46,18 @@ enum Verdict {
     PushedOut,
 }
 
+/// A waiting request: how it is told, and the model whose replicas it needs (`None`: any).
+struct Waiter {
+    tx: oneshot::Sender<Verdict>,
+    model: Option<Arc<str>>,
+}
+
 struct State {
-    queue: Queue<oneshot::Sender<Verdict>>,
+    queue: Queue<Waiter>,
     budgets: budget::Budgets,
     drain: Drain,
     /// Requests let go whose prefill no replica counts yet: ticket → tokens.
-    transit: HashMap<u64, u64>,
+    transit: HashMap<u64, (u64, Option<Arc<str>>)>,
     next_ticket: u64,
 }
 
@@ -258,28 +264,36 @@ impl Overload {
         identify(&self.conf, headers)
     }
 
-    /// Each replica's load now, with what was let go but is not counted on a replica yet.
-    fn fleet(&self, transit: &HashMap<u64, u64>) -> Vec<ReplicaLoad> {
+    /// The load now of each replica that may serve `model`, with what was let go for it but
+    /// is not counted on a replica yet.
+    fn fleet(
+        &self,
+        model: Option<&str>,
+        transit: &HashMap<u64, (u64, Option<Arc<str>>)>,
+    ) -> Vec<ReplicaLoad> {
         let mut fleet: Vec<ReplicaLoad> = self
             .registry
             .all()
             .iter()
+            .filter(|r| model.is_none_or(|m| r.serves(m)))
             .map(|r| ReplicaLoad {
                 live: r.is_live(),
                 queued_tokens: r.queued_tokens(),
                 running: r.running(),
             })
             .collect();
-        for tokens in transit.values() {
-            self.limits.place(&mut fleet, *tokens);
+        for (tokens, m) in transit.values() {
+            if model.is_none() || m.is_none() || m.as_deref() == model {
+                self.limits.place(&mut fleet, *tokens);
+            }
         }
         fleet
     }
 
-    fn let_go(s: &mut State, tokens: u64, now: Instant) -> u64 {
+    fn let_go(s: &mut State, tokens: u64, model: Option<Arc<str>>, now: Instant) -> u64 {
         let t = s.next_ticket;
         s.next_ticket += 1;
-        s.transit.insert(t, tokens);
+        s.transit.insert(t, (tokens, model));
         s.drain.record(now);
         t
     }
@@ -326,13 +340,14 @@ impl Overload {
         }
     }
 
-    /// Admits a request of about `tokens` prompt tokens: at once, after waiting in the queue,
-    /// or not (429). `gone` completes when the client hangs up.
+    /// Admits a request of about `tokens` prompt tokens for `model`'s replicas: at once, after
+    /// waiting in the queue, or not (429). `gone` completes when the client hangs up.
     pub async fn admit(
         self: &Arc<Self>,
         pass: &mut Pass,
         who: Who,
         tokens: u64,
+        model: Option<&str>,
         gone: impl Future<Output = ()>,
     ) -> Admission {
         let Who {
@@ -368,11 +383,12 @@ impl Overload {
                 .with_label_values(&[pass.label(), "prompt"])
                 .inc_by(tokens);
             let go_now = !self.conf.limits_load() || {
-                let mut fleet = self.fleet(&s.transit);
+                let mut fleet = self.fleet(model, &s.transit);
                 s.queue.is_empty() && self.limits.place(&mut fleet, tokens)
             };
             if go_now {
-                pass.ticket = Some(Self::let_go(&mut s, tokens, now));
+                let model = model.map(Arc::from);
+                pass.ticket = Some(Self::let_go(&mut s, tokens, model, now));
                 pass.note = Some("-");
                 METRICS
                     .queue_wait
@@ -381,10 +397,14 @@ impl Overload {
                 return Admission::Go;
             }
             let (tx, rx) = oneshot::channel();
-            let id = match s.queue.push(key, class, tokens, tx) {
+            let waiter = Waiter {
+                tx,
+                model: model.map(Arc::from),
+            };
+            let id = match s.queue.push(key, class, tokens, waiter) {
                 Pushed::Queued(id) => id,
                 Pushed::Evicted(id, out) => {
-                    let _ = out.item.send(Verdict::PushedOut);
+                    let _ = out.item.tx.send(Verdict::PushedOut);
                     id
                 }
                 Pushed::Refused(why, _) => {
@@ -401,6 +421,8 @@ impl Overload {
             (id, rx)
         };
         self.keep_pumping();
+        // Its replicas may have room while other models' requests wait.
+        self.pump();
         let mut rx = rx;
         let (waited, answered) = tokio::select! {
             v = &mut rx => (None, v.ok()),
@@ -443,28 +465,45 @@ impl Overload {
         Admission::Refused(self.refuse(pass, &mut s, reason, wait))
     }
 
-    /// Lets queued requests go while the fleet has room.
+    /// Lets queued requests go, in the queue's order, while their replicas have room.
     pub fn pump(&self) {
         let now = Instant::now();
-        let mut s = self.lock();
+        let mut guard = self.lock();
+        let s: &mut State = &mut guard;
         if s.queue.is_empty() {
             METRICS.saturated.set(0);
             return;
         }
-        let mut fleet = self.fleet(&s.transit);
-        while let Some(tokens) = s.queue.peek().map(|e| e.tokens) {
-            if !self.limits.place(&mut fleet, tokens) {
-                break;
+        // The common case under load, at the cost of one look at the replicas: nothing fits.
+        if self.limits.saturated(&self.fleet(None, &s.transit)) {
+            return;
+        }
+        // Each model's replicas, looked at once a pump; a placement adds to them, and a model
+        // whose replicas are full stays full for the rest of the pump.
+        let mut fleets: HashMap<Option<Arc<str>>, Vec<ReplicaLoad>> = HashMap::new();
+        let mut full: std::collections::HashSet<Option<Arc<str>>> = Default::default();
+        while let Some(e) = s.queue.pop_where(|e| {
+            let model = &e.item.model;
+            if full.contains(model) {
+                return false;
             }
-            let Some(e) = s.queue.pop() else { break };
-            let ticket = Self::let_go(&mut s, tokens, now);
-            if e.item.send(Verdict::Go(ticket)).is_err() {
+            let fleet = fleets
+                .entry(model.clone())
+                .or_insert_with(|| self.fleet(model.as_deref(), &s.transit));
+            let placed = self.limits.place(fleet, e.tokens);
+            if !placed {
+                full.insert(model.clone());
+            }
+            placed
+        }) {
+            let ticket = Self::let_go(s, e.tokens, e.item.model.clone(), now);
+            if e.item.tx.send(Verdict::Go(ticket)).is_err() {
                 // Its waiter is gone already.
                 s.transit.remove(&ticket);
             }
         }
         METRICS.saturated.set(i64::from(!s.queue.is_empty()));
-        self.show(&s);
+        self.show(s);
     }
 
     /// Starts sharing budgets with the cluster, once, from the first request's runtime.

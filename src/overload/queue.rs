@@ -204,6 +204,33 @@ impl<T> Queue<T> {
         Some(e)
     }
 
+    /// The first entry, in [`Self::pop`]'s order, that `fits`: the highest class first, keys in
+    /// turn, each key's oldest that fits (a request for a model whose replicas have room is
+    /// not held behind the same key's requests for a saturated one); the key then goes to the
+    /// back of its turn.
+    pub fn pop_where(&mut self, mut fits: impl FnMut(&Entry<T>) -> bool) -> Option<Entry<T>> {
+        for class in 0..self.classes.len() {
+            let c = &mut self.classes[class];
+            let mut found = None;
+            for (turn_at, k) in c.turn.iter().enumerate() {
+                let q = c.by_key.get(k);
+                if let Some(at) = q.and_then(|q| q.iter().position(&mut fits)) {
+                    found = Some((turn_at, at));
+                    break;
+                }
+            }
+            let Some((turn_at, at)) = found else { continue };
+            let key = c.turn.remove(turn_at)?;
+            let e = c.by_key.get_mut(&key)?.remove(at)?;
+            if c.by_key.get(&key).is_some_and(|q| !q.is_empty()) {
+                c.turn.push_back(key);
+            }
+            self.forget(&e);
+            return Some(e);
+        }
+        None
+    }
+
     /// Takes out the entry `id` (its client left, or it waited too long); `None` when it is
     /// no longer queued.
     pub fn remove(&mut self, id: u64) -> Option<Entry<T>> {
@@ -261,6 +288,27 @@ mod tests {
         assert_eq!(q.len_by_class(), vec![2, 6]);
         assert_eq!(ids(&mut q), vec![30, 31, 10, 20, 11, 21, 12, 13]);
         assert!(q.is_empty() && q.per_key.is_empty() && q.index.is_empty());
+    }
+
+    #[test]
+    fn pop_where_skips_what_does_not_fit_in_the_queues_order() {
+        let mut q = Queue::new(100, 2);
+        q.push(1, 0, 10, 10); // class 0, key 1: does not fit
+        q.push(1, 0, 10, 11);
+        q.push(2, 0, 10, 20);
+        q.push(3, 1, 10, 30);
+        q.push(2, 0, 10, 21);
+        let fits = |e: &Entry<u32>| e.item != 10;
+        // Key 1's oldest does not fit: its next one goes, then key 2 in turn, then class 1.
+        assert_eq!(q.pop_where(fits).map(|e| e.item), Some(11));
+        assert_eq!(q.pop_where(fits).map(|e| e.item), Some(20));
+        assert_eq!(q.pop_where(fits).map(|e| e.item), Some(21));
+        assert_eq!(q.pop_where(fits).map(|e| e.item), Some(30));
+        assert_eq!(q.pop_where(fits).map(|e| e.item), None);
+        assert_eq!(q.len(), 1);
+        assert_eq!(q.pop_where(|_| true).map(|e| e.item), Some(10));
+        assert!(q.is_empty());
+        assert!(q.per_key.is_empty() && q.index.is_empty());
     }
 
     #[test]

@@ -121,7 +121,11 @@ impl Balancer {
                 std::future::pending::<()>().await;
             }
         };
-        match overload.admit(&mut ctx.overload, who, tokens, gone).await {
+        let model = info.model.as_deref();
+        match overload
+            .admit(&mut ctx.overload, who, tokens, model, gone)
+            .await
+        {
             Admission::Go => Ok(false),
             Admission::Refused(too_many) => {
                 answers::too_many(session, &ctx.request_id, ctx.family, &too_many).await?;
