@@ -2,9 +2,10 @@
 //! which are told to come back later (429 with `Retry-After`).
 //!
 //! A request first meets its key's budget (requests at once, tokens per minute:
-//! [`budget`]); then, when every live replica is over a limit in queued prefill tokens or
-//! running requests ([`policy`]), it waits in a bounded queue ordered by class and shared
-//! fairly between keys ([`queue`]), until a replica has room, its client leaves, or the wait
+//! [`budget`], shared with a cluster's other instances when there are any: [`shared`]); then,
+//! when every live replica that may serve its model is over a limit in queued prefill tokens
+//! or running requests ([`policy`]), it waits in a bounded queue ordered by class and shared
+//! fairly between keys ([`queue`]), until one of them has room, its client leaves, or the wait
 //! bound passes. Responses already streaming are never touched: only admission is decided here.
 //!
 //! Not for routing (which replica: `crate::routing`) nor for answering (the proxy writes the
@@ -56,7 +57,7 @@ struct State {
     queue: Queue<Waiter>,
     budgets: budget::Budgets,
     drain: Drain,
-    /// Requests let go whose prefill no replica counts yet: ticket → tokens.
+    /// Requests let go whose prefill no replica counts yet: ticket → (tokens, model).
     transit: HashMap<u64, (u64, Option<Arc<str>>)>,
     next_ticket: u64,
 }
