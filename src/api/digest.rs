@@ -14,7 +14,7 @@ use std::fmt::Write;
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
-use super::json::{scalar_end, string_end, ws, Raw, Str};
+use super::json::{scalar_end, ws, Raw};
 
 /// The deepest nesting a `serde_json::Value` is read with.
 const MAX_DEPTH: usize = 127;
@@ -68,9 +68,9 @@ impl Digester {
         self.tape.clear();
         self.arena.clear();
         self.members.clear();
-        if self.build(b, 0, 0).is_some() {
+        if self.build(raw, 0, 0).is_some() {
             let mut h = Xxh3::new();
-            if self.walk(b, 0, &mut h).is_some() {
+            if self.walk(raw, 0, &mut h).is_some() {
                 return h.digest();
             }
         }
@@ -78,19 +78,15 @@ impl Digester {
     }
 
     /// Appends the tokens of the value at `i` (at `depth` containers deep); its end in `b`.
-    fn build(&mut self, b: &[u8], i: usize, depth: usize) -> Option<usize> {
+    fn build(&mut self, raw: Raw, i: usize, depth: usize) -> Option<usize> {
+        let b = raw.text;
         let (tok, end) = match b[i] {
             b'n' => (Tok::Null, i + 4),
             b't' => (Tok::True, i + 4),
             b'f' => (Tok::False, i + 5),
             b'"' => {
-                let (end, esc) = string_end(b, i + 1);
-                let s = Str {
-                    inner: &b[i + 1..end],
-                    esc,
-                    sur: true,
-                };
-                if !s.valid() {
+                let (end, esc) = raw.string_end(i + 1);
+                if !raw.str(i + 1, end, esc).valid() {
                     return None;
                 }
                 let tok = Tok::Str {
@@ -111,9 +107,9 @@ impl Digester {
                 let mut len = 0;
                 while b[j] != close {
                     if open == b'{' {
-                        j = self.key(b, j)?;
+                        j = self.key(raw, j)?;
                     }
-                    j = ws(b, self.build(b, j, depth + 1)?);
+                    j = ws(b, self.build(raw, j, depth + 1)?);
                     len += 1;
                     if b[j] == b',' {
                         j = ws(b, j + 1);
@@ -140,13 +136,10 @@ impl Digester {
     }
 
     /// Appends the key at `i` (its opening quote); the start of its value.
-    fn key(&mut self, b: &[u8], i: usize) -> Option<usize> {
-        let (end, esc) = string_end(b, i + 1);
-        let s = Str {
-            inner: &b[i + 1..end],
-            esc,
-            sur: true,
-        };
+    fn key(&mut self, raw: Raw, i: usize) -> Option<usize> {
+        let b = raw.text;
+        let (end, esc) = raw.string_end(i + 1);
+        let s = raw.str(i + 1, end, esc);
         if !s.valid() {
             return None;
         }
@@ -171,7 +164,8 @@ impl Digester {
     }
 
     /// Hashes the value at tape index `t`; the index after it.
-    fn walk(&mut self, b: &[u8], t: usize, h: &mut Xxh3) -> Option<usize> {
+    fn walk(&mut self, raw: Raw, t: usize, h: &mut Xxh3) -> Option<usize> {
+        let b = raw.text;
         match self.tape[t] {
             Tok::Null => h.update(b"n"),
             Tok::True => h.update(b"t"),
@@ -184,12 +178,8 @@ impl Digester {
                 h.update(b"s");
                 let s = if esc {
                     self.scratch.clear();
-                    let s = Str {
-                        inner: &b[start..end],
-                        esc,
-                        sur: true,
-                    };
-                    s.pieces(|p| self.scratch.extend_from_slice(p));
+                    raw.str(start, end, esc)
+                        .pieces(|p| self.scratch.extend_from_slice(p));
                     &self.scratch[..]
                 } else {
                     &b[start..end]
@@ -202,7 +192,7 @@ impl Digester {
                 h.update(&len.to_le_bytes());
                 let mut i = t + 1;
                 while i < end {
-                    i = self.walk(b, i, h)?;
+                    i = self.walk(raw, i, h)?;
                 }
                 return Some(end);
             }
@@ -234,7 +224,7 @@ impl Digester {
                     }
                     h.update(&(name.len() as u64).to_le_bytes());
                     h.update(name);
-                    self.walk(b, v, h)?;
+                    self.walk(raw, v, h)?;
                 }
                 self.members.truncate(base);
                 h.update(b"}");

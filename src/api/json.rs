@@ -23,8 +23,30 @@ pub(super) struct Raw<'a> {
     pub text: &'a [u8],
     /// A string with at least one escape (meaningless for other values).
     esc: bool,
+    /// Where `text` starts in the body.
+    base: usize,
+    strings: &'a Strings,
+}
+
+/// What the check learnt of the body's strings, so reading never scans one twice.
+#[derive(Debug, Default)]
+pub(super) struct Strings {
+    /// Strings of at least [`LONG`] bytes: where the body starts, its closing quote, whether
+    /// it has escapes; in the body's order.
+    long: Vec<(usize, usize, bool)>,
     /// The body has `\u` escapes of surrogates: strings must be checked for lone ones.
-    sur: bool,
+    surrogates: bool,
+}
+
+/// A string this long is found again by a lookup rather than a scan.
+const LONG: usize = 64;
+
+impl Strings {
+    fn end(&self, start: usize) -> Option<(usize, bool)> {
+        let at = self.long.binary_search_by_key(&start, |l| l.0).ok()?;
+        let (_, end, esc) = self.long[at];
+        Some((end, esc))
+    }
 }
 
 /// A JSON string's body (between its quotes) in a checked span.
@@ -58,9 +80,9 @@ pub(super) fn scalar_end(b: &[u8], mut i: usize) -> usize {
 
 /// In a checked span: the index of the closing quote of the string whose body starts at `i`,
 /// and whether it has escapes.
-pub(super) fn string_end(b: &[u8], mut i: usize) -> (usize, bool) {
+fn string_end(b: &[u8], mut i: usize) -> (usize, bool) {
     let mut esc = false;
-    while let Some(k) = memchr2(b'"', b'\\', &b[i..]) {
+    while let Some(k) = b.get(i..).and_then(|rest| memchr2(b'"', b'\\', rest)) {
         let j = i + k;
         if b[j] == b'"' {
             return (j, esc);
@@ -71,47 +93,91 @@ pub(super) fn string_end(b: &[u8], mut i: usize) -> (usize, bool) {
     (b.len(), esc)
 }
 
-/// In a checked span: the end of the value starting at `i` (not whitespace), and whether it is
-/// a string with escapes.
-fn skip(b: &[u8], i: usize) -> (usize, bool) {
-    match b[i] {
-        b'"' => {
-            let (end, esc) = string_end(b, i + 1);
-            (end + 1, esc)
-        }
-        b'[' | b'{' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            while j < b.len() {
-                match b[j] {
-                    b'"' => j = string_end(b, j + 1).0,
-                    b'[' | b'{' => depth += 1,
-                    b']' | b'}' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return (j + 1, false);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-            (b.len(), false)
-        }
-        _ => (scalar_end(b, i), false),
-    }
-}
-
 impl<'a> Raw<'a> {
-    /// The value at `i` of `b` (this value's text), and its end.
-    fn at(&self, b: &'a [u8], i: usize) -> (Raw<'a>, usize) {
-        let (end, esc) = skip(b, i);
-        let raw = Raw {
-            text: &b[i..end],
+    /// The checked span `start..end` of `body`.
+    pub fn new(body: &'a [u8], (start, end, esc): Span, strings: &'a Strings) -> Raw<'a> {
+        Raw {
+            text: &body[start..end],
             esc,
-            sur: self.sur,
+            base: start,
+            strings,
+        }
+    }
+
+    /// The closing quote of the string whose body starts at `i` of this value's text, and
+    /// whether it has escapes.
+    pub fn string_end(&self, i: usize) -> (usize, bool) {
+        // A short string ends within its first `LONG` bytes (a byte loop beats a call to
+        // `memchr` there); a long one the check recorded.
+        let b = self.text;
+        let (mut j, mut esc) = (i, false);
+        while j < b.len().min(i + LONG) {
+            match b[j] {
+                b'"' => return (j, esc),
+                b'\\' => {
+                    esc = true;
+                    j += 2;
+                }
+                _ => j += 1,
+            }
+        }
+        match self.strings.end(self.base + i) {
+            Some((end, esc)) => (end - self.base, esc),
+            None => string_end(self.text, i),
+        }
+    }
+
+    /// The end of the value at `i` of this value's text (not whitespace), and whether it is a
+    /// string with escapes.
+    fn skip(&self, i: usize) -> (usize, bool) {
+        let b = self.text;
+        match b[i] {
+            b'"' => {
+                let (end, esc) = self.string_end(i + 1);
+                (end + 1, esc)
+            }
+            b'[' | b'{' => {
+                let mut depth = 0usize;
+                let mut j = i;
+                while j < b.len() {
+                    match b[j] {
+                        b'"' => j = self.string_end(j + 1).0,
+                        b'[' | b'{' => depth += 1,
+                        b']' | b'}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                return (j + 1, false);
+                            }
+                        }
+                        _ => {}
+                    }
+                    j += 1;
+                }
+                (b.len(), false)
+            }
+            _ => (scalar_end(b, i), false),
+        }
+    }
+
+    /// The value at `i` of this value's text, and its end.
+    fn at(&self, i: usize) -> (Raw<'a>, usize) {
+        let (end, esc) = self.skip(i);
+        let raw = Raw {
+            text: &self.text[i..end],
+            esc,
+            base: self.base + i,
+            strings: self.strings,
         };
         (raw, end)
+    }
+
+    /// A string's body in this value's text, `start..end`.
+    pub fn str(&self, start: usize, end: usize, esc: bool) -> Str<'a> {
+        Str {
+            inner: &self.text[start..end],
+            esc,
+            sur: self.strings.surrogates,
+        }
     }
 
     pub fn is_null(&self) -> bool {
@@ -125,11 +191,7 @@ impl<'a> Raw<'a> {
         if t.first() != Some(&b'"') {
             return None;
         }
-        let s = Str {
-            inner: &t[1..t.len() - 1],
-            esc: self.esc,
-            sur: self.sur,
-        };
+        let s = self.str(1, t.len() - 1, self.esc);
         s.valid().then_some(s)
     }
 
@@ -155,18 +217,14 @@ impl<'a> Raw<'a> {
                     return Some(out);
                 }
                 loop {
-                    let (end, esc) = string_end(b, i + 1);
-                    let key = Str {
-                        inner: &b[i + 1..end],
-                        esc,
-                        sur: self.sur,
-                    };
+                    let (end, esc) = self.string_end(i + 1);
+                    let key = self.str(i + 1, end, esc);
                     if !key.valid() {
                         return None;
                     }
                     let field = names.iter().position(|n| key.is(n));
                     i = ws(b, ws(b, end + 1) + 1);
-                    let (value, next) = self.at(b, i);
+                    let (value, next) = self.at(i);
                     if let Some(f) = field {
                         if std::mem::replace(&mut seen[f], true) {
                             return None;
@@ -228,7 +286,7 @@ impl<'a> Iterator for Elements<'a> {
         if self.i >= b.len() || b[self.i] == b']' {
             return None;
         }
-        let (v, next) = self.array.at(b, self.i);
+        let (v, next) = self.array.at(self.i);
         let i = ws(b, next);
         // A comma, or the closing bracket (kept, so the next call ends).
         self.i = if b.get(i) == Some(&b',') {
@@ -353,8 +411,7 @@ struct Checker<'a> {
     i: usize,
     /// Open brackets of the value being skipped.
     stack: Vec<u8>,
-    /// A `\u` escape of a surrogate was seen.
-    surrogates: bool,
+    strings: Strings,
 }
 
 impl<'a> Checker<'a> {
@@ -379,13 +436,17 @@ impl<'a> Checker<'a> {
     /// whether it has escapes.
     fn string(&mut self, utf8: bool) -> Result<bool, Invalid> {
         let b = self.b;
-        let mut i = self.i + 1;
+        let start = self.i + 1;
+        let mut i = start;
         let mut esc = false;
         loop {
             let k = memchr2(b'"', b'\\', &b[i..]).ok_or(Invalid)?;
             let j = i + k;
             check_piece(&b[i..j], utf8)?;
             if b[j] == b'"' {
+                if j - start >= LONG {
+                    self.strings.long.push((start, j, esc));
+                }
                 self.i = j + 1;
                 return Ok(esc);
             }
@@ -398,7 +459,7 @@ impl<'a> Checker<'a> {
                         return Err(Invalid);
                     }
                     // `\uD800`-`\uDFFF`.
-                    self.surrogates |= matches!(hex[0], b'd' | b'D')
+                    self.strings.surrogates |= matches!(hex[0], b'd' | b'D')
                         && matches!(hex[1], b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F');
                     i = j + 6;
                 }
@@ -465,7 +526,7 @@ impl<'a> Checker<'a> {
 
     /// Skips one value (iteratively: any depth), checking it; `utf8`: refuse invalid UTF-8 in
     /// its strings. Returns the value's span and whether it is a string with escapes.
-    fn value(&mut self, utf8: bool) -> Result<Raw<'a>, Invalid> {
+    fn value(&mut self, utf8: bool) -> Result<Span, Invalid> {
         self.ws();
         let start = self.i;
         let mut esc = false;
@@ -497,11 +558,7 @@ impl<'a> Checker<'a> {
             // After a value: close what ends here, then a comma starts the next one.
             loop {
                 let Some(&open) = self.stack.last() else {
-                    return Ok(Raw {
-                        text: &self.b[start..self.i],
-                        esc,
-                        sur: true,
-                    });
+                    return Ok((start, self.i, esc));
                 };
                 self.ws();
                 match (open, self.peek()?) {
@@ -523,7 +580,7 @@ impl<'a> Checker<'a> {
     }
 
     /// A field's value: `None` for `null`, else the checked span (UTF-8 refused if invalid).
-    fn field(&mut self) -> Result<Option<Raw<'a>>, Invalid> {
+    fn field(&mut self) -> Result<Option<Span>, Invalid> {
         self.ws();
         if self.peek()? == b'n' {
             self.literal(b"null")?;
@@ -548,17 +605,21 @@ fn check_piece(p: &[u8], utf8: bool) -> Result<(), Invalid> {
     Ok(())
 }
 
+/// A checked value's place in the body: start, end, and whether it is a string with escapes.
+pub(super) type Span = (usize, usize, bool);
+
 /// Reads `body` as `serde_json::from_slice` reads a struct of the optional raw fields `names`
-/// (see the module doc), checking all of it.
-pub(super) fn top_fields<'a, const N: usize>(
-    body: &'a [u8],
+/// (see the module doc), checking all of it: the fields' spans (see [`Raw::new`]), and what
+/// reading them needs to know of the body's strings.
+pub(super) fn top_fields<const N: usize>(
+    body: &[u8],
     names: &[&str; N],
-) -> Result<[Option<Raw<'a>>; N], Invalid> {
+) -> Result<([Option<Span>; N], Strings), Invalid> {
     let mut c = Checker {
         b: body,
         i: 0,
         stack: Vec::new(),
-        surrogates: false,
+        strings: Strings::default(),
     };
     let mut out = [None; N];
     c.ws();
@@ -637,8 +698,5 @@ pub(super) fn top_fields<'a, const N: usize>(
     if c.i != body.len() {
         return Err(Invalid);
     }
-    for raw in out.iter_mut().flatten() {
-        raw.sur = c.surrogates;
-    }
-    Ok(out)
+    Ok((out, c.strings))
 }

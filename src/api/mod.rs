@@ -17,7 +17,7 @@ mod responses;
 
 use crate::shape::Shape;
 use digest::Digester;
-use json::{Raw, Str};
+use json::{Raw, Str, Strings};
 use prompt::PromptHasher;
 
 /// How many bytes of an unreadable body name its "prefix" for the `affinity` policy.
@@ -84,25 +84,24 @@ struct Top<'a> {
     previous_response_id: Option<Raw<'a>>,
 }
 
+const TOP: [&str; 9] = [
+    "model",
+    "stream",
+    "messages",
+    "tools",
+    "system",
+    "instructions",
+    "input",
+    "prompt",
+    "previous_response_id",
+];
+
 impl<'a> Top<'a> {
-    /// Checks the whole body (see [`json`]) and keeps the fields any family reads.
-    fn read(body: &'a [u8]) -> Result<Top<'a>, json::Invalid> {
+    /// The fields of `body`, whose check gave `spans` and `strings`.
+    fn new(body: &'a [u8], spans: [Option<json::Span>; 9], strings: &'a Strings) -> Top<'a> {
         let [model, stream, messages, tools, system, instructions, input, prompt, previous_response_id] =
-            json::top_fields(
-                body,
-                &[
-                    "model",
-                    "stream",
-                    "messages",
-                    "tools",
-                    "system",
-                    "instructions",
-                    "input",
-                    "prompt",
-                    "previous_response_id",
-                ],
-            )?;
-        Ok(Top {
+            spans.map(|s| s.map(|s| Raw::new(body, s, strings)));
+        Top {
             model,
             stream,
             messages,
@@ -112,7 +111,7 @@ impl<'a> Top<'a> {
             input,
             prompt,
             previous_response_id,
-        })
+        }
     }
 }
 
@@ -128,7 +127,7 @@ pub fn classify(family: Family, body: &[u8]) -> RequestInfo {
     let other = || Shape::Other {
         key: xxhash_rust::xxh3::xxh3_64(&body[..body.len().min(OTHER_KEY_BYTES)]),
     };
-    let Ok(top) = Top::read(body) else {
+    let Ok((spans, strings)) = json::top_fields(body, &TOP) else {
         return RequestInfo {
             shape: other(),
             model: None,
@@ -136,6 +135,7 @@ pub fn classify(family: Family, body: &[u8]) -> RequestInfo {
             previous_response_id: None,
         };
     };
+    let top = Top::new(body, spans, &strings);
     let model = text(top.model).map(Str::owned);
     let mut r = Reader {
         h: PromptHasher::new(model.as_deref().unwrap_or("")),
