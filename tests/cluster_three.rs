@@ -24,9 +24,10 @@ fn one_at_a_time() -> MutexGuard<'static, ()> {
 }
 
 const INSTANCES: [&str; 3] = ["lb-a", "lb-b", "lb-c"];
-/// Tokens each answer generates: the first after the prefill, then one every 20 ms (the
-/// simulator's decode interval), so every answer takes at least 40 ms.
-const REPLY_TOKENS: u32 = 3;
+/// Tokens each answer generates: the first after the prefill, the second 20 ms later (the
+/// simulator's decode interval), so every answer takes at least 20 ms, the issue's bound: the
+/// next turn may reach another instance 20 ms after this one was routed.
+const REPLY_TOKENS: u32 = 2;
 
 /// Fields drop in order: the balancers stop before the replicas and Redis they use.
 struct Fleet {
@@ -243,6 +244,14 @@ impl Agreement {
     fn share(&self) -> f64 {
         self.same as f64 / self.warm.max(1) as f64
     }
+
+    /// Warm turns routed by an instance that knew where the turn before went: kept there, or
+    /// moved on purpose because that replica was far busier (`spilled`, a load decision made
+    /// knowing the home; one instance alone makes it too).
+    fn agreed(&self) -> f64 {
+        let spilled_away = self.moved.get("spilled").copied().unwrap_or(0);
+        (self.same + spilled_away) as f64 / self.warm.max(1) as f64
+    }
 }
 
 /// Agreement over the warm turns `counted` keeps (by the turn's send time).
@@ -410,15 +419,17 @@ fn sixteen_agent_loops_keep_their_replica_whichever_instance_each_turn_reaches()
         "the replicas' cache hits disagree: three instances {h_three:.4}, one {h_solo:.4}"
     );
 
-    let delays = pin_propagation(&f, 60);
+    let mut delays = pin_propagation(&f, 100);
     eprintln!(
         "[agent loops] pin propagation instance to instance (request sent -> next instance's \
-         table holds it), {} samples: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+         table holds it), {} samples: p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
         delays.len(),
         quantile(&delays, 0.5),
+        quantile(&delays, 0.9),
         quantile(&delays, 0.99),
-        quantile(&delays, 1.0)
     );
+    delays.sort_by(|a, b| b.total_cmp(a));
+    eprintln!("[agent loops] the five longest (ms): {:.1?}", &delays[..5]);
 }
 
 /// `n` requests sharing one long prefix, sent at once, request `i` to `fronts[i % len]`:
@@ -615,13 +626,13 @@ fn a_drain_on_one_instance_stops_new_work_on_every_instance_within_a_second() {
         });
     eprintln!(
         "[drain] drain on lb-a; shown draining by lb-a/lb-b/lb-c after {:?}; {} requests sent \
-         after the drain, {} of them to gpu0 more than 1 s after it; last request to gpu0 sent \
-         {:?} ms after the drain (negative: before); gpu0 received {} requests between 1 s after the drain and the \
-         end; errors {}",
+         after the drain, {} of them to gpu0 more than 1 s after it; the last request gpu0 \
+         served was sent {:.1} ms after the drain (negative: before it); gpu0 received {} \
+         requests between 1 s after the drain and the end; errors {}",
         visible,
         after,
         late.len(),
-        last_gpu0,
+        last_gpu0.unwrap_or(f64::NAN),
         at_end - at_one_second,
         errors(&turns).len()
     );
@@ -673,24 +684,28 @@ fn redis_killed_mid_run_costs_no_request_and_agreement_returns_after_its_restart
         let a = window(second, second + Duration::from_secs(1));
         let offset = second.saturating_duration_since(restarted).as_secs_f64()
             - restarted.saturating_duration_since(second).as_secs_f64();
-        timeline.push(format!("{offset:+.1}s: {:.3} of {}", a.share(), a.warm));
+        timeline.push(format!("{offset:+.1}s: {:.3} of {}", a.agreed(), a.warm));
         second += Duration::from_secs(1);
     }
     let errs = errors(&turns);
     eprintln!(
         "[redis outage] {} requests, {} client errors; instances reconnected {:?} after the \
-         restart; warm turns on their previous replica: before the kill {:.4} ({}), during the \
-         outage {:.4} ({}), from 5 s after the restart {:.4} ({}, >= 0.99 required; routes \
-         of the turns that moved: {:?})",
+         restart; agreement (warm turns kept on the previous turn's replica, or spilled from \
+         it knowing it): before the kill {:.4} of {}, during the outage {:.4} of {}, from 5 s \
+         after the restart {:.4} of {} (>= 0.99 required); of those, kept on the same replica: \
+         {:.4} / {:.4} / {:.4}; routes of the turns that moved from 5 s after the restart: {:?}",
         turns.len(),
         errs.len(),
         reconnected,
-        before.share(),
+        before.agreed(),
         before.warm,
-        outage.share(),
+        outage.agreed(),
         outage.warm,
-        settled.share(),
+        settled.agreed(),
         settled.warm,
+        before.share(),
+        outage.share(),
+        settled.share(),
         settled.moved
     );
     eprintln!("[redis outage] per second, relative to the restart: {timeline:?}");
@@ -698,8 +713,9 @@ fn redis_killed_mid_run_costs_no_request_and_agreement_returns_after_its_restart
     assert!(reconnected.is_some(), "the instances did not reconnect");
     assert!(settled.warm > 100, "too few warm turns after the restart");
     assert!(
-        settled.share() >= 0.99,
-        "agreement {:.4} from 5 s after the restart",
-        settled.share()
+        settled.agreed() >= 0.99,
+        "agreement {:.4} from 5 s after the restart: {:?}",
+        settled.agreed(),
+        settled.moved
     );
 }

@@ -271,39 +271,6 @@ impl ClusterSync {
         Ok(adopted)
     }
 
-    /// Publishes this instance's load per replica and reads the others'.
-    async fn share_load(&self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
-        let mine = load_key(&self.cluster.instance);
-        let mut pipe = redis::pipe();
-        for r in self.registry.all().iter() {
-            let (queued, waiting) = r.local_prefill();
-            let value = format!("{queued} {waiting} {}", r.in_flight());
-            pipe.cmd("HSET").arg(&mine).arg(&*r.id).arg(value).ignore();
-        }
-        pipe.cmd("EXPIRE").arg(&mine).arg(LOAD_TTL_SECONDS).ignore();
-        bounded(pipe.query_async::<()>(conn)).await?;
-        let mut total: HashMap<String, (u64, u64, u64)> = HashMap::new();
-        for key in Self::scan(conn, "inferlb:load:*", 10_000).await? {
-            if key == mine {
-                continue;
-            }
-            let fields: HashMap<String, String> =
-                bounded(redis::cmd("HGETALL").arg(&key).query_async(conn)).await?;
-            for (replica, value) in fields {
-                let mut n = value.split(' ').map(|v| v.parse::<u64>().unwrap_or(0));
-                let t = total.entry(replica).or_default();
-                t.0 += n.next().unwrap_or(0);
-                t.1 += n.next().unwrap_or(0);
-                t.2 += n.next().unwrap_or(0);
-            }
-        }
-        for r in self.registry.all().iter() {
-            let (queued, waiting, in_flight) = total.get(&*r.id).copied().unwrap_or_default();
-            r.set_peer_load(queued, waiting, in_flight);
-        }
-        Ok(())
-    }
-
     /// One connected session, until Redis fails or the process stops (`Ok`).
     async fn session(
         &self,
@@ -327,7 +294,11 @@ impl ClusterSync {
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         let mut messages = pubsub.into_on_message();
-        let mut load = tokio::time::interval(LOAD_EVERY);
+        let mut load = Aborting(tokio::spawn(share_load_every(
+            self.registry.clone(),
+            self.cluster.instance.clone(),
+            conn.clone(),
+        )));
         let mut batch = Vec::with_capacity(BATCH);
         loop {
             tokio::select! {
@@ -353,9 +324,76 @@ impl ClusterSync {
                     }
                     batch.clear();
                 }
-                _ = load.tick() => self.share_load(&mut conn).await?,
+                failed = &mut load.0 => {
+                    return Err(failed.unwrap_or_else(|_| {
+                        redis::RedisError::from(std::io::Error::other("load sharing stopped"))
+                    }));
+                }
             }
         }
+    }
+}
+
+/// Publishes this instance's load per replica and reads the others'.
+async fn share_load(
+    registry: &Registry,
+    instance: &str,
+    conn: &mut MultiplexedConnection,
+) -> Result<(), Failed> {
+    let mine = load_key(instance);
+    let mut pipe = redis::pipe();
+    for r in registry.all().iter() {
+        let (queued, waiting) = r.local_prefill();
+        let value = format!("{queued} {waiting} {}", r.in_flight());
+        pipe.cmd("HSET").arg(&mine).arg(&*r.id).arg(value).ignore();
+    }
+    pipe.cmd("EXPIRE").arg(&mine).arg(LOAD_TTL_SECONDS).ignore();
+    bounded(pipe.query_async::<()>(conn)).await?;
+    let mut total: HashMap<String, (u64, u64, u64)> = HashMap::new();
+    for key in ClusterSync::scan(conn, "inferlb:load:*", 10_000).await? {
+        if key == mine {
+            continue;
+        }
+        let fields: HashMap<String, String> =
+            bounded(redis::cmd("HGETALL").arg(&key).query_async(conn)).await?;
+        for (replica, value) in fields {
+            let mut n = value.split(' ').map(|v| v.parse::<u64>().unwrap_or(0));
+            let t = total.entry(replica).or_default();
+            t.0 += n.next().unwrap_or(0);
+            t.1 += n.next().unwrap_or(0);
+            t.2 += n.next().unwrap_or(0);
+        }
+    }
+    for r in registry.all().iter() {
+        let (queued, waiting, in_flight) = total.get(&*r.id).copied().unwrap_or_default();
+        r.set_peer_load(queued, waiting, in_flight);
+    }
+    Ok(())
+}
+
+/// [`share_load`] every [`LOAD_EVERY`] on a connection of its own, until a round fails (that
+/// error is what it returns). A task apart from the pins and drains: its several round trips
+/// never hold back a pin that another instance is about to need.
+async fn share_load_every(
+    registry: Arc<Registry>,
+    instance: String,
+    mut conn: MultiplexedConnection,
+) -> Failed {
+    let mut tick = tokio::time::interval(LOAD_EVERY);
+    loop {
+        tick.tick().await;
+        if let Err(e) = share_load(&registry, &instance, &mut conn).await {
+            return e;
+        }
+    }
+}
+
+/// A task that is stopped when its session ends, however it ends.
+struct Aborting<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for Aborting<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
