@@ -11,9 +11,14 @@
 //! handshake at start and printed under the table. Connections are kept alive and reused, as
 //! for the plain rows, and warmed up before each measurement: the rows are steady state, not
 //! handshakes.
+//!
+//! Latency and throughput on a 2-core machine shared with other work move with that work; the
+//! CPU time the server process spends per request (read from /proc around a fixed number of
+//! requests from 32 clients) moves much less, so it is measured too.
 
 use std::net::TcpStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,6 +92,9 @@ pub struct TlsRow {
     pub saturation_p99_ms: Spread,
     pub sse_gap_p50_ms: Spread,
     pub sse_gap_p99_ms: Spread,
+    /// CPU time of the server's process(es) per request at saturation, µs, each round.
+    pub cpu_us_rounds: Vec<f64>,
+    pub cpu_us_per_request: Spread,
     /// Over every round.
     pub errors: u64,
 }
@@ -109,6 +117,7 @@ impl TlsRow {
         self.saturation_p99_ms = Spread::of(r.iter().map(|l| l.saturation_p99_ms));
         self.sse_gap_p50_ms = Spread::of(r.iter().map(|l| l.sse_gap_p50_ms));
         self.sse_gap_p99_ms = Spread::of(r.iter().map(|l| l.sse_gap_p99_ms));
+        self.cpu_us_per_request = Spread::of(self.cpu_us_rounds.iter().copied());
         self.errors = r.iter().map(|l| l.errors).sum();
     }
 }
@@ -123,6 +132,8 @@ pub struct TlsOverheadResult {
     pub rounds: usize,
     /// Seconds of each phase (fixed rate, saturation).
     pub seconds: f64,
+    /// Requests of each CPU measurement.
+    pub cpu_requests: usize,
     /// Targets that could not be measured, and why.
     pub skipped: Vec<String>,
 }
@@ -218,6 +229,87 @@ async fn warm_up(client: &reqwest::Client, base: &str) {
     }
 }
 
+/// Clock ticks a second of /proc's CPU times (`getconf CLK_TCK`; Linux's USER_HZ is 100).
+fn clock_ticks() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// A process's user and system CPU time so far (every thread's), in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // After the command's ")": state ppid ... utime (the 12th) stime (the 13th).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    rest.split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|x| x.parse::<u64>().ok())
+        .sum()
+}
+
+/// `pid` and its children (nginx's master and its workers).
+fn with_children(pid: u32) -> Vec<u32> {
+    let mut out = vec![pid];
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Some(p) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let parent = std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .ok()
+            .and_then(|s| {
+                let rest = s.rsplit_once(')')?.1.to_string();
+                rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+            });
+        if parent == Some(pid) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// `requests` small requests from 32 closed-loop clients: the CPU time `pids` spent, µs a
+/// request (NaN when a request failed or nothing was counted).
+async fn cpu_per_request(
+    client: &reqwest::Client,
+    base: &str,
+    pids: &[u32],
+    requests: usize,
+) -> f64 {
+    let ticks = || pids.iter().map(|p| cpu_ticks(*p)).sum::<u64>();
+    let before = ticks();
+    let left = Arc::new(AtomicUsize::new(requests));
+    let clients = (0..32).map(|_| {
+        let left = left.clone();
+        async move {
+            let mut failed = 0;
+            while left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                if small_request(client, base).await.is_none() {
+                    failed += 1;
+                }
+            }
+            failed
+        }
+    });
+    let failed: usize = futures::future::join_all(clients).await.into_iter().sum();
+    let spent = ticks().saturating_sub(before);
+    if failed > 0 || spent == 0 {
+        return f64::NAN;
+    }
+    spent as f64 / clock_ticks() * 1e6 / requests as f64
+}
+
 /// The pass: `rounds` rounds (1 when `smoke`, over the HTTPS targets only) of every target.
 pub async fn overhead_tls(
     client: &reqwest::Client,
@@ -309,20 +401,29 @@ pub async fn overhead_tls(
     });
     let (lb, plain_port) = lb;
 
-    // (row, base URL, client)
-    let mut targets: Vec<(TlsRow, String, &reqwest::Client)> = vec![];
+    // (row, base URL, client, the server's processes)
+    let lb_pids = vec![lb.proc.pid()];
+    let mut targets: Vec<(TlsRow, String, &reqwest::Client, Vec<u32>)> = vec![];
     if !smoke {
-        targets.push((TlsRow::new("direct", "http"), sims[0].url(""), client));
+        let sim_pids = sims[0].proc().map(|p| p.pid()).into_iter().collect();
+        targets.push((
+            TlsRow::new("direct", "http"),
+            sims[0].url(""),
+            client,
+            sim_pids,
+        ));
         targets.push((
             TlsRow::new("inferlb", "http"),
             format!("http://127.0.0.1:{plain_port}"),
             client,
+            lb_pids.clone(),
         ));
     }
     targets.push((
         TlsRow::new("inferlb", "https"),
         format!("https://127.0.0.1:{}", lb.port),
         &https,
+        lb_pids,
     ));
     let mut tls_ports = vec![("inferlb".to_string(), lb.port)];
     match &nginx {
@@ -331,11 +432,12 @@ pub async fn overhead_tls(
             .push("nginx: not installed (make deps installs it)".into()),
         Some(Err(e)) => out.skipped.push(format!("nginx: {e}")),
         Some(Ok(n)) => {
+            let pids = tokio::task::block_in_place(|| with_children(n.pid()));
             if !smoke {
-                targets.push((TlsRow::new("nginx", "http"), n.url(), client));
+                targets.push((TlsRow::new("nginx", "http"), n.url(), client, pids.clone()));
             }
             let url = n.tls_url("127.0.0.1").expect("nginx's TLS port");
-            targets.push((TlsRow::new("nginx", "https"), url, &https));
+            targets.push((TlsRow::new("nginx", "https"), url, &https, pids));
             tls_ports.push(("nginx".into(), n.tls_port.unwrap_or_default()));
         }
     }
@@ -351,9 +453,11 @@ pub async fn overhead_tls(
 
     // Each round starts one target later, so no target is always first or last.
     let n = targets.len();
+    let cpu_requests = if smoke { 2_000 } else { 20_000 };
+    out.cpu_requests = cpu_requests;
     for round in 0..rounds {
         for k in 0..n {
-            let (row, base, c) = &mut targets[(round + k) % n];
+            let (row, base, c, pids) = &mut targets[(round + k) % n];
             eprintln!(
                 "[overhead https] round {}/{rounds}: {} over {}",
                 round + 1,
@@ -363,11 +467,13 @@ pub async fn overhead_tls(
             warm_up(c, base).await;
             let name = format!("{} {}", row.target, row.scheme);
             row.rounds.push(overhead_target(c, &name, base, s).await);
+            let cpu = cpu_per_request(c, base, pids, cpu_requests).await;
+            row.cpu_us_rounds.push(cpu);
         }
     }
     out.rows = targets
         .into_iter()
-        .map(|(mut row, _, _)| {
+        .map(|(mut row, _, _, _)| {
             row.summarize();
             row
         })
@@ -386,7 +492,8 @@ pub fn table(r: &TlsOverheadResult) -> String {
         return String::new();
     }
     let mut md = format!(
-        "\nProxy overhead over HTTPS (as above; TLS 1.3, {SUITE}, {GROUP}, one ECDSA P-256 certificate from a CA made at bench start, HTTP/1.1 by ALPN; the client offers only that suite and group, nginx is pinned to them too; connections kept alive and reused (nginx's keepalive_requests raised from 1,000 for both its rows), warmed up before each measurement: steady state, no handshakes; replicas plain HTTP; {}):\n\n",
+        "\nProxy overhead over HTTPS (as above; TLS 1.3, {SUITE}, {GROUP}, one ECDSA P-256 certificate from a CA made at bench start, HTTP/1.1 by ALPN; the client offers only that suite and group, nginx is pinned to them too; connections kept alive and reused (nginx's keepalive_requests raised from 1,000 for both its rows), warmed up before each measurement: steady state, no handshakes; replicas plain HTTP; server CPU: user+system time of the process that answers the client (the replica for direct, inferlb, nginx's master and workers; the replicas' not counted) over {} requests from 32 clients, per request; {}):\n\n",
+        r.cpu_requests,
         if r.rounds == 1 {
             "1 round".to_string()
         } else {
@@ -396,10 +503,10 @@ pub fn table(r: &TlsOverheadResult) -> String {
             )
         }
     );
-    md.push_str("| target | scheme | p50 at 200 rps (ms) | p99 at 200 rps (ms) | saturation (req/s) | p50 at saturation (ms) | p99 at saturation (ms) | SSE gap p50 (ms) | SSE gap p99 (ms) | errors |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| target | scheme | p50 at 200 rps (ms) | p99 at 200 rps (ms) | saturation (req/s) | p50 at saturation (ms) | p99 at saturation (ms) | SSE gap p50 (ms) | SSE gap p99 (ms) | server CPU per request (µs) | errors |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     for row in &r.rows {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             row.target,
             row.scheme,
             row.fixed_p50_ms.cell(2),
@@ -409,6 +516,7 @@ pub fn table(r: &TlsOverheadResult) -> String {
             row.saturation_p99_ms.cell(2),
             row.sse_gap_p50_ms.cell(2),
             row.sse_gap_p99_ms.cell(2),
+            row.cpu_us_per_request.cell(1),
             row.errors
         ));
     }
@@ -424,10 +532,17 @@ pub fn table(r: &TlsOverheadResult) -> String {
                     }
                 }))
             };
+            let cpu = Spread::of(
+                h.cpu_us_rounds
+                    .iter()
+                    .zip(&t.cpu_us_rounds)
+                    .map(|(a, b)| b - a),
+            );
             md.push_str(&format!(
-                "\nTLS adds to {target}: {} ms at p50 and {} ms at p99 at 200 rps; saturation throughput https/http = {}.\n",
+                "\nTLS adds to {target}: {} ms at p50 and {} ms at p99 at 200 rps, {} µs of CPU a request; saturation throughput https/http = {}.\n",
                 paired(|l| l.fixed_p50_ms, false).cell(2),
                 paired(|l| l.fixed_p99_ms, false).cell(2),
+                cpu.cell(1),
                 paired(|l| l.saturation_rps, true).cell(2),
             ));
         }
@@ -466,7 +581,11 @@ pub fn broken(r: &TlsOverheadResult) -> Vec<String> {
     let mut out: Vec<String> = r
         .rows
         .iter()
-        .filter(|row| row.fixed_p50_ms.median.is_nan() || row.errors > 0)
+        .filter(|row| {
+            row.fixed_p50_ms.median.is_nan()
+                || row.cpu_us_per_request.median.is_nan()
+                || row.errors > 0
+        })
         .map(|row| format!("overhead, {} over {}", row.target, row.scheme))
         .collect();
     for (target, said) in &r.negotiated {
