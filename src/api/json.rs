@@ -28,17 +28,20 @@ pub(super) struct Raw<'a> {
     strings: &'a Strings,
 }
 
-/// What the check learnt of the body's strings, so reading never scans one twice.
+/// What the check learnt of the body's strings and containers, so reading never scans one
+/// twice.
 #[derive(Debug, Default)]
 pub(super) struct Strings {
     /// Strings of at least [`LONG`] bytes: where the body starts, its closing quote, whether
     /// it has escapes; in the body's order.
     long: Vec<(usize, usize, bool)>,
+    /// Arrays and objects of at least [`LONG`] bytes: where each opens and ends, in order.
+    containers: Vec<(usize, usize)>,
     /// The body has `\u` escapes of surrogates: strings must be checked for lone ones.
     surrogates: bool,
 }
 
-/// A string this long is found again by a lookup rather than a scan.
+/// A string, array or object this long is found again by a lookup rather than a scan.
 const LONG: usize = 64;
 
 impl Strings {
@@ -46,6 +49,11 @@ impl Strings {
         let at = self.long.binary_search_by_key(&start, |l| l.0).ok()?;
         let (_, end, esc) = self.long[at];
         Some((end, esc))
+    }
+
+    fn container_end(&self, start: usize) -> Option<usize> {
+        let at = self.containers.binary_search_by_key(&start, |c| c.0).ok()?;
+        Some(self.containers[at].1)
     }
 }
 
@@ -137,6 +145,9 @@ impl<'a> Raw<'a> {
                 (end + 1, esc)
             }
             b'[' | b'{' => {
+                if let Some(end) = self.strings.container_end(self.base + i) {
+                    return (end - self.base, false);
+                }
                 let mut depth = 0usize;
                 let mut j = i;
                 while j < b.len() {
@@ -410,7 +421,8 @@ struct Checker<'a> {
     b: &'a [u8],
     i: usize,
     /// Open brackets of the value being skipped.
-    stack: Vec<u8>,
+    /// Open brackets of the value being skipped, with where each opened.
+    stack: Vec<(u8, usize)>,
     strings: Strings,
 }
 
@@ -540,13 +552,14 @@ impl<'a> Checker<'a> {
                 b'f' => self.literal(b"false")?,
                 b'-' | b'0'..=b'9' => self.number()?,
                 open @ (b'[' | b'{') => {
+                    let at = self.i;
                     self.i += 1;
                     self.ws();
                     let close = if open == b'[' { b']' } else { b'}' };
                     if self.peek()? == close {
                         self.i += 1;
                     } else {
-                        self.stack.push(open);
+                        self.stack.push((open, at));
                         if open == b'{' {
                             self.key(utf8)?;
                         }
@@ -557,7 +570,7 @@ impl<'a> Checker<'a> {
             }
             // After a value: close what ends here, then a comma starts the next one.
             loop {
-                let Some(&open) = self.stack.last() else {
+                let Some(&(open, at)) = self.stack.last() else {
                     return Ok((start, self.i, esc));
                 };
                 self.ws();
@@ -572,6 +585,9 @@ impl<'a> Checker<'a> {
                     (b'[', b']') | (b'{', b'}') => {
                         self.i += 1;
                         self.stack.pop();
+                        if self.i - at >= LONG {
+                            self.strings.containers.push((at, self.i));
+                        }
                     }
                     _ => return Err(Invalid),
                 }
@@ -698,5 +714,7 @@ pub(super) fn top_fields<const N: usize>(
     if c.i != body.len() {
         return Err(Invalid);
     }
+    // Recorded as they closed; looked up by where they open.
+    c.strings.containers.sort_unstable();
     Ok((out, c.strings))
 }
