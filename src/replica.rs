@@ -398,6 +398,13 @@ pub struct QueuedPrefill {
     tokens: u64,
 }
 
+impl QueuedPrefill {
+    /// Its prefill is over: the replica now holds the prompt's `links` in its cache.
+    pub fn prefilled(self, links: &[crate::api::prompt::Link]) {
+        self.replica.index.record(links);
+    }
+}
+
 impl Drop for QueuedPrefill {
     fn drop(&mut self) {
         let l = &self.replica.load;

@@ -32,8 +32,8 @@ impl Balancer {
     }
 
     /// The replica for the next attempt and why; `None` when no replica can take it. Under
-    /// `prefill_cost` the chosen replica's index and queued prefill account for it at once, so
-    /// the next request of a burst sees it.
+    /// `prefill_cost` the chosen replica's queued prefill accounts for it at once, so the next
+    /// request of a burst sees it; its index, once the prefill is over.
     pub(super) fn choose(&self, ctx: &mut Ctx) -> Option<(Arc<Replica>, Route)> {
         let shape = ctx.info.as_ref().map_or(&NOT_CHAT, |i| &i.shape);
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
@@ -63,7 +63,6 @@ impl Balancer {
             let held = candidates.iter().find(|c| Arc::ptr_eq(c.handle, &replica));
             let cached = held.map_or(0, |c| c.cached_tokens);
             ctx.prefill = Some(replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));
-            replica.index.record(links);
         }
         Some((replica, decision.route))
     }
@@ -187,7 +186,14 @@ impl Balancer {
         if ctx.first_byte_at.is_none() {
             let now = Instant::now();
             ctx.first_byte_at = Some(now);
-            ctx.prefill = None;
+            // The replica holds the prompt once its prefill is over, not when it was sent: a
+            // request with the same prefix arriving meanwhile would not find it in its cache
+            // (a same-prefix burst must spread, not queue behind its first request).
+            if let Some(prefill) = ctx.prefill.take() {
+                if self.policy.mode == Mode::PrefillCost {
+                    prefill.prefilled(ctx.info.as_ref().map_or(&[][..], |i| i.shape.links()));
+                }
+            }
             let route = ctx.route.map_or("none", Route::as_str);
             METRICS
                 .ttfb

@@ -1,10 +1,11 @@
 //! Least prefill cost: each replica's cost for a request is the tokens it must prefill for it
-//! (the prompt minus the prefix it likely holds) plus the prefill already queued on it plus a
-//! term for the decodes it is running; the cheapest live replica wins, ties spread.
+//! (the prompt minus the prefix it likely holds, weighted) plus the prefill already queued on
+//! it plus a term for the decodes it is running; the cheapest live replica wins, ties spread.
 //!
 //! This one sum pins a continuation (its home holds most of the prompt), moves it when the
 //! home's queue costs more than a cold prefill elsewhere, and spreads a same-prefix burst by
-//! itself: the second request of a burst sees the first one's queued prefill.
+//! itself: the second request of a burst sees the first one's queued prefill, and a replica
+//! counts as holding a prompt only once its prefill is over (the caller records it then).
 
 use super::spread::least_busy;
 use super::{Candidate, Route};
@@ -13,9 +14,17 @@ use super::{Candidate, Route};
 /// prefill chunks, so a busy replica prefills a little slower.
 pub const DECODE_TOKENS: u64 = 32;
 
+/// How much a token prefilled because it is not cached weighs against a token of queue. A miss
+/// is paid twice: now, in prefill time, and later, because the copy it puts in a second cache
+/// evicts what other requests would have found there. With 1 (time alone), replaying the
+/// Mooncake trace reached 0.78-0.82x the hit rate of one cache of the fleet's size; with 3,
+/// 0.91-0.97x, and TTFT p90 within noise of 1 (`make bench`, trace replay, README).
+pub const MISS_WEIGHT: u64 = 3;
+
 /// A replica's cost for a prompt of `prompt_tokens`, of which it likely holds `cached`.
 pub fn cost<H>(c: &Candidate<'_, H>, prompt_tokens: u64, cached: u64) -> u64 {
-    prompt_tokens.saturating_sub(cached) + c.queued_tokens + c.running as u64 * DECODE_TOKENS
+    let miss = prompt_tokens.saturating_sub(cached);
+    miss * MISS_WEIGHT + c.queued_tokens + c.running as u64 * DECODE_TOKENS
 }
 
 /// `home`: the replica an exact continuation (or the session) names, and the tokens of the
@@ -73,6 +82,8 @@ mod tests {
         queued: Vec<u64>,
         running: Vec<usize>,
         served: HashMap<u64, String>,
+        /// Prompts sent whose prefill is not over: recorded in the index at `drain`.
+        prefilling: Vec<(usize, Vec<crate::api::prompt::Link>)>,
         tick: u64,
     }
 
@@ -90,6 +101,7 @@ mod tests {
                 queued: vec![0; n],
                 running: vec![0; n],
                 served: HashMap::new(),
+                prefilling: vec![],
                 tick: 0,
             }
         }
@@ -128,15 +140,18 @@ mod tests {
             let i = d.replica;
             self.queued[i] += info.shape.prompt_tokens() - candidates[i].cached_tokens;
             self.running[i] += 1;
-            self.index[i].record(links);
+            self.prefilling.push((i, links.to_vec()));
             if let Some(k) = info.shape.served_key() {
                 self.served.insert(k, self.ids[i].clone());
             }
             (i, d.route)
         }
 
-        /// Every request's prefill is done.
+        /// Every request's prefill is done: each replica now holds what it was sent.
         fn drain(&mut self) {
+            for (i, links) in self.prefilling.drain(..) {
+                self.index[i].record(&links);
+            }
             self.queued.iter_mut().for_each(|q| *q = 0);
             self.running.iter_mut().for_each(|r| *r = 0);
         }
@@ -165,6 +180,23 @@ mod tests {
     }
 
     #[test]
+    fn a_burst_sharing_a_long_prefix_spreads_while_the_first_prefill_runs() {
+        // Sixteen sub-agents sharing a 90k-token prompt, all sent before any prefill is over:
+        // no replica holds the prefix yet, so none is cheaper for it.
+        let mut b = CostBench::new(2);
+        let prefix = history(90_000, "shared");
+        let mut count = [0; 2];
+        for i in 0..16 {
+            count[b.route(&chat(&[&prefix, &format!("subtask {i}")])).0] += 1;
+        }
+        assert_eq!(count, [8, 8]);
+        // Once it is over, both hold it, and the next one goes to either, warm.
+        b.drain();
+        let (_, route) = b.route(&chat(&[&prefix, "subtask 16"]));
+        assert_eq!(route, Route::Prefix);
+    }
+
+    #[test]
     fn prefill_cost_keeps_an_agent_loop_home_while_home_is_not_much_busier() {
         let mut b = CostBench::new(2);
         let big = history(20_000, "ctx");
@@ -182,11 +214,11 @@ mod tests {
             assert_eq!((r, route), (home, Route::Pinned), "turn {t}");
             b.drain();
         }
-        // Home is now buried under more queued prefill than a cold start elsewhere costs.
+        // Home is now buried under more queued prefill than a cold start elsewhere is worth.
         turns.push("answer x".into());
         turns.push("turn x".into());
         let refs: Vec<&str> = turns.iter().map(String::as_str).collect();
-        b.queued[home] = 60_000;
+        b.queued[home] = 100_000;
         let (r, route) = b.route(&chat(&refs));
         assert_eq!((r == home, route), (false, Route::Spilled));
     }
