@@ -32,7 +32,7 @@ enum Tok {
     Str {
         start: usize,
         end: usize,
-        esc: bool,
+        esc: usize,
     },
     Arr {
         len: u64,
@@ -143,7 +143,7 @@ impl Digester {
         if !s.valid() {
             return None;
         }
-        let tok = if esc {
+        let tok = if esc > 0 {
             let start = self.arena.len();
             s.pieces(|p| self.arena.extend_from_slice(p));
             Tok::Key {
@@ -176,7 +176,7 @@ impl Digester {
             }
             Tok::Str { start, end, esc } => {
                 h.update(b"s");
-                let s = if esc {
+                let s = if esc > 0 {
                     self.scratch.clear();
                     raw.str(start, end, esc)
                         .pieces(|p| self.scratch.extend_from_slice(p));

@@ -21,8 +21,9 @@ pub(super) struct Invalid;
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Raw<'a> {
     pub text: &'a [u8],
-    /// A string with at least one escape (meaningless for other values).
-    esc: bool,
+    /// A string's escapes: 0 if none, else one past its last backslash, from the body's start
+    /// (meaningless for other values).
+    esc: usize,
     /// Where `text` starts in the body.
     base: usize,
     strings: &'a Strings,
@@ -32,9 +33,9 @@ pub(super) struct Raw<'a> {
 /// twice.
 #[derive(Debug, Default)]
 pub(super) struct Strings {
-    /// Strings of at least [`LONG`] bytes: where the body starts, its closing quote, whether
-    /// it has escapes; in the body's order.
-    long: Vec<(usize, usize, bool)>,
+    /// Strings of at least [`LONG`] bytes: where the body starts, its closing quote, its
+    /// escapes (as [`Raw`]'s); in the body's order.
+    long: Vec<(usize, usize, usize)>,
     /// Arrays and objects of at least [`LONG`] bytes: where each opens and ends, in order.
     containers: Vec<(usize, usize)>,
     /// The body has `\u` escapes of surrogates: strings must be checked for lone ones.
@@ -45,7 +46,7 @@ pub(super) struct Strings {
 const LONG: usize = 64;
 
 impl Strings {
-    fn end(&self, start: usize) -> Option<(usize, bool)> {
+    fn end(&self, start: usize) -> Option<(usize, usize)> {
         let at = self.long.binary_search_by_key(&start, |l| l.0).ok()?;
         let (_, end, esc) = self.long[at];
         Some((end, esc))
@@ -61,8 +62,8 @@ impl Strings {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Str<'a> {
     pub inner: &'a [u8],
-    /// Has at least one escape.
-    pub esc: bool,
+    /// 0 if no escape, else one past the last backslash.
+    pub esc: usize,
     /// May have escaped surrogates (see [`Raw`]).
     pub sur: bool,
 }
@@ -87,15 +88,15 @@ pub(super) fn scalar_end(b: &[u8], mut i: usize) -> usize {
 }
 
 /// In a checked span: the index of the closing quote of the string whose body starts at `i`,
-/// and whether it has escapes.
-fn string_end(b: &[u8], mut i: usize) -> (usize, bool) {
-    let mut esc = false;
+/// and its escapes (see [`Raw`]).
+fn string_end(b: &[u8], start: usize) -> (usize, usize) {
+    let (mut i, mut esc) = (start, 0);
     while let Some(k) = b.get(i..).and_then(|rest| memchr2(b'"', b'\\', rest)) {
         let j = i + k;
         if b[j] == b'"' {
             return (j, esc);
         }
-        esc = true;
+        esc = j + 1 - start;
         i = j + 2;
     }
     (b.len(), esc)
@@ -113,17 +114,17 @@ impl<'a> Raw<'a> {
     }
 
     /// The closing quote of the string whose body starts at `i` of this value's text, and
-    /// whether it has escapes.
-    pub fn string_end(&self, i: usize) -> (usize, bool) {
+    /// its escapes (see [`Raw`]).
+    pub fn string_end(&self, i: usize) -> (usize, usize) {
         // A short string ends within its first `LONG` bytes (a byte loop beats a call to
         // `memchr` there); a long one the check recorded.
         let b = self.text;
-        let (mut j, mut esc) = (i, false);
+        let (mut j, mut esc) = (i, 0);
         while j < b.len().min(i + LONG) {
             match b[j] {
                 b'"' => return (j, esc),
                 b'\\' => {
-                    esc = true;
+                    esc = j + 1 - i;
                     j += 2;
                 }
                 _ => j += 1,
@@ -135,9 +136,9 @@ impl<'a> Raw<'a> {
         }
     }
 
-    /// The end of the value at `i` of this value's text (not whitespace), and whether it is a
-    /// string with escapes.
-    fn skip(&self, i: usize) -> (usize, bool) {
+    /// The end of the value at `i` of this value's text (not whitespace), and its escapes if
+    /// it is a string.
+    fn skip(&self, i: usize) -> (usize, usize) {
         let b = self.text;
         match b[i] {
             b'"' => {
@@ -146,7 +147,7 @@ impl<'a> Raw<'a> {
             }
             b'[' | b'{' => {
                 if let Some(end) = self.strings.container_end(self.base + i) {
-                    return (end - self.base, false);
+                    return (end - self.base, 0);
                 }
                 let mut depth = 0usize;
                 let mut j = i;
@@ -157,16 +158,16 @@ impl<'a> Raw<'a> {
                         b']' | b'}' => {
                             depth -= 1;
                             if depth == 0 {
-                                return (j + 1, false);
+                                return (j + 1, 0);
                             }
                         }
                         _ => {}
                     }
                     j += 1;
                 }
-                (b.len(), false)
+                (b.len(), 0)
             }
-            _ => (scalar_end(b, i), false),
+            _ => (scalar_end(b, i), 0),
         }
     }
 
@@ -183,7 +184,7 @@ impl<'a> Raw<'a> {
     }
 
     /// A string's body in this value's text, `start..end`.
-    pub fn str(&self, start: usize, end: usize, esc: bool) -> Str<'a> {
+    pub fn str(&self, start: usize, end: usize, esc: usize) -> Str<'a> {
         Str {
             inner: &self.text[start..end],
             esc,
@@ -317,7 +318,7 @@ fn hex4(b: &[u8]) -> Option<u16> {
 impl<'a> Str<'a> {
     /// No lone surrogate among its `\u` escapes (what `serde_json` checks when it reads a str).
     pub fn valid(&self) -> bool {
-        if !self.esc || !self.sur {
+        if self.esc == 0 || !self.sur {
             return true;
         }
         let b = self.inner;
@@ -352,11 +353,12 @@ impl<'a> Str<'a> {
     /// Calls `f` with the decoded string in pieces (of a [`Raw::string`]: valid).
     pub fn pieces(&self, mut f: impl FnMut(&[u8])) {
         let b = self.inner;
-        if !self.esc {
+        if self.esc == 0 {
             return f(b);
         }
+        // No backslash from `esc` on: the rest is one piece, found without a scan.
         let mut i = 0;
-        while let Some(k) = memchr(b'\\', &b[i..]) {
+        while let Some(k) = (i < self.esc).then(|| memchr(b'\\', &b[i..])).flatten() {
             let j = i + k;
             if j > i {
                 f(&b[i..j]);
@@ -397,7 +399,7 @@ impl<'a> Str<'a> {
 
     /// Whether the decoded string is `s`.
     pub fn is(&self, s: &str) -> bool {
-        if !self.esc {
+        if self.esc == 0 {
             return self.inner == s.as_bytes();
         }
         let mut rest = s.as_bytes();
@@ -445,12 +447,12 @@ impl<'a> Checker<'a> {
     }
 
     /// A string whose opening quote is at `i`; `utf8`: refuse invalid UTF-8 in it. Returns
-    /// whether it has escapes.
-    fn string(&mut self, utf8: bool) -> Result<bool, Invalid> {
+    /// its escapes (see [`Raw`]).
+    fn string(&mut self, utf8: bool) -> Result<usize, Invalid> {
         let b = self.b;
         let start = self.i + 1;
         let mut i = start;
-        let mut esc = false;
+        let mut esc = 0;
         loop {
             let k = memchr2(b'"', b'\\', &b[i..]).ok_or(Invalid)?;
             let j = i + k;
@@ -462,7 +464,7 @@ impl<'a> Checker<'a> {
                 self.i = j + 1;
                 return Ok(esc);
             }
-            esc = true;
+            esc = j + 1 - start;
             match b.get(j + 1) {
                 Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => i = j + 2,
                 Some(b'u') => {
@@ -541,7 +543,7 @@ impl<'a> Checker<'a> {
     fn value(&mut self, utf8: bool) -> Result<Span, Invalid> {
         self.ws();
         let start = self.i;
-        let mut esc = false;
+        let mut esc = 0;
         self.stack.clear();
         loop {
             self.ws();
@@ -621,8 +623,8 @@ fn check_piece(p: &[u8], utf8: bool) -> Result<(), Invalid> {
     Ok(())
 }
 
-/// A checked value's place in the body: start, end, and whether it is a string with escapes.
-pub(super) type Span = (usize, usize, bool);
+/// A checked value's place in the body: start, end, and its escapes if a string (see [`Raw`]).
+pub(super) type Span = (usize, usize, usize);
 
 /// Reads `body` as `serde_json::from_slice` reads a struct of the optional raw fields `names`
 /// (see the module doc), checking all of it: the fields' spans (see [`Raw::new`]), and what
