@@ -186,7 +186,7 @@ impl Default for RawSection {
             h2c: false,
             admin_listen: "127.0.0.1:7771".into(),
             replicas: vec![],
-            routing: Mode::Adaptive,
+            routing: Mode::PrefillCost,
             health: RawHealth::default(),
             upstream: RawUpstream::default(),
             max_body_bytes: 32 * 1024 * 1024,
