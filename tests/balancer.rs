@@ -613,7 +613,7 @@ fn bad_conf_is_refused_with_the_key_named_and_dash_t_checks_it() {
     );
     for (bad, key) in [
         (
-            good.replace("  routing: adaptive", "  routing: fastest"),
+            good.replace("  routing: prefill_cost", "  routing: fastest"),
             "fastest",
         ),
         (
