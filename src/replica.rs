@@ -136,11 +136,10 @@ impl Replica {
             .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)));
         let sni = conf.sni.clone().unwrap_or_default();
         let mut peer = HttpPeer::new(socket, conf.tls, sni);
-        let o = &mut peer.options;
         if conf.tls {
             // Verification stays on (Pingora's default): a replica whose certificate does not
             // check out fails to connect, and is demoted like any other connect failure.
-            o.ca = upstream.tls.ca.clone();
+            peer.options.ca = upstream.tls.ca.clone();
             peer.client_cert_key = upstream.tls.client.clone();
         }
         let o = &mut peer.options;

@@ -371,9 +371,10 @@ async fn share_load(
     Ok(())
 }
 
-/// [`share_load`] every [`LOAD_EVERY`] on a connection of its own, until a round fails (that
-/// error is what it returns). A task apart from the pins and drains: its several round trips
-/// never hold back a pin that another instance is about to need.
+/// [`share_load`] every [`LOAD_EVERY`] on a clone of the multiplexed connection (same socket),
+/// until a round fails (that error is what it returns). A task apart from the pins and drains:
+/// the loop that sends them never waits for a load round to finish, though Redis still answers
+/// the socket's commands in order.
 async fn share_load_every(
     registry: Arc<Registry>,
     instance: String,

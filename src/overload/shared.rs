@@ -167,7 +167,7 @@ async fn exchange(
         vec![]
     } else {
         let flat: Vec<redis::Value> = bounded(pipe.query_async(c)).await?;
-        flat.chunks(2)
+        flat.chunks_exact(2)
             .map(|pair| {
                 let totals: Vec<Option<i64>> =
                     redis::from_redis_value(pair[0].clone()).unwrap_or_default();
@@ -188,9 +188,9 @@ async fn exchange(
             .zip(first..=slice)
             .map(|(t, s)| {
                 let mine = own.tokens.get(&(*key, s)).copied().unwrap_or(0);
-                (t.unwrap_or(0) - mine).max(0)
+                t.unwrap_or(0).saturating_sub(mine).max(0)
             })
-            .sum();
+            .fold(0i64, i64::saturating_add);
         let concurrent: u32 = flying
             .iter()
             .filter(|(who, _)| who.as_str() != instance)
@@ -199,7 +199,7 @@ async fn exchange(
                 let at: u64 = at.parse().ok()?;
                 (now.saturating_sub(at) < FRESH_MS).then(|| n.parse::<u32>().ok())?
             })
-            .sum();
+            .fold(0u32, u32::saturating_add);
         if tokens > 0 || concurrent > 0 {
             let r = Remote {
                 tokens: tokens as u64,

@@ -282,6 +282,10 @@ impl ProxyHttp for Balancer {
             resp.insert_header("x-inferlb-route", route.as_str())?;
         }
         resp.insert_header("x-request-id", &ctx.request_id)?;
+        if !resp.status.is_success() {
+            // An error answer ends the prefill without the replica holding the prompt.
+            ctx.prefill = None;
+        }
         if resp.status.is_success() && ctx.route.is_some() {
             let sse = resp
                 .headers
