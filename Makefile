@@ -10,7 +10,7 @@ all: build
 
 # What a fresh machine lacks: cmake (Pingora's zlib-ng), promtool (metrics test), redis-server
 # (cluster tests), dnsmasq (DNS discovery test), nginx and rsvg-convert (bench), curl (TLS and
-# HTTP/2 tests: a client that is not ours).
+# HTTP/2 tests: a client that is not ours), openssl (the harness's nginx TLS test).
 deps:
 	@missing=""; \
 	command -v cmake >/dev/null || missing="$$missing cmake"; \
@@ -20,6 +20,7 @@ deps:
 	command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
 	command -v rsvg-convert >/dev/null || missing="$$missing librsvg2-bin"; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
