@@ -86,6 +86,21 @@ fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
         .map_err(|e| format!("cannot read a private key from {}: {e}", path.display()))
 }
 
+/// A chain and key already read (PEM bytes), checked to belong together; `files` names them.
+fn parse_pair(cert: &[u8], key: &[u8], files: &TlsConf) -> Result<CertifiedKey, String> {
+    let (c, k) = (files.cert_file.display(), files.key_file.display());
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{c}: not PEM certificates: {e}"))?;
+    if chain.is_empty() {
+        return Err(format!("{c}: no certificate in it"));
+    }
+    let key_der =
+        PrivateKeyDer::from_pem_slice(key).map_err(|e| format!("{k}: no private key: {e}"))?;
+    CertifiedKey::from_der(chain, key_der, &*provider()?)
+        .map_err(|e| format!("{c} and {k} do not make a usable pair: {e}"))
+}
+
 /// A certificate chain and its key, checked to belong together.
 pub fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
     let chain = read_certs(cert)?;
@@ -113,7 +128,7 @@ pub struct ServedCertificate {
 impl ServedCertificate {
     pub fn new(conf: &TlsConf) -> Result<Arc<ServedCertificate>, String> {
         let files = read_files(conf).map_err(|e| format!("inferlb.tls: {e}"))?;
-        let pair = load_pair(&conf.cert_file, &conf.key_file)?;
+        let pair = parse_pair(&files.0, &files.1, conf)?;
         Ok(Arc::new(ServedCertificate {
             current: ArcSwap::from_pointee(pair),
             conf: conf.clone(),
@@ -142,7 +157,8 @@ impl ServedCertificate {
         if *loaded == files {
             return Ok(false);
         }
-        let pair = load_pair(&self.conf.cert_file, &self.conf.key_file)?;
+        // Parsed from the bytes just compared: a file rewritten in between cannot mix in.
+        let pair = parse_pair(&files.0, &files.1, &self.conf)?;
         self.current.store(Arc::new(pair));
         *loaded = files;
         Ok(true)
