@@ -17,6 +17,7 @@
 
 mod client;
 mod cluster;
+mod procfs;
 mod report;
 mod scenarios;
 
@@ -68,6 +69,9 @@ pub struct Args {
     /// Skip the proxy-overhead pass.
     #[arg(long)]
     no_overhead: bool,
+    /// Rounds of the proxy-overhead pass (smoke: 1).
+    #[arg(long, default_value_t = 3)]
+    overhead_rounds: usize,
     /// Skip the proxy-overhead pass over HTTPS (inferlb and nginx terminating TLS).
     #[arg(long)]
     no_overhead_tls: bool,
@@ -162,6 +166,8 @@ pub struct Sizes {
     cache_tokens: usize,
     failover_seconds: f64,
     overhead_seconds: f64,
+    /// Streams whose event gaps each overhead measurement reads.
+    overhead_sse_streams: usize,
     /// Agent APIs: conversations, turns, context, tokens added a turn, each replica's cache.
     api_loops: usize,
     api_turns: usize,
@@ -188,6 +194,7 @@ impl Sizes {
                 cache_tokens: 100_000,
                 failover_seconds: 1.5,
                 overhead_seconds: 0.5,
+                overhead_sse_streams: 2,
                 api_loops: 2,
                 api_turns: 3,
                 api_context_tokens: 2_000,
@@ -209,6 +216,7 @@ impl Sizes {
                 cache_tokens: 250_000,
                 failover_seconds: 6.0,
                 overhead_seconds: 5.0,
+                overhead_sse_streams: 10,
                 // Four ~26k-token conversations against 60k tokens of cache a replica: a
                 // replica holds two of them, not all four.
                 api_loops: 4,
@@ -486,9 +494,10 @@ async fn main() {
 
     let t = std::time::Instant::now();
     let lat = if a.no_overhead {
-        vec![]
+        None
     } else {
-        scenarios::overhead::overhead(&client, &s).await
+        let rounds = a.overhead_rounds;
+        Some(scenarios::overhead::overhead(&client, &s, rounds, a.smoke).await)
     };
     timings.since("proxy overhead", t);
 
@@ -506,7 +515,7 @@ async fn main() {
         args: &a,
         sizes: &s,
         targets: &results,
-        overhead: &lat,
+        overhead: lat.as_ref(),
         overhead_tls: lat_tls.as_ref(),
         deploys: &deploys,
         soak: soaked.as_ref(),
@@ -565,6 +574,7 @@ async fn main() {
                 broken.push(format!("several instances, {}", r.setup));
             }
         }
+        broken.extend(lat.iter().flat_map(scenarios::overhead::broken));
         broken.extend(lat_tls.iter().flat_map(scenarios::overhead_tls::broken));
         if !broken.is_empty() {
             eprintln!(

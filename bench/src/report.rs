@@ -10,7 +10,7 @@ use crate::client::pct;
 use crate::scenarios::agent_apis::{AgentApi, AgentApisResult};
 use crate::scenarios::deploy::DeployResult;
 use crate::scenarios::fork::ForkResult;
-use crate::scenarios::overhead::Latency;
+use crate::scenarios::overhead::OverheadResult;
 use crate::scenarios::soak::SoakResult;
 use crate::scenarios::trace::{TraceResult, TraceRow};
 use crate::{Args, Sizes, TargetResult, Timings};
@@ -20,7 +20,7 @@ pub struct Report<'a> {
     pub args: &'a Args,
     pub sizes: &'a Sizes,
     pub targets: &'a [TargetResult],
-    pub overhead: &'a [Latency],
+    pub overhead: Option<&'a OverheadResult>,
     pub overhead_tls: Option<&'a crate::scenarios::overhead_tls::TlsOverheadResult>,
     pub deploys: &'a [DeployResult],
     pub soak: Option<&'a SoakResult>,
@@ -84,7 +84,7 @@ impl Report<'_> {
     }
 }
 
-fn table(results: &[TargetResult], lat: &[Latency], s: &Sizes, a: &Args) -> String {
+fn table(results: &[TargetResult], lat: Option<&OverheadResult>, s: &Sizes, a: &Args) -> String {
     let mut md = String::new();
     if !results.is_empty() {
         md.push_str(&format!(
@@ -93,7 +93,10 @@ fn table(results: &[TargetResult], lat: &[Latency], s: &Sizes, a: &Args) -> Stri
         ));
         md.push_str(&targets_table(results));
     }
-    md.push_str(&overhead_table(lat));
+    md.push_str(
+        &lat.map(crate::scenarios::overhead::table)
+            .unwrap_or_default(),
+    );
     md
 }
 
@@ -376,38 +379,6 @@ fn timings_line(t: &Timings) -> String {
             .map(|(p, s)| format!("{p} {s:.0} s"))
             .collect();
     format!("\nRun time: {}.\n", parts.join(", "))
-}
-
-fn overhead_table(lat: &[Latency]) -> String {
-    let mut md = String::new();
-    if !lat.is_empty() {
-        md.push_str("\nProxy overhead (replicas answer at once; 200 req/s open loop, then 32 closed-loop clients; SSE at a 5 ms token interval):\n\n");
-        md.push_str("| target | p50 at 200 rps (ms) | p99 at 200 rps (ms) | saturation (req/s) | p50 at saturation (ms) | p99 at saturation (ms) | errors | SSE gap p50 (ms) | SSE gap p99 (ms) |\n|---|---|---|---|---|---|---|---|---|\n");
-        for l in lat {
-            md.push_str(&format!(
-                "| {} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {} | {:.2} | {:.2} |\n",
-                l.target,
-                l.fixed_p50_ms,
-                l.fixed_p99_ms,
-                l.saturation_rps,
-                l.saturation_p50_ms,
-                l.saturation_p99_ms,
-                l.errors,
-                l.sse_gap_p50_ms,
-                l.sse_gap_p99_ms
-            ));
-        }
-        if let (Some(d), Some(i)) = (
-            lat.iter().find(|l| l.target == "direct"),
-            lat.iter().find(|l| l.target == "inferlb"),
-        ) {
-            md.push_str(&format!(
-                "\ninferlb adds {:.2} ms at p50 and {:.2} ms at p99 at 200 rps; saturation throughput inferlb/direct = {:.2}.\n",
-                i.fixed_p50_ms - d.fixed_p50_ms, i.fixed_p99_ms - d.fixed_p99_ms, i.saturation_rps / d.saturation_rps
-            ));
-        }
-    }
-    md
 }
 
 fn deploy_table(deploys: &[DeployResult], s: &Sizes) -> String {

@@ -12,7 +12,9 @@ use crate::{free_port, http_status, wait_until, Proc, Signal};
 /// would leave the workers running, orphaned.
 const NGINX_STOP: Signal = Signal::SIGTERM;
 
-/// `keepalive_requests` of an nginx started with TLS ([`Nginx::start_tls`]).
+/// `keepalive_requests` of every server: nginx's default closes a client's connection after
+/// 1,000 requests, which would put reconnections (and TLS handshakes) into a steady-state
+/// measurement; inferlb keeps a connection as long as the client does.
 pub const KEEPALIVE_REQUESTS: u64 = 1_000_000;
 
 /// TLS on a second `server` of the same nginx ([`Nginx::start_tls`]): the same `location`,
@@ -39,6 +41,9 @@ pub struct Nginx {
     pub port: u16,
     /// The TLS server, when started with [`Nginx::start_tls`].
     pub tls_port: Option<u16>,
+    /// Its access log (nginx's default `combined` format), when started with one
+    /// ([`Nginx::start_logged`]); otherwise `access_log off`.
+    pub access_log: Option<PathBuf>,
     proc: Proc,
     pid_file: PathBuf,
 }
@@ -56,22 +61,30 @@ impl Nginx {
     /// free port in front of `upstreams` and waits (at most 10 s) until `/health` answers 200
     /// through it.
     pub fn start(bin: &Path, dir: &Path, upstreams: &[u16]) -> Result<Nginx, String> {
-        Nginx::start_with(bin, dir, upstreams, None)
+        Nginx::start_with(bin, dir, upstreams, None, false)
+    }
+
+    /// [`Nginx::start`], writing an access log to `<dir>/access.log` when `access_log` is set.
+    pub fn start_logged(
+        bin: &Path,
+        dir: &Path,
+        upstreams: &[u16],
+        access_log: bool,
+    ) -> Result<Nginx, String> {
+        Nginx::start_with(bin, dir, upstreams, None, access_log)
     }
 
     /// [`Nginx::start`], with a second server on another free port terminating TLS as `tls`
     /// says, in front of the same upstreams. Also waits until that port answers: nginx answers
     /// a plain HTTP request on a TLS port with 400, which it does only once the server is up
-    /// with its certificate loaded. Both servers keep a client's connection for up to
-    /// [`KEEPALIVE_REQUESTS`] requests (nginx's default closes it after 1,000, which would put
-    /// handshakes into a steady-state measurement of TLS).
+    /// with its certificate loaded.
     pub fn start_tls(
         bin: &Path,
         dir: &Path,
         upstreams: &[u16],
         tls: &NginxTls,
     ) -> Result<Nginx, String> {
-        Nginx::start_with(bin, dir, upstreams, Some(tls))
+        Nginx::start_with(bin, dir, upstreams, Some(tls), false)
     }
 
     fn start_with(
@@ -79,12 +92,14 @@ impl Nginx {
         dir: &Path,
         upstreams: &[u16],
         tls: Option<&NginxTls>,
+        access_log: bool,
     ) -> Result<Nginx, String> {
         let port = free_port();
         let tls = tls.map(|t| (free_port(), t));
         let conf = dir.join("nginx.conf");
-        std::fs::write(&conf, render_conf(dir, port, upstreams, tls))
-            .map_err(|e| format!("nginx conf: {e}"))?;
+        let access_log = access_log.then(|| dir.join("access.log"));
+        let text = render_conf(dir, port, upstreams, tls, access_log.as_deref());
+        std::fs::write(&conf, text).map_err(|e| format!("nginx conf: {e}"))?;
         let mut cmd = Command::new(bin);
         cmd.args(["-e", "stderr", "-p"])
             .arg(dir)
@@ -97,6 +112,7 @@ impl Nginx {
         let mut nginx = Nginx {
             port,
             tls_port: tls.map(|(p, _)| p),
+            access_log,
             proc,
             pid_file: dir.join("nginx.pid"),
         };
@@ -144,22 +160,28 @@ impl Drop for Nginx {
 }
 
 /// nginx.conf's text: a plain server on `port` and, with `tls`, a TLS server on its port, both
-/// with the same `location`.
-fn render_conf(dir: &Path, port: u16, upstreams: &[u16], tls: Option<(u16, &NginxTls)>) -> String {
+/// with the same `location`; an access log to `access_log`, or none.
+fn render_conf(
+    dir: &Path,
+    port: u16,
+    upstreams: &[u16],
+    tls: Option<(u16, &NginxTls)>,
+    access_log: Option<&Path>,
+) -> String {
     let servers: String = upstreams
         .iter()
         .map(|p| format!("    server 127.0.0.1:{p};\n"))
         .collect();
     let d = dir.display();
+    let access_log = access_log.map_or("off".to_string(), |p| p.display().to_string());
     let location = "    location / {\n      proxy_pass http://replicas;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }\n";
     let mut text = format!(
         "worker_processes 2;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log;\nevents {{ worker_connections 4096; }}\n\
-         http {{\n  access_log off;\n  client_body_temp_path {d};\n  proxy_temp_path {d};\n  fastcgi_temp_path {d};\n  uwsgi_temp_path {d};\n  scgi_temp_path {d};\n\
+         http {{\n  access_log {access_log};\n  keepalive_requests {KEEPALIVE_REQUESTS};\n  client_body_temp_path {d};\n  proxy_temp_path {d};\n  fastcgi_temp_path {d};\n  uwsgi_temp_path {d};\n  scgi_temp_path {d};\n\
          \x20 upstream replicas {{\n{servers}    keepalive 64;\n  }}\n\
          \x20 server {{\n    listen 127.0.0.1:{port};\n{location}  }}\n"
     );
     if let Some((tls_port, t)) = tls {
-        text.push_str(&format!("  keepalive_requests {KEEPALIVE_REQUESTS};\n"));
         text.push_str(&format!(
             "  server {{\n    listen 127.0.0.1:{tls_port} ssl;\n    ssl_certificate {};\n    ssl_certificate_key {};\n",
             t.cert_file.display(),
@@ -212,11 +234,13 @@ mod tests {
             ciphersuites: Some("TLS_AES_128_GCM_SHA256".into()),
             curves: Some("X25519".into()),
         };
-        let plain = render_conf(Path::new("/d"), 7, &[9], None);
-        let both = render_conf(Path::new("/d"), 7, &[9], Some((8, &tls)));
+        let plain = render_conf(Path::new("/d"), 7, &[9], None, None);
+        let both = render_conf(Path::new("/d"), 7, &[9], Some((8, &tls)), None);
         assert!(!plain.contains("ssl"), "{plain}");
-        assert!(!plain.contains("keepalive_requests"), "{plain}");
-        assert!(both.contains("  keepalive_requests 1000000;\n"), "{both}");
+        assert!(plain.contains("  keepalive_requests 1000000;\n"), "{plain}");
+        assert!(plain.contains("  access_log off;\n"), "{plain}");
+        let logged = render_conf(Path::new("/d"), 7, &[9], None, Some(Path::new("/d/a.log")));
+        assert!(logged.contains("  access_log /d/a.log;\n"), "{logged}");
         assert_eq!(plain.matches("server {").count(), 1);
         assert_eq!(both.matches("server {").count(), 2);
         let tls_server = &both[both.find("listen 127.0.0.1:8 ssl;").expect("listen ssl")..];

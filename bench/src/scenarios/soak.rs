@@ -9,6 +9,7 @@ use serde_json::json;
 
 use crate::client::stream_chat;
 use crate::cluster::{Cluster, ClusterSpec, Front};
+use crate::procfs;
 use crate::Args;
 
 #[derive(Debug, Default, Clone, Serialize)]
@@ -33,23 +34,6 @@ struct Tally {
     requests: AtomicU64,
     streams: AtomicU64,
     errors: AtomicU64,
-}
-
-fn proc_rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn proc_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0)
 }
 
 /// `connections` clients, one connection each, for `seconds`: half streams of 25 tokens, half
@@ -124,24 +108,24 @@ pub async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
         let mut series = vec![];
         for _ in 0..10 {
             tokio::time::sleep(Duration::from_secs_f64(seconds / 10.0)).await;
-            series.push(proc_rss_kib(pid));
+            series.push(procfs::rss_kib(pid));
         }
         series
     });
     tokio::time::sleep_until(warm.into()).await;
-    result.rss_start_kib = proc_rss_kib(pid);
-    result.fds_start = proc_fds(pid);
+    result.rss_start_kib = procfs::rss_kib(pid);
+    result.fds_start = procfs::fds(pid);
     tokio::time::sleep_until((end - Duration::from_secs_f64((seconds * 0.05).min(5.0))).into())
         .await;
-    result.fds_under_load = proc_fds(pid);
+    result.fds_under_load = procfs::fds(pid);
     for t in tasks {
         let _ = t.await;
     }
     // Every client and its connection is gone now; pooled upstream connections idle out after
     // 4 s (upstream.idle_timeout_seconds).
     tokio::time::sleep(Duration::from_secs(6)).await;
-    result.rss_end_kib = proc_rss_kib(pid);
-    result.fds_after = proc_fds(pid);
+    result.rss_end_kib = procfs::rss_kib(pid);
+    result.fds_after = procfs::fds(pid);
     result.rss_series_kib = sampler.await.unwrap_or_default();
     result.requests = tally.requests.load(Ordering::Relaxed);
     result.streams = tally.streams.load(Ordering::Relaxed);
