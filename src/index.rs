@@ -21,6 +21,8 @@ pub const BYTES_PER_TOKEN: u64 = 4;
 pub struct PrefixIndex {
     inner: Mutex<Held>,
     capacity_tokens: AtomicU64,
+    /// Prompts recorded so far: tells whether it changed since a given moment.
+    records: AtomicU64,
 }
 
 struct Held {
@@ -37,6 +39,7 @@ impl PrefixIndex {
                 tokens: 0,
             }),
             capacity_tokens: AtomicU64::new(capacity_tokens),
+            records: AtomicU64::new(0),
         }
     }
 
@@ -72,6 +75,7 @@ impl PrefixIndex {
     /// first, so a prompt's tail goes before its beginning, as vLLM evicts a sequence's later
     /// blocks first.
     pub fn record(&self, links: &[Link]) {
+        self.records.fetch_add(1, Ordering::Relaxed);
         let capacity = self.capacity_tokens();
         let Ok(mut held) = self.inner.lock() else {
             return;
@@ -82,6 +86,48 @@ impl PrefixIndex {
             if held.links.put(l.hash, tokens).is_none() {
                 held.tokens += u64::from(tokens);
             }
+        }
+        while held.tokens > capacity {
+            match held.links.pop_lru() {
+                Some((_, t)) => held.tokens -= u64::from(t),
+                None => break,
+            }
+        }
+    }
+
+    /// Prompts recorded since it was made; a different count means it changed.
+    pub fn records(&self) -> u64 {
+        self.records.load(Ordering::Relaxed)
+    }
+
+    /// Up to `most` of the most recently used links, least recent first, as (hash, tokens):
+    /// what [`Self::restore`] takes. The lock is held for `most` entries at most.
+    pub fn recent(&self, most: usize) -> Vec<(u64, u32)> {
+        let Ok(held) = self.inner.lock() else {
+            return vec![];
+        };
+        let mut v: Vec<(u64, u32)> = held
+            .links
+            .iter()
+            .take(most)
+            .map(|(h, t)| (*h, *t))
+            .collect();
+        v.reverse();
+        v
+    }
+
+    /// Adds links another instance's [`Self::recent`] gave, least recent first, under the same
+    /// capacity.
+    pub fn restore(&self, links: &[(u64, u32)]) {
+        let capacity = self.capacity_tokens();
+        let Ok(mut held) = self.inner.lock() else {
+            return;
+        };
+        for &(hash, tokens) in links {
+            if let Some(before) = held.links.put(hash, tokens) {
+                held.tokens -= u64::from(before);
+            }
+            held.tokens += u64::from(tokens);
         }
         while held.tokens > capacity {
             match held.links.pop_lru() {
@@ -134,6 +180,32 @@ mod tests {
             held >= 4 * CHUNK_BYTES as u64 / 4 && held <= 5 * CHUNK_BYTES as u64 / 4,
             "{held}"
         );
+    }
+
+    #[test]
+    fn what_one_index_holds_restores_into_another_in_the_same_order() {
+        let a = PrefixIndex::new(1_000_000);
+        let p: Vec<Vec<Link>> = (0..3)
+            .map(|i| prompt(&[&format!("{i}").repeat(3 * CHUNK_BYTES)]))
+            .collect();
+        p.iter().for_each(|l| a.record(l));
+        let b = PrefixIndex::new(1_000_000);
+        b.restore(&a.recent(usize::MAX));
+        assert_eq!(b.size(), a.size());
+        for l in &p {
+            assert_eq!(b.cached_tokens(l), a.cached_tokens(l));
+        }
+        // Restored least recent first: with room for two prompts, the oldest goes.
+        let small = PrefixIndex::new(2 * 3 * CHUNK_BYTES as u64 / 4 + 10);
+        small.restore(&a.recent(usize::MAX));
+        assert_eq!(small.cached_tokens(&p[0]), 0);
+        assert!(small.cached_tokens(&p[2]) > 0);
+        // A bounded read takes the most recent.
+        let last = a.recent(p[2].len());
+        let c = PrefixIndex::new(1_000_000);
+        c.restore(&last);
+        assert_eq!(c.cached_tokens(&p[2]), a.cached_tokens(&p[2]));
+        assert_eq!(c.cached_tokens(&p[0]), 0);
     }
 
     #[test]

@@ -7,11 +7,12 @@
 //! request holds the replicas it saw for as long as it needs them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use arc_swap::ArcSwap;
 
 use crate::api::prompt::Link;
+use crate::cluster::Cluster;
 use crate::config::{ReplicaConf, UpstreamConf};
 use crate::replica::Replica;
 use crate::routing::Candidate;
@@ -27,6 +28,11 @@ pub struct Registry {
     changing: Mutex<()>,
     /// Breaks ties and drives round-robin.
     counter: AtomicU64,
+    /// Added to the counter: this instance's rank in a cluster, so instances deciding at the
+    /// same moment break their first ties differently.
+    offset: AtomicU64,
+    /// The other instances, when there is a cluster: every replica shares its load with them.
+    cluster: OnceLock<Arc<Cluster>>,
 }
 
 impl Registry {
@@ -42,6 +48,8 @@ impl Registry {
             upstream: upstream.clone(),
             changing: Mutex::new(()),
             counter: AtomicU64::new(0),
+            offset: AtomicU64::new(0),
+            cluster: OnceLock::new(),
         }
     }
 
@@ -65,6 +73,9 @@ impl Registry {
             return Err(format!("a replica with id {:?} exists", conf.id));
         }
         let r = Arc::new(Replica::joining(conf, &self.upstream, origin));
+        if let Some(c) = self.cluster.get() {
+            r.share_with(c);
+        }
         let mut next = (*now).clone();
         next.push(r.clone());
         self.list.store(Arc::new(next));
@@ -108,7 +119,7 @@ impl Registry {
                     id: &r.id,
                     available: fresh && r.is_live(),
                     reachable: fresh && r.is_reachable(),
-                    in_flight: r.in_flight(),
+                    in_flight: r.in_flight_everywhere(),
                     cached_tokens: if links.is_empty() {
                         0
                     } else {
@@ -142,6 +153,19 @@ impl Registry {
     }
 
     pub fn tick(&self) -> u64 {
-        self.counter.fetch_add(1, Ordering::Relaxed)
+        self.counter.fetch_add(1, Ordering::Relaxed) + self.offset.load(Ordering::Relaxed)
+    }
+
+    /// This instance's rank among a cluster's instances (0 alone).
+    pub fn set_rank(&self, rank: u64) {
+        self.offset.store(rank, Ordering::Relaxed);
+    }
+
+    /// Every replica, now and added later, shares its load with `cluster`.
+    pub fn share_with(&self, cluster: &Arc<Cluster>) {
+        let _one = self.changing.lock();
+        if self.cluster.set(cluster.clone()).is_ok() {
+            self.list.load().iter().for_each(|r| r.share_with(cluster));
+        }
     }
 }

@@ -8,11 +8,12 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_load_balancing::Backend;
 
+use crate::cluster::{Cluster, Load as LoadChange};
 use crate::config::{ReplicaConf, UpstreamConf};
 use crate::index::PrefixIndex;
 use crate::metrics::METRICS;
@@ -59,6 +60,8 @@ pub struct Replica {
     /// The `discover: dns` entry that found it; None for one configured or added by hand.
     pub origin: Option<String>,
     load: Load,
+    /// The other instances, told of each change of its load and of what it prefilled.
+    cluster: OnceLock<Arc<Cluster>>,
 }
 
 /// Prefill queued and decodes running, as this process sees them and as the replica reports.
@@ -185,11 +188,28 @@ impl Replica {
             cache_configured: conf.cache_tokens.is_some(),
             origin: origin.map(str::to_owned),
             load: Load::default(),
+            cluster: OnceLock::new(),
         }
     }
 
+    /// Requests in flight on it from this process.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
+    }
+    /// Requests in flight on it from this process and from the other instances of a cluster.
+    pub fn in_flight_everywhere(&self) -> usize {
+        self.in_flight() + self.load.peer_in_flight.load(Ordering::Relaxed) as usize
+    }
+
+    /// Shares its load changes and what it prefilled with the other instances from now on.
+    pub fn share_with(&self, cluster: &Arc<Cluster>) {
+        let _ = self.cluster.set(cluster.clone());
+    }
+
+    fn share(&self, change: LoadChange) {
+        if let Some(c) = self.cluster.get() {
+            c.load(&self.id, change);
+        }
     }
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
@@ -236,6 +256,10 @@ impl Replica {
             .in_flight
             .with_label_values(&[&self.id])
             .set(n as i64);
+        self.share(LoadChange {
+            in_flight: 1,
+            ..Default::default()
+        });
         InFlight(self.clone())
     }
 
@@ -320,6 +344,11 @@ impl Replica {
             (mean * 15 + uncached) / 16
         };
         l.mean_uncached.store(next, Ordering::Relaxed);
+        self.share(LoadChange {
+            waiting: 1,
+            queued_tokens: uncached as i64,
+            ..Default::default()
+        });
         QueuedPrefill {
             replica: self.clone(),
             tokens: uncached,
@@ -401,6 +430,9 @@ impl QueuedPrefill {
     /// Its prefill is over: the replica now holds the prompt's `links` in its cache.
     pub fn prefilled(self, links: &[crate::api::prompt::Link]) {
         self.replica.index.record(links);
+        if let Some(c) = self.replica.cluster.get() {
+            c.prefilled(&self.replica.id, links);
+        }
     }
 }
 
@@ -409,6 +441,11 @@ impl Drop for QueuedPrefill {
         let l = &self.replica.load;
         l.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
         l.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.replica.share(LoadChange {
+            waiting: -1,
+            queued_tokens: -(self.tokens as i64),
+            ..Default::default()
+        });
     }
 }
 
@@ -428,6 +465,10 @@ impl Drop for InFlight {
             .in_flight
             .with_label_values(&[&self.0.id])
             .set(n as i64);
+        self.0.share(LoadChange {
+            in_flight: -1,
+            ..Default::default()
+        });
     }
 }
 

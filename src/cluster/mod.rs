@@ -1,10 +1,13 @@
 //! Several inferlb instances, one view: routing state shared through Redis (or Valkey).
 //!
-//! Shared: pins (affinity and session pins, stored Responses ids), drains, and each
-//! instance's load per replica. Each instance keeps its own tables and applies the others'
-//! updates; it bootstraps from what Redis holds when it (re)connects. The request path never
-//! waits on Redis: it hands changes to a bounded queue ([`Cluster::pin`] never blocks, a full
-//! queue drops the change and counts it) and reads only local state. Redis down, slow or
+//! Shared: pins (affinity and session pins, stored Responses ids), each replica's prefix index
+//! (what it prefilled), drains, replicas added at runtime, and each instance's load per replica
+//! (requests in flight, requests waiting for a first byte and their uncached tokens), announced
+//! as each request starts, gets its first byte and ends, and as a whole snapshot four times a
+//! second. Each instance keeps its own tables and applies the others' updates; it bootstraps
+//! from what Redis holds when it (re)connects. The request path never waits on Redis: it hands
+//! changes to a bounded queue ([`Cluster::pin`] never blocks, a full queue drops the change and
+//! counts it) and reads only local state. Redis down, slow or
 //! flapping: each instance goes on alone, logs each transition once, shows it in
 //! `inferlb_cluster_connected`, and resyncs when Redis is back.
 //!
@@ -15,6 +18,7 @@
 //! Keys carry the prompt hash version (`inferlb:v2:...`), so instances of two versions during
 //! a rolling upgrade never read each other's hashes as their own.
 
+mod peers;
 mod sync;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,8 +26,10 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
+use crate::api::prompt::Link;
 use crate::metrics::METRICS;
 
+pub use peers::{Load, Peers};
 pub use sync::ClusterSync;
 
 /// Which shared table a pin belongs to.
@@ -67,6 +73,28 @@ pub enum Change {
     Replica {
         id: String,
         conf: Option<String>,
+    },
+    /// This instance's load on a replica changed by this much (a request started, got its
+    /// first byte, or ended). Never replayed after an outage: the next snapshot says it all.
+    Load {
+        replica: Arc<str>,
+        change: Load,
+    },
+    /// A replica prefilled a prompt sent from here: its index records the prompt's links.
+    Prefilled {
+        replica: Arc<str>,
+        links: Vec<Link>,
+    },
+}
+
+/// A message from another instance, as read off the updates channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    Change(Change),
+    /// Its load per replica: the whole of it (`snapshot`), or changes since the last one.
+    Load {
+        snapshot: bool,
+        replicas: Vec<(String, Load)>,
     },
 }
 
@@ -120,6 +148,30 @@ impl Cluster {
         });
     }
 
+    /// This instance's load on `replica` changed by `change`. Not queued while Redis is away
+    /// (the first snapshot after it says it all), so pins made meanwhile have the room.
+    pub fn load(&self, replica: &Arc<str>, change: Load) {
+        if !self.is_connected() {
+            return;
+        }
+        self.send(Change::Load {
+            replica: replica.clone(),
+            change,
+        });
+    }
+
+    /// `replica` prefilled the prompt `links`, sent from here. Not queued while Redis is away:
+    /// an outage's prompts stay in this instance's index alone.
+    pub fn prefilled(&self, replica: &Arc<str>, links: &[Link]) {
+        if !self.is_connected() {
+            return;
+        }
+        self.send(Change::Prefilled {
+            replica: replica.clone(),
+            links: links.to_vec(),
+        });
+    }
+
     fn send(&self, change: Change) {
         if self.tx.try_send(change).is_err() {
             METRICS.cluster_dropped.inc();
@@ -155,6 +207,9 @@ pub fn default_instance_id() -> String {
 }
 
 /// A message on the updates channel: `instance|kind|...`; pure, so both ends are tested here.
+/// Replica ids are letters, digits, `-`, `_` and `.` (the conf checks it), so `|`, `;`, `=`,
+/// `,` and `:` separate fields safely. A [`Change::Load`] travels netted, in
+/// [`encode_load`].
 pub fn encode(instance: &str, change: &Change) -> String {
     match change {
         Change::Pin {
@@ -168,35 +223,104 @@ pub fn encode(instance: &str, change: &Change) -> String {
         Change::Replica { id, conf } => {
             format!("{instance}|replica|{id}|{}", conf.as_deref().unwrap_or(""))
         }
+        Change::Load { replica, change } => {
+            encode_load(instance, false, &[(replica.to_string(), *change)])
+        }
+        Change::Prefilled { replica, links } => {
+            let mut m = format!("{instance}|index|{replica}|");
+            for (i, l) in links.iter().enumerate() {
+                let sep = if i == 0 { "" } else { "," };
+                m.push_str(&format!("{sep}{:x}:{}", l.hash, l.bytes));
+            }
+            m
+        }
     }
 }
 
-/// The sender and the change of a message, or None for anything else.
-pub fn decode(message: &str) -> Option<(&str, Change)> {
-    if let Some(rest) = message.split_once("|replica|") {
-        let (instance, rest) = (rest.0, rest.1);
-        let (id, conf) = rest.split_once('|')?;
-        let change = Change::Replica {
-            id: id.to_string(),
-            conf: (!conf.is_empty()).then(|| conf.to_string()),
-        };
-        return (!instance.contains('|') && !id.is_empty()).then_some((instance, change));
-    }
-    let mut f = message.split('|');
-    let instance = f.next()?;
-    let change = match (f.next()?, f.next()?, f.next()?, f.next()) {
-        ("pin", table, key, Some(replica)) => Change::Pin {
-            table: Table::from_tag(table)?,
-            key: u64::from_str_radix(key, 16).ok()?,
-            replica: Arc::from(replica),
-        },
-        ("drain", flag, replica, None) => Change::Drain {
-            replica: Arc::from(replica),
-            draining: flag == "1",
-        },
+/// Load per replica: `instance|load|gpu0=1,0,0;gpu1=...` (`loadsnap` for a snapshot).
+pub fn encode_load(instance: &str, snapshot: bool, replicas: &[(String, Load)]) -> String {
+    let kind = if snapshot { "loadsnap" } else { "load" };
+    let list: Vec<String> = replicas
+        .iter()
+        .map(|(r, l)| format!("{r}={},{},{}", l.in_flight, l.waiting, l.queued_tokens))
+        .collect();
+    format!("{instance}|{kind}|{}", list.join(";"))
+}
+
+/// The sender and the content of a message, or None for anything else.
+pub fn decode(message: &str) -> Option<(&str, Message)> {
+    let mut f = message.splitn(3, '|');
+    let (instance, kind, rest) = (f.next()?, f.next()?, f.next()?);
+    let change = match kind {
+        "replica" => {
+            let (id, conf) = rest.split_once('|')?;
+            if id.is_empty() {
+                return None;
+            }
+            Change::Replica {
+                id: id.to_string(),
+                conf: (!conf.is_empty()).then(|| conf.to_string()),
+            }
+        }
+        "pin" => {
+            let mut f = rest.split('|');
+            let change = Change::Pin {
+                table: Table::from_tag(f.next()?)?,
+                key: u64::from_str_radix(f.next()?, 16).ok()?,
+                replica: Arc::from(f.next()?),
+            };
+            f.next().is_none().then_some(change)?
+        }
+        "drain" => {
+            let (flag, replica) = rest.split_once('|')?;
+            if replica.contains('|') {
+                return None;
+            }
+            Change::Drain {
+                replica: Arc::from(replica),
+                draining: flag == "1",
+            }
+        }
+        "index" => {
+            let (replica, list) = rest.split_once('|')?;
+            let links = list
+                .split(',')
+                .filter(|l| !l.is_empty())
+                .map(|l| {
+                    let (hash, bytes) = l.split_once(':')?;
+                    Some(Link {
+                        hash: u64::from_str_radix(hash, 16).ok()?,
+                        part_end: false,
+                        bytes: bytes.parse().ok()?,
+                    })
+                })
+                .collect::<Option<Vec<Link>>>()?;
+            Change::Prefilled {
+                replica: Arc::from(replica),
+                links,
+            }
+        }
+        "load" | "loadsnap" => {
+            let replicas = rest
+                .split(';')
+                .filter(|r| !r.is_empty())
+                .map(|r| {
+                    let (id, n) = r.split_once('=')?;
+                    let mut n = n.split(',').map(|v| v.parse::<i64>().ok());
+                    let load = Load {
+                        in_flight: n.next()??,
+                        waiting: n.next()??,
+                        queued_tokens: n.next()??,
+                    };
+                    n.next().is_none().then(|| (id.to_string(), load))
+                })
+                .collect::<Option<Vec<_>>>()?;
+            let snapshot = kind == "loadsnap";
+            return Some((instance, Message::Load { snapshot, replicas }));
+        }
         _ => return None,
     };
-    f.next().is_none().then_some((instance, change))
+    (!instance.is_empty()).then_some((instance, Message::Change(change)))
 }
 
 #[cfg(test)]
@@ -232,10 +356,48 @@ mod tests {
                 id: "gpu2".into(),
                 conf: None,
             },
+            Change::Prefilled {
+                replica: Arc::from("gpu0"),
+                links: vec![
+                    Link {
+                        hash: u64::MAX,
+                        part_end: false,
+                        bytes: 1024,
+                    },
+                    Link {
+                        hash: 0,
+                        part_end: false,
+                        bytes: 1900,
+                    },
+                ],
+            },
+            Change::Prefilled {
+                replica: Arc::from("gpu0"),
+                links: vec![],
+            },
         ];
         for c in changes {
             let m = encode("host-1", &c);
-            assert_eq!(decode(&m), Some(("host-1", c)), "{m}");
+            assert_eq!(decode(&m), Some(("host-1", Message::Change(c))), "{m}");
+        }
+        let load = |in_flight, waiting, queued_tokens| Load {
+            in_flight,
+            waiting,
+            queued_tokens,
+        };
+        for snapshot in [true, false] {
+            for replicas in [
+                vec![],
+                vec![("gpu0".to_string(), load(1, 1, 4000))],
+                vec![
+                    ("gpu0".to_string(), load(-1, 0, 0)),
+                    ("gpu-1.b".to_string(), load(0, -1, -4000)),
+                ],
+            ] {
+                let m = encode_load("host-1", snapshot, &replicas);
+                let want = Message::Load { snapshot, replicas };
+                assert_eq!(decode(&m), Some(("host-1", want)), "{m}");
+            }
         }
         for bad in [
             "",
@@ -245,6 +407,12 @@ mod tests {
             "a|drain|1",
             "a|pin|a|1|r|extra",
             "a|nope|1|2",
+            "a|index|gpu0|zz:1",
+            "a|index|gpu0|1:",
+            "a|load|gpu0=1,2",
+            "a|load|gpu0=1,2,3,4",
+            "a|loadsnap|gpu0",
+            "|drain|1|gpu0",
         ] {
             assert_eq!(decode(bad), None, "{bad}");
         }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -13,7 +13,7 @@ use pingora_core::services::background::BackgroundService;
 use redis::aio::MultiplexedConnection;
 use tokio::sync::mpsc;
 
-use super::{decode, encode, Change, Cluster, Table};
+use super::{decode, encode, encode_load, Change, Cluster, Load, Message, Peers, Table};
 use crate::affinity::AffinityTable;
 use crate::api::prompt::HASH_VERSION;
 use crate::config::{check_replica, ReplicaConf};
@@ -21,10 +21,15 @@ use crate::registry::Registry;
 
 /// Every Redis round trip is bounded by this; slower counts as down.
 const TIMEOUT: Duration = Duration::from_secs(1);
-/// How often load is published and read.
+/// How often each instance publishes a snapshot of its load (changes go out as they happen).
 const LOAD_EVERY: Duration = Duration::from_millis(250);
-/// An instance's load expires this long after its last report (it stopped or lost Redis).
-const LOAD_TTL_SECONDS: u64 = 2;
+/// An instance silent this long is gone (it stopped or lost Redis): its load no longer counts.
+const LOAD_TTL: Duration = Duration::from_secs(2);
+/// How often the lowest-ranked instance saves each changed prefix index to Redis, for
+/// instances that start later.
+const INDEX_EVERY: Duration = Duration::from_secs(10);
+/// The most recent links of a replica's index saved (12 bytes each).
+const INDEX_SAVED_LINKS: usize = 16_384;
 /// Changes written per round trip.
 const BATCH: usize = 512;
 
@@ -42,18 +47,20 @@ pub struct ClusterSync {
 fn pin_key(table: Table, key: u64) -> String {
     format!("inferlb:v{HASH_VERSION}:{}:{key:016x}", table.tag())
 }
+/// Pins and prefilled prompts: prompt hashes, so the channel carries the hash version.
 fn pins_channel() -> String {
     format!("inferlb:v{HASH_VERSION}:pins")
 }
+/// Drains, replicas and load: no hashes in them.
 const DRAINS: &str = "inferlb:drains";
 fn drain_key(replica: &str) -> String {
     format!("inferlb:drain:{replica}")
 }
+fn index_key(replica: &str) -> String {
+    format!("inferlb:v{HASH_VERSION}:index:{replica}")
+}
 fn replica_key(id: &str) -> String {
     format!("inferlb:replica:{id}")
-}
-fn load_key(instance: &str) -> String {
-    format!("inferlb:load:{instance}")
 }
 
 /// Writes a pin unless one is there, and announces it only then: the first writer wins.
@@ -101,6 +108,13 @@ impl ClusterSync {
                     }
                 }
             }
+            Change::Prefilled { replica, links } => {
+                if let Some(r) = self.registry.get(&replica) {
+                    r.index.record(&links);
+                }
+            }
+            // Load arrives netted, as `Message::Load`.
+            Change::Load { .. } => {}
             Change::Replica { id, conf: None } => {
                 self.registry.remove(&id);
             }
@@ -139,7 +153,16 @@ impl ClusterSync {
     ) -> Result<(), Failed> {
         let ttl = self.pin_ttl.as_secs().max(1);
         let mut pipe = redis::pipe();
+        // Load changes are summed per replica and go out as one message.
+        let mut load: Vec<(String, Load)> = Vec::new();
         for c in changes {
+            if let Change::Load { replica, change } = c {
+                match load.iter_mut().find(|(r, _)| **r == **replica) {
+                    Some((_, l)) => l.add(*change),
+                    None => load.push((replica.to_string(), *change)),
+                }
+                continue;
+            }
             let message = encode(&self.cluster.instance, c);
             match c {
                 Change::Pin {
@@ -188,9 +211,84 @@ impl ClusterSync {
                     };
                     pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
                 }
+                Change::Prefilled { .. } => {
+                    pipe.cmd("PUBLISH")
+                        .arg(pins_channel())
+                        .arg(message)
+                        .ignore();
+                }
+                Change::Load { .. } => {}
             }
         }
+        load.retain(|(_, l)| !l.is_zero());
+        if !load.is_empty() {
+            let message = encode_load(&self.cluster.instance, false, &load);
+            pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
+        }
+        if pipe.is_empty() {
+            return Ok(());
+        }
         bounded(pipe.query_async::<()>(conn)).await
+    }
+
+    /// This instance's whole load per replica, published so the others can set theirs right.
+    async fn publish_load(&self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+        let mine: Vec<(String, Load)> = self
+            .registry
+            .all()
+            .iter()
+            .map(|r| {
+                let (queued_tokens, waiting) = r.local_prefill();
+                let load = Load {
+                    in_flight: r.in_flight() as i64,
+                    waiting: waiting as i64,
+                    queued_tokens: queued_tokens as i64,
+                };
+                (r.id.to_string(), load)
+            })
+            .collect();
+        let message = encode_load(&self.cluster.instance, true, &mine);
+        bounded(
+            redis::cmd("PUBLISH")
+                .arg(DRAINS)
+                .arg(message)
+                .query_async::<()>(conn),
+        )
+        .await
+    }
+
+    /// Saves the recent links of each replica's index that changed since `saved` says.
+    async fn save_indexes(
+        &self,
+        conn: &mut MultiplexedConnection,
+        saved: &mut HashMap<Arc<str>, u64>,
+    ) -> Result<(), Failed> {
+        let ttl = self.pin_ttl.as_secs().max(1);
+        for r in self.registry.all().iter() {
+            let records = r.index.records();
+            if records == 0 || saved.get(&r.id) == Some(&records) {
+                continue;
+            }
+            let mut bytes = Vec::new();
+            for (hash, tokens) in r.index.recent(INDEX_SAVED_LINKS) {
+                bytes.extend_from_slice(&hash.to_le_bytes());
+                bytes.extend_from_slice(&tokens.to_le_bytes());
+            }
+            let mut set = redis::cmd("SET");
+            set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
+            bounded(set.query_async::<()>(conn)).await?;
+            saved.insert(r.id.clone(), records);
+        }
+        Ok(())
+    }
+
+    /// The peers' load summed into each replica, and this instance's rank among them.
+    fn apply_peers(&self, peers: &Peers) {
+        for r in self.registry.all().iter() {
+            let (in_flight, waiting, queued) = peers.total(&r.id);
+            r.set_peer_load(queued, waiting, in_flight);
+        }
+        self.registry.set_rank(peers.rank(&self.cluster.instance));
     }
 
     /// Every key matching `pattern`, at most `limit`.
@@ -259,6 +357,23 @@ impl ClusterSync {
                 }
             }
         }
+        for r in self.registry.all().iter() {
+            let saved: Option<Vec<u8>> =
+                bounded(redis::cmd("GET").arg(index_key(&r.id)).query_async(conn)).await?;
+            let links: Vec<(u64, u32)> = saved
+                .unwrap_or_default()
+                .chunks_exact(12)
+                .map(|c| {
+                    let (hash, tokens) = c.split_at(8);
+                    let hash = u64::from_le_bytes(hash.try_into().unwrap_or_default());
+                    (
+                        hash,
+                        u32::from_le_bytes(tokens.try_into().unwrap_or_default()),
+                    )
+                })
+                .collect();
+            r.index.restore(&links);
+        }
         let drained = Self::scan(conn, "inferlb:drain:*", 100_000).await?;
         for r in self.registry.all().iter() {
             let draining = drained.contains(&drain_key(&r.id));
@@ -294,107 +409,92 @@ impl ClusterSync {
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         let mut messages = pubsub.into_on_message();
-        let mut load = Aborting(tokio::spawn(share_load_every(
-            self.registry.clone(),
-            self.cluster.instance.clone(),
-            conn.clone(),
-        )));
+        // The others' load, followed for as long as this session lasts.
+        let mut peers = Peers::default();
+        let mut snapshot = tokio::time::interval(LOAD_EVERY);
+        snapshot.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut save =
+            tokio::time::interval_at(tokio::time::Instant::now() + INDEX_EVERY, INDEX_EVERY);
+        save.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut saved = HashMap::new();
         let mut batch = Vec::with_capacity(BATCH);
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return Ok(()),
+                // One instance saves: they all hold about the same.
+                _ = save.tick() => {
+                    if peers.rank(&self.cluster.instance) == 0 {
+                        self.save_indexes(&mut conn, &mut saved).await?;
+                    }
+                }
                 m = messages.next() => {
                     let Some(m) = m else {
                         return Err(redis::RedisError::from(std::io::Error::other("subscription closed")));
                     };
                     let payload: String = m.get_payload().unwrap_or_default();
-                    if let Some((from, change)) = decode(&payload) {
-                        if from != self.cluster.instance {
-                            self.apply(change).await;
+                    match decode(&payload) {
+                        Some((from, _)) if from == self.cluster.instance => {}
+                        Some((_, Message::Change(change))) => self.apply(change).await,
+                        Some((from, Message::Load { snapshot, replicas })) => {
+                            if snapshot {
+                                peers.snapshot(from, replicas, Instant::now());
+                            } else {
+                                peers.change(from, replicas, Instant::now());
+                            }
+                            self.apply_peers(&peers);
                         }
+                        None => {}
                     }
                 }
                 n = rx.recv_many(&mut batch, BATCH) => {
                     if n == 0 {
                         return Ok(());
                     }
-                    if let Err(e) = self.write(&mut conn, &batch, false).await {
-                        pending.append(&mut batch);
-                        return Err(e);
-                    }
-                    batch.clear();
+                    self.write_or_keep(&mut conn, &mut batch, pending).await?;
                 }
-                failed = &mut load.0 => {
-                    return Err(failed.unwrap_or_else(|_| {
-                        redis::RedisError::from(std::io::Error::other("load sharing stopped"))
-                    }));
+                _ = snapshot.tick() => {
+                    // What is queued goes first, so the snapshot never precedes a change it
+                    // already counts.
+                    while batch.len() < BATCH {
+                        match rx.try_recv() {
+                            Ok(c) => batch.push(c),
+                            Err(_) => break,
+                        }
+                    }
+                    self.write_or_keep(&mut conn, &mut batch, pending).await?;
+                    self.publish_load(&mut conn).await?;
+                    if peers.expire(Instant::now(), LOAD_TTL) {
+                        self.apply_peers(&peers);
+                    }
+                    self.registry.set_rank(peers.rank(&self.cluster.instance));
                 }
             }
         }
     }
-}
 
-/// Publishes this instance's load per replica and reads the others'.
-async fn share_load(
-    registry: &Registry,
-    instance: &str,
-    conn: &mut MultiplexedConnection,
-) -> Result<(), Failed> {
-    let mine = load_key(instance);
-    let mut pipe = redis::pipe();
-    for r in registry.all().iter() {
-        let (queued, waiting) = r.local_prefill();
-        let value = format!("{queued} {waiting} {}", r.in_flight());
-        pipe.cmd("HSET").arg(&mine).arg(&*r.id).arg(value).ignore();
-    }
-    pipe.cmd("EXPIRE").arg(&mine).arg(LOAD_TTL_SECONDS).ignore();
-    bounded(pipe.query_async::<()>(conn)).await?;
-    let mut total: HashMap<String, (u64, u64, u64)> = HashMap::new();
-    for key in ClusterSync::scan(conn, "inferlb:load:*", 10_000).await? {
-        if key == mine {
-            continue;
+    /// Writes `batch` and empties it; when Redis fails, keeps what must outlive the outage.
+    async fn write_or_keep(
+        &self,
+        conn: &mut MultiplexedConnection,
+        batch: &mut Vec<Change>,
+        pending: &mut Vec<Change>,
+    ) -> Result<(), Failed> {
+        let written = self.write(conn, batch, false).await;
+        if written.is_err() {
+            keep(pending, batch.drain(..));
         }
-        let fields: HashMap<String, String> =
-            bounded(redis::cmd("HGETALL").arg(&key).query_async(conn)).await?;
-        for (replica, value) in fields {
-            let mut n = value.split(' ').map(|v| v.parse::<u64>().unwrap_or(0));
-            let t = total.entry(replica).or_default();
-            t.0 += n.next().unwrap_or(0);
-            t.1 += n.next().unwrap_or(0);
-            t.2 += n.next().unwrap_or(0);
-        }
-    }
-    for r in registry.all().iter() {
-        let (queued, waiting, in_flight) = total.get(&*r.id).copied().unwrap_or_default();
-        r.set_peer_load(queued, waiting, in_flight);
-    }
-    Ok(())
-}
-
-/// [`share_load`] every [`LOAD_EVERY`] on a clone of the multiplexed connection (same socket),
-/// until a round fails (that error is what it returns). A task apart from the pins and drains:
-/// the loop that sends them never waits for a load round to finish, though Redis still answers
-/// the socket's commands in order.
-async fn share_load_every(
-    registry: Arc<Registry>,
-    instance: String,
-    mut conn: MultiplexedConnection,
-) -> Failed {
-    let mut tick = tokio::time::interval(LOAD_EVERY);
-    loop {
-        tick.tick().await;
-        if let Err(e) = share_load(&registry, &instance, &mut conn).await {
-            return e;
-        }
+        batch.clear();
+        written
     }
 }
 
-/// A task that is stopped when its session ends, however it ends.
-struct Aborting<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for Aborting<T> {
-    fn drop(&mut self) {
-        self.0.abort();
+/// Keeps changes made while Redis is away, bounded, to write when it is back. Load changes are
+/// not kept: the first snapshot after the outage says it all.
+fn keep(pending: &mut Vec<Change>, changes: impl Iterator<Item = Change>) {
+    for c in changes {
+        if pending.len() < super::QUEUE && !matches!(c, Change::Load { .. }) {
+            pending.push(c);
+        }
     }
 }
 
@@ -404,6 +504,7 @@ impl BackgroundService for ClusterSync {
         let Some(mut rx) = self.changes.lock().ok().and_then(|mut c| c.take()) else {
             return;
         };
+        self.registry.share_with(&self.cluster);
         let mut pending: Vec<Change> = Vec::new();
         let mut backoff = Duration::from_millis(250);
         loop {
@@ -415,18 +516,11 @@ impl BackgroundService for ClusterSync {
                         backoff = Duration::from_millis(250);
                     }
                     // Peers' load is unknown now: count only what is seen here.
-                    self.registry
-                        .all()
-                        .iter()
-                        .for_each(|r| r.set_peer_load(0, 0, 0));
+                    self.apply_peers(&Peers::default());
                 }
             }
             // Keep what is changed meanwhile, bounded, to write when Redis is back.
-            while let Ok(c) = rx.try_recv() {
-                if pending.len() < super::QUEUE {
-                    pending.push(c);
-                }
-            }
+            keep(&mut pending, std::iter::from_fn(|| rx.try_recv().ok()));
             tokio::select! {
                 _ = shutdown.changed() => return,
                 _ = tokio::time::sleep(backoff) => {}
