@@ -37,7 +37,7 @@ struct Fleet {
     solo: Lb,
     sims: Vec<Sim>,
     redis: Redis,
-    _root: tempfile::TempDir,
+    root: tempfile::TempDir,
 }
 
 impl Fleet {
@@ -54,25 +54,11 @@ impl Fleet {
             .map(|i| Sim::spawn(root.path(), &format!("gpu{i}"), &[]))
             .collect();
         sims.iter().for_each(Sim::assert_healthy);
-        let refs: Vec<&Sim> = sims.iter().collect();
-        let start = |name: &str, extra: String| {
-            let dir = root.path().join(name);
-            std::fs::create_dir_all(&dir).expect("dir");
-            Lb::start(
-                &dir,
-                &refs,
-                LbConf {
-                    extra,
-                    routing: Some(routing.into()),
-                    ..test_conf()
-                },
-            )
-        };
         let lbs: Vec<Lb> = INSTANCES
             .iter()
-            .map(|n| start(n, redis.cluster_conf(n)))
+            .map(|n| instance(root.path(), &sims, routing, n, redis.cluster_conf(n)))
             .collect();
-        let solo = start("solo", String::new());
+        let solo = instance(root.path(), &sims, routing, "solo", String::new());
         let joined = wait_until(Duration::from_secs(10), || {
             lbs.iter().all(|lb| connected(lb) && ready(lb))
         });
@@ -82,13 +68,40 @@ impl Fleet {
             solo,
             sims,
             redis,
-            _root: root,
+            root,
         }
+    }
+
+    /// One more instance of the cluster, `name`, started now.
+    fn join(&self, name: &str, routing: &str) -> Lb {
+        let lb = instance(
+            self.root.path(),
+            &self.sims,
+            routing,
+            name,
+            self.redis.cluster_conf(name),
+        );
+        let joined = wait_until(Duration::from_secs(10), || connected(&lb) && ready(&lb));
+        assert!(joined, "{name} did not join the cluster");
+        lb
     }
 
     fn three(&self) -> Vec<&Lb> {
         self.lbs.iter().collect()
     }
+}
+
+/// An inferlb named `name` in front of `sims`, with `extra` conf (its cluster, or nothing).
+fn instance(root: &std::path::Path, sims: &[Sim], routing: &str, name: &str, extra: String) -> Lb {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let refs: Vec<&Sim> = sims.iter().collect();
+    let conf = LbConf {
+        extra,
+        routing: Some(routing.into()),
+        ..test_conf()
+    };
+    Lb::start(&dir, &refs, conf)
 }
 
 fn connected(lb: &Lb) -> bool {
@@ -538,25 +551,26 @@ fn burst_over_three(routing: &str) {
 #[test]
 fn a_sibling_reaching_another_instance_goes_to_the_replica_holding_its_history() {
     let _turn = one_at_a_time();
+    let started = Instant::now();
     let f = Fleet::routing(2, "prefill_cost");
     let c = client();
+    let messages = |family: usize, question: &str| {
+        let history = text_of(&format!("family {family} history"), 3000);
+        [
+            json!({"role": "system", "content": history}),
+            json!({"role": "user", "content": question}),
+        ]
+    };
+    let ask = |lb: &Lb, family: usize, question: &str| {
+        chat(&c, lb, &messages(family, question)).map(|(replica, route, _)| (replica, route))
+    };
     let (mut found, mut control) = (vec![], vec![]);
     for family in 0..6 {
-        let history = text_of(&format!("family {family} history"), 3000);
-        let messages = |question: &str| {
-            [
-                json!({"role": "system", "content": history}),
-                json!({"role": "user", "content": question}),
-            ]
-        };
-        let ask = |lb: &Lb, question: &str| {
-            chat(&c, lb, &messages(question)).map(|(replica, route, _)| (replica, route))
-        };
-        let home = streamed(&c, &f.lbs[family % 3], &messages("first question"));
-        let sibling = ask(&f.lbs[(family + 1) % 3], "another question").expect("sibling");
-        let cousin = ask(&f.lbs[(family + 2) % 3], "a third question").expect("cousin");
+        let home = streamed(&c, &f.lbs[family % 3], &messages(family, "first question"));
+        let sibling = ask(&f.lbs[(family + 1) % 3], family, "another question").expect("sibling");
+        let cousin = ask(&f.lbs[(family + 2) % 3], family, "a third question").expect("cousin");
         found.push((home, sibling, cousin));
-        control.push(ask(&f.solo, "another question").expect("control").1);
+        control.push(ask(&f.solo, family, "another question").expect("control").1);
     }
     eprintln!(
         "[index] first replica, then the sibling's replica and route on the next instance and \
@@ -568,6 +582,18 @@ fn a_sibling_reaching_another_instance_goes_to_the_replica_holding_its_history()
         }
     }
     assert!(control.iter().all(|r| r == "spread"), "{control:?}");
+
+    // An instance that starts later adopts the indexes saved in Redis (every 10 s, by the
+    // instance of the lowest id), and sends each family's next sibling home too.
+    std::thread::sleep(Duration::from_secs(12).saturating_sub(started.elapsed()));
+    let late = f.join("lb-d", "prefill_cost");
+    let late: Vec<(String, String)> = (0..found.len())
+        .map(|family| ask(&late, family, "a late question").expect("late sibling"))
+        .collect();
+    eprintln!("[index] on an instance started 12 s in: {late:?}");
+    for ((home, _, _), (replica, route)) in found.iter().zip(&late) {
+        assert_eq!((replica, route.as_str()), (home, "prefix"), "{late:?}");
+    }
 }
 
 /// A streamed chat request read to its end: the replica that answered.

@@ -59,6 +59,8 @@ impl InstancesSizes {
 
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct InstancesRow {
+    /// The routing policy every instance runs.
+    pub routing: String,
     pub setup: String,
     pub instances: usize,
     pub shared: bool,
@@ -99,13 +101,13 @@ async fn tokens(client: &reqwest::Client, sims: &[Sim]) -> (u64, u64) {
     total
 }
 
-/// Fresh replicas and `instances` inferlb instances in front of them (adaptive routing), each
-/// joined to `redis` when given; blocking.
+/// Fresh replicas and `instances` inferlb instances in front of them, routing by `routing`,
+/// each joined to `redis` when given; blocking.
 fn start(
     dir: &Path,
     a: &Args,
     s: &InstancesSizes,
-    instances: usize,
+    (instances, routing): (usize, &str),
     redis: Option<&Redis>,
 ) -> (Vec<Lb>, Vec<Sim>) {
     let (speed, cache) = (a.speed.to_string(), s.cache_tokens.to_string());
@@ -123,7 +125,7 @@ fn start(
             let conf = LbConf {
                 threads: Some(2),
                 max_retries: Some(4),
-                routing: Some("adaptive".into()),
+                routing: Some(routing.into()),
                 health_interval_seconds: Some(0.5),
                 load_poll_interval_seconds: Some((0.25 / a.speed.max(1.0)).max(0.01)),
                 extra: redis.map(|r| r.cluster_conf(&name)).unwrap_or_default(),
@@ -132,7 +134,7 @@ fn start(
             let log = a
                 .out
                 .join("logs")
-                .join(format!("instances-{instances}-{name}.log"));
+                .join(format!("instances-{routing}-{instances}-{name}.log"));
             Lb::start_logged(&here, &refs, conf, Some(&log), "warn")
         })
         .collect();
@@ -207,7 +209,7 @@ async fn run(
     all
 }
 
-/// One instance, three sharing state through Redis, three on their own.
+/// Under each policy: one instance, three sharing state through Redis, three on their own.
 pub async fn instances(client: &reqwest::Client, a: &Args, smoke: bool) -> InstancesResult {
     let s = InstancesSizes::new(smoke);
     let mut result = InstancesResult {
@@ -215,12 +217,17 @@ pub async fn instances(client: &reqwest::Client, a: &Args, smoke: bool) -> Insta
         speed: a.speed,
         rows: vec![],
     };
-    for (setup, instances, shared) in [
+    let setups = [
         ("1 instance", 1, false),
         ("3 instances, shared state (Redis)", 3, true),
         ("3 instances, no sharing", 3, false),
-    ] {
+    ];
+    let runs = ["adaptive", "prefill_cost"]
+        .into_iter()
+        .flat_map(|routing| setups.map(|setup| (routing, setup)));
+    for (routing, (setup, instances, shared)) in runs {
         let mut row = InstancesRow {
+            routing: routing.into(),
             setup: setup.into(),
             instances,
             shared,
@@ -232,11 +239,11 @@ pub async fn instances(client: &reqwest::Client, a: &Args, smoke: bool) -> Insta
             result.rows.push(row);
             continue;
         }
-        eprintln!("[instances] {setup}");
+        eprintln!("[instances] {routing}: {setup}");
         let dir = tempfile::tempdir().expect("tempdir");
         let (redis, lbs, sims) = tokio::task::block_in_place(|| {
             let redis = shared.then(|| Redis::start(dir.path()));
-            let (lbs, sims) = start(dir.path(), a, &s, instances, redis.as_ref());
+            let (lbs, sims) = start(dir.path(), a, &s, (instances, routing), redis.as_ref());
             (redis, lbs, sims)
         });
         if shared {
@@ -256,7 +263,7 @@ pub async fn instances(client: &reqwest::Client, a: &Args, smoke: bool) -> Insta
         }
         let bases: Vec<String> = lbs.iter().map(|lb| lb.url("")).collect();
         let before = tokens(client, &sims).await;
-        let tag = format!("instances {instances} {shared}");
+        let tag = format!("instances {routing} {instances} {shared}");
         let measured = run(client, &bases, &s, a.speed, &tag).await;
         let after = tokens(client, &sims).await;
         row.hit_rate = (after.1 - before.1) as f64 / (after.0 - before.0).max(1) as f64;
@@ -281,9 +288,9 @@ pub fn table(r: &InstancesResult) -> String {
     let mut md = format!(
         "\n## Several instances\n\n{} agent loops x {} turns ({}k-token contexts, +{}k a turn), \
          {} replicas with {}k tokens of prefix cache each, speed x{}; the client sends every \
-         request to the next instance; adaptive routing.\n\n\
-         | setup | warm-turn TTFT p50 (ms) | p90 (ms) | prefix-cache hit rate | warm turns on the previous turn's replica | first turns per replica | errors |\n\
-         |---|---|---|---|---|---|---|\n",
+         request to the next instance.\n\n\
+         | routing | setup | warm-turn TTFT p50 (ms) | p90 (ms) | prefix-cache hit rate | warm turns on the previous turn's replica | first turns per replica | errors |\n\
+         |---|---|---|---|---|---|---|---|\n",
         s.loops,
         s.turns,
         s.context_tokens / 1000,
@@ -294,13 +301,17 @@ pub fn table(r: &InstancesResult) -> String {
     );
     for row in &r.rows {
         if let Some(why) = &row.skipped {
-            md.push_str(&format!("| {} | skipped: {why} | | | | | |\n", row.setup));
+            md.push_str(&format!(
+                "| {} | {} | skipped: {why} | | | | | |\n",
+                row.routing, row.setup
+            ));
             continue;
         }
         let split: Vec<String> = row.first_turns.values().map(|n| n.to_string()).collect();
         let split = split.join("/");
         md.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.1}% | {}/{} | {} | {} |\n",
+            "| {} | {} | {:.0} | {:.0} | {:.1}% | {}/{} | {} | {} |\n",
+            row.routing,
             row.setup,
             row.warm_ttft_p50_ms,
             row.warm_ttft_p90_ms,
