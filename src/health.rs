@@ -5,7 +5,7 @@
 //! are each checked and re-admitted.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use async_trait::async_trait;
 use futures::future::join_all;
@@ -19,12 +19,17 @@ use crate::config::HealthConf;
 use crate::registry::Registry;
 use crate::replica::Replica;
 
+/// A TLS replica's check, and the replica it was made for.
+type TlsCheck = (Weak<Replica>, Arc<HttpHealthCheck>);
+
 pub struct HealthChecker {
     /// The check of every plain-HTTP replica.
     http: HttpHealthCheck,
     /// A replica behind TLS is checked with its own peer (SNI, trusted roots, client
-    /// certificate), by id; dropped when the replica leaves.
-    tls: Mutex<HashMap<Arc<str>, Arc<HttpHealthCheck>>>,
+    /// certificate), by id; dropped when the replica leaves, rebuilt when another replica
+    /// takes its id (the `Weak` names the one it was made for, and keeps its address from
+    /// being reused).
+    tls: Mutex<HashMap<Arc<str>, TlsCheck>>,
     conf: HealthConf,
     registry: Arc<Registry>,
 }
@@ -39,15 +44,19 @@ impl HealthChecker {
         }
     }
 
-    fn tls_check(&self, r: &Replica) -> Arc<HttpHealthCheck> {
+    fn tls_check(&self, r: &Arc<Replica>) -> Arc<HttpHealthCheck> {
         let mut checks = self.tls.lock().unwrap_or_else(|e| e.into_inner());
-        checks
-            .entry(r.id.clone())
-            .or_insert_with(|| Arc::new(http_check(&self.conf, &r.host, Some(&r.peer))))
-            .clone()
+        match checks.get(&r.id) {
+            Some((made_for, check)) if made_for.ptr_eq(&Arc::downgrade(r)) => check.clone(),
+            _ => {
+                let check = Arc::new(http_check(&self.conf, &r.host, Some(&r.peer)));
+                checks.insert(r.id.clone(), (Arc::downgrade(r), check.clone()));
+                check
+            }
+        }
     }
 
-    async fn check(&self, r: &Replica) {
+    async fn check(&self, r: &Arc<Replica>) {
         let before = r.demotions();
         let ok = if r.peer.is_tls() {
             self.tls_check(r).check(&r.backend).await
@@ -116,5 +125,60 @@ impl BackgroundService for HealthChecker {
                 .retain(|id, _| replicas.iter().any(|r| r.id == *id));
             join_all(replicas.iter().map(|r| self.check(r))).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::{ReplicaConf, UpstreamConf};
+
+    fn tls_replica(id: &str, sni: &str) -> Arc<Replica> {
+        let conf = ReplicaConf {
+            id: id.into(),
+            address: "https://127.0.0.1:1".into(),
+            api_key: None,
+            models: vec![],
+            socket: "127.0.0.1:1".parse().ok(),
+            cache_tokens: None,
+            discover: None,
+            sni: Some(sni.into()),
+            tls: true,
+        };
+        Arc::new(Replica::new(&conf, &upstream()))
+    }
+
+    fn upstream() -> UpstreamConf {
+        let second = Duration::from_secs(1);
+        UpstreamConf {
+            connect_timeout: second,
+            read_timeout: second,
+            write_timeout: second,
+            idle_timeout: second,
+            tls: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_replica_that_takes_a_gone_replicas_id_gets_a_check_of_its_own() {
+        let conf = HealthConf {
+            path: "/health".into(),
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            failures: 1,
+            successes: 1,
+        };
+        let checker = HealthChecker::new(&conf, Arc::new(Registry::new(&[], &upstream())));
+        let old = tls_replica("gpu0", "old.example");
+        let first = checker.tls_check(&old);
+        assert!(Arc::ptr_eq(&first, &checker.tls_check(&old)), "kept");
+        assert_eq!(first.peer_template.sni, "old.example");
+        // Removed and added again under the same id, between two rounds of checks.
+        let new = tls_replica("gpu0", "new.example");
+        let second = checker.tls_check(&new);
+        assert_eq!(second.peer_template.sni, "new.example");
+        assert!(Arc::ptr_eq(&second, &checker.tls_check(&new)), "kept");
     }
 }
