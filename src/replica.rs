@@ -48,6 +48,8 @@ pub struct Replica {
     demotions: AtomicU64,
     draining: AtomicBool,
     in_flight: AtomicUsize,
+    /// `inferlb_replica_in_flight` for it, looked up once.
+    in_flight_gauge: pingora_prometheus::prometheus::IntGauge,
     /// The models it serves: from the conf, or learnt from its /v1/models (empty: unknown,
     /// so it is not excluded from any model's pool).
     models: RwLock<Arc<[String]>>,
@@ -160,7 +162,8 @@ impl Replica {
             .up
             .with_label_values(&[&conf.id])
             .set(healthy as i64);
-        METRICS.in_flight.with_label_values(&[&conf.id]).set(0);
+        let in_flight_gauge = METRICS.in_flight.with_label_values(&[&conf.id]);
+        in_flight_gauge.set(0);
         METRICS.draining.with_label_values(&[&conf.id]).set(0);
         Replica {
             id: Arc::from(conf.id.as_str()),
@@ -182,6 +185,7 @@ impl Replica {
             demotions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
+            in_flight_gauge,
             models: RwLock::new(Arc::from(conf.models.clone())),
             checks_passed: AtomicU64::new(0),
             index: PrefixIndex::new(conf.cache_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
@@ -252,10 +256,7 @@ impl Replica {
     /// Counts a request in flight until the guard drops.
     pub fn start(self: &Arc<Self>) -> InFlight {
         let n = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-        METRICS
-            .in_flight
-            .with_label_values(&[&self.id])
-            .set(n as i64);
+        self.in_flight_gauge.set(n as i64);
         self.share(LoadChange {
             in_flight: 1,
             ..Default::default()
@@ -461,10 +462,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         let n = self.0.in_flight.fetch_sub(1, Ordering::Relaxed) - 1;
-        METRICS
-            .in_flight
-            .with_label_values(&[&self.0.id])
-            .set(n as i64);
+        self.0.in_flight_gauge.set(n as i64);
         self.0.share(LoadChange {
             in_flight: -1,
             ..Default::default()
