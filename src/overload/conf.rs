@@ -80,7 +80,8 @@ pub struct Budget {
 /// A key listed in the conf.
 #[derive(Debug, Clone)]
 pub struct KeyConf {
-    pub name: String,
+    /// Its metrics label, shared by its requests (no allocation per request).
+    pub name: std::sync::Arc<str>,
     /// Its class, also the highest a `class_header` may ask for it.
     pub class: Option<usize>,
     pub budget: Budget,
@@ -222,7 +223,7 @@ pub fn validate(raw: RawOverload) -> Result<OverloadConf, String> {
             .map(|c| class_of(&format!("{at}class"), c))
             .transpose()?;
         let conf = KeyConf {
-            name: k.name.clone(),
+            name: std::sync::Arc::from(k.name.as_str()),
             class,
             budget: budget(&at, k.max_concurrent, k.tokens_per_minute)?,
         };
@@ -288,11 +289,7 @@ mod tests {
         assert_eq!(c.default_class, 1, "the lowest class unless named");
         assert_eq!(c.budget.max_concurrent, Some(8));
         let alice = &c.keys[&key_id(b"sk-alice-1")];
-        assert_eq!(
-            (alice.name.as_str(), alice.class),
-            ("alice", Some(0)),
-            "{alice:?}"
-        );
+        assert_eq!((&*alice.name, alice.class), ("alice", Some(0)), "{alice:?}");
         assert_eq!(alice.budget.tokens_per_minute, Some(60000));
         assert!(c.limits_load());
     }

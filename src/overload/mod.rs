@@ -137,11 +137,27 @@ impl Pass {
         }
     }
 
+    /// Gives back what it holds, under one lock; the queue is looked at again only when it
+    /// holds requests that the freed place may let go.
     fn release(&mut self) {
-        self.routed();
-        if let (Some(o), true) = (&self.owner, self.counted) {
-            self.counted = false;
-            o.lock().budgets.end(self.key);
+        let Some(o) = &self.owner else {
+            return;
+        };
+        let (ticket, counted) = (self.ticket.take(), std::mem::take(&mut self.counted));
+        if ticket.is_none() && !counted {
+            return;
+        }
+        let waiting = {
+            let mut s = o.lock();
+            if let Some(t) = ticket {
+                s.transit.remove(&t);
+            }
+            if counted {
+                s.budgets.end(self.key);
+            }
+            !s.queue.is_empty()
+        };
+        if counted && waiting {
             o.pump();
         }
     }
@@ -171,14 +187,17 @@ fn api_key(headers: &http::HeaderMap) -> Option<&[u8]> {
         .filter(|k| !k.is_empty())
 }
 
+/// The label of every key the conf does not list, made once.
+static OTHER: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from("other"));
+
 /// The key, its label, class and budget, from the request's headers.
 fn identify(c: &OverloadConf, headers: &http::HeaderMap) -> Who {
     let raw = header(headers, c.key_header.as_deref()).or_else(|| api_key(headers));
     let id = raw.map_or(0, key_id);
     let listed = raw.and(c.keys.get(&id));
     let label: Option<Arc<str>> = match (listed, raw) {
-        (Some(k), _) => Some(Arc::from(k.name.as_str())),
-        (None, Some(_)) => Some(Arc::from("other")),
+        (Some(k), _) => Some(k.name.clone()),
+        (None, Some(_)) => Some(OTHER.clone()),
         (None, None) => None,
     };
     let asked = header(headers, c.class_header.as_deref())
