@@ -19,6 +19,7 @@
 //! a rolling upgrade never read each other's hashes as their own.
 
 mod peers;
+mod stored;
 mod sync;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -13,9 +13,9 @@ use pingora_core::services::background::BackgroundService;
 use redis::aio::MultiplexedConnection;
 use tokio::sync::mpsc;
 
+use super::stored::{drain_key, pin_key, pins_channel, replica_key, DRAINS};
 use super::{decode, encode, encode_load, Change, Cluster, Load, Message, Peers, Table};
 use crate::affinity::AffinityTable;
-use crate::api::prompt::HASH_VERSION;
 use crate::config::{check_replica, ReplicaConf};
 use crate::registry::Registry;
 
@@ -28,8 +28,6 @@ const LOAD_TTL: Duration = Duration::from_secs(2);
 /// How often the lowest-ranked instance saves each changed prefix index to Redis, for
 /// instances that start later.
 const INDEX_EVERY: Duration = Duration::from_secs(10);
-/// The most recent links of a replica's index saved (12 bytes each).
-const INDEX_SAVED_LINKS: usize = 16_384;
 /// Changes written per round trip.
 const BATCH: usize = 512;
 
@@ -44,32 +42,14 @@ pub struct ClusterSync {
     pub pin_ttl: Duration,
 }
 
-fn pin_key(table: Table, key: u64) -> String {
-    format!("inferlb:v{HASH_VERSION}:{}:{key:016x}", table.tag())
-}
-/// Pins and prefilled prompts: prompt hashes, so the channel carries the hash version.
-fn pins_channel() -> String {
-    format!("inferlb:v{HASH_VERSION}:pins")
-}
-/// Drains, replicas and load: no hashes in them.
-const DRAINS: &str = "inferlb:drains";
-fn drain_key(replica: &str) -> String {
-    format!("inferlb:drain:{replica}")
-}
-fn index_key(replica: &str) -> String {
-    format!("inferlb:v{HASH_VERSION}:index:{replica}")
-}
-fn replica_key(id: &str) -> String {
-    format!("inferlb:replica:{id}")
-}
-
 /// Writes a pin unless one is there, and announces it only then: the first writer wins.
 const SET_NX_AND_PUBLISH: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) \
      then redis.call('PUBLISH', ARGV[3], ARGV[4]) end return 1";
 
-type Failed = redis::RedisError;
+pub(super) type Failed = redis::RedisError;
 
-async fn bounded<T>(
+/// `f`, or a time-out error after [`TIMEOUT`].
+pub(super) async fn bounded<T>(
     f: impl std::future::Future<Output = redis::RedisResult<T>>,
 ) -> Result<T, Failed> {
     match tokio::time::timeout(TIMEOUT, f).await {
@@ -82,7 +62,7 @@ async fn bounded<T>(
 }
 
 impl ClusterSync {
-    fn table(&self, t: Table) -> &AffinityTable {
+    pub(super) fn table(&self, t: Table) -> &AffinityTable {
         match t {
             Table::Affinity => &self.affinity,
             Table::Stored => &self.stored,
@@ -90,7 +70,7 @@ impl ClusterSync {
     }
 
     /// Applies another instance's change (or what Redis holds) to the local state.
-    async fn apply(&self, change: Change) {
+    pub(super) async fn apply(&self, change: Change) {
         match change {
             Change::Pin {
                 table,
@@ -257,31 +237,6 @@ impl ClusterSync {
         .await
     }
 
-    /// Saves the recent links of each replica's index that changed since `saved` says.
-    async fn save_indexes(
-        &self,
-        conn: &mut MultiplexedConnection,
-        saved: &mut HashMap<Arc<str>, u64>,
-    ) -> Result<(), Failed> {
-        let ttl = self.pin_ttl.as_secs().max(1);
-        for r in self.registry.all().iter() {
-            let records = r.index.records();
-            if records == 0 || saved.get(&r.id) == Some(&records) {
-                continue;
-            }
-            let mut bytes = Vec::new();
-            for (hash, tokens) in r.index.recent(INDEX_SAVED_LINKS) {
-                bytes.extend_from_slice(&hash.to_le_bytes());
-                bytes.extend_from_slice(&tokens.to_le_bytes());
-            }
-            let mut set = redis::cmd("SET");
-            set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
-            bounded(set.query_async::<()>(conn)).await?;
-            saved.insert(r.id.clone(), records);
-        }
-        Ok(())
-    }
-
     /// The peers' load summed into each replica, and this instance's rank among them.
     fn apply_peers(&self, peers: &Peers) {
         for r in self.registry.all().iter() {
@@ -289,101 +244,6 @@ impl ClusterSync {
             r.set_peer_load(queued, waiting, in_flight);
         }
         self.registry.set_rank(peers.rank(&self.cluster.instance));
-    }
-
-    /// Every key matching `pattern`, at most `limit`.
-    async fn scan(
-        conn: &mut MultiplexedConnection,
-        pattern: &str,
-        limit: usize,
-    ) -> Result<Vec<String>, Failed> {
-        let mut keys = Vec::new();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, batch): (u64, Vec<String>) = bounded(
-                redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(conn),
-            )
-            .await?;
-            keys.extend(batch);
-            cursor = next;
-            if cursor == 0 || keys.len() >= limit {
-                keys.truncate(limit);
-                return Ok(keys);
-            }
-        }
-    }
-
-    /// Adopts what Redis holds: pins of this hash version, and drains.
-    async fn bootstrap(&self, conn: &mut MultiplexedConnection) -> Result<usize, Failed> {
-        let mut adopted = 0;
-        for table in [Table::Affinity, Table::Stored] {
-            let pattern = format!("inferlb:v{HASH_VERSION}:{}:*", table.tag());
-            let keys = Self::scan(conn, &pattern, 1_000_000).await?;
-            for chunk in keys.chunks(500) {
-                let values: Vec<Option<String>> =
-                    bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
-                for (k, v) in chunk.iter().zip(values) {
-                    let key = k
-                        .rsplit(':')
-                        .next()
-                        .and_then(|h| u64::from_str_radix(h, 16).ok());
-                    if let (Some(key), Some(replica)) = (key, v) {
-                        self.apply(Change::Pin {
-                            table,
-                            key,
-                            replica: Arc::from(replica),
-                        })
-                        .await;
-                        adopted += 1;
-                    }
-                }
-            }
-        }
-        // Replicas added at runtime, before their pins and drains.
-        let added = Self::scan(conn, "inferlb:replica:*", 100_000).await?;
-        for chunk in added.chunks(500) {
-            let values: Vec<Option<String>> =
-                bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
-            for (k, conf) in chunk.iter().zip(values) {
-                let id = k.trim_start_matches("inferlb:replica:").to_string();
-                if conf.is_some() {
-                    self.apply(Change::Replica { id, conf }).await;
-                }
-            }
-        }
-        for r in self.registry.all().iter() {
-            let saved: Option<Vec<u8>> =
-                bounded(redis::cmd("GET").arg(index_key(&r.id)).query_async(conn)).await?;
-            let links: Vec<(u64, u32)> = saved
-                .unwrap_or_default()
-                .chunks_exact(12)
-                .map(|c| {
-                    let (hash, tokens) = c.split_at(8);
-                    let hash = u64::from_le_bytes(hash.try_into().unwrap_or_default());
-                    (
-                        hash,
-                        u32::from_le_bytes(tokens.try_into().unwrap_or_default()),
-                    )
-                })
-                .collect();
-            r.index.restore(&links);
-        }
-        let drained = Self::scan(conn, "inferlb:drain:*", 100_000).await?;
-        for r in self.registry.all().iter() {
-            let draining = drained.contains(&drain_key(&r.id));
-            self.apply(Change::Drain {
-                replica: r.id.clone(),
-                draining,
-            })
-            .await;
-        }
-        Ok(adopted)
     }
 
     /// One connected session, until Redis fails or the process stops (`Ok`).

@@ -1,0 +1,184 @@
+//! What Redis keeps for the cluster, and reading it back: pins, drains, replicas added at
+//! runtime and each replica's prefix index, adopted by an instance whenever it (re)connects;
+//! and the index saves that let an instance that starts later know what the replicas hold.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use redis::aio::MultiplexedConnection;
+
+use super::sync::{bounded, ClusterSync, Failed};
+use super::{Change, Table};
+use crate::api::prompt::HASH_VERSION;
+
+/// The most recent links of a replica's index saved (12 bytes each).
+const INDEX_SAVED_LINKS: usize = 16_384;
+
+pub(super) fn pin_key(table: Table, key: u64) -> String {
+    format!("inferlb:v{HASH_VERSION}:{}:{key:016x}", table.tag())
+}
+
+/// Pins and prefilled prompts: prompt hashes, so the channel carries the hash version.
+pub(super) fn pins_channel() -> String {
+    format!("inferlb:v{HASH_VERSION}:pins")
+}
+/// Drains, replicas and load: no hashes in them.
+pub(super) const DRAINS: &str = "inferlb:drains";
+pub(super) fn drain_key(replica: &str) -> String {
+    format!("inferlb:drain:{replica}")
+}
+fn index_key(replica: &str) -> String {
+    format!("inferlb:v{HASH_VERSION}:index:{replica}")
+}
+pub(super) fn replica_key(id: &str) -> String {
+    format!("inferlb:replica:{id}")
+}
+
+/// A saved index: each link's hash and tokens, little-endian, 12 bytes a link.
+fn links_to(links: &[(u64, u32)]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(links.len() * 12);
+    for (hash, tokens) in links {
+        bytes.extend_from_slice(&hash.to_le_bytes());
+        bytes.extend_from_slice(&tokens.to_le_bytes());
+    }
+    bytes
+}
+
+/// The links of a saved index; a torn last link is left out.
+fn links_from(bytes: &[u8]) -> Vec<(u64, u32)> {
+    bytes
+        .chunks_exact(12)
+        .map(|c| {
+            let (hash, tokens) = c.split_at(8);
+            let hash = u64::from_le_bytes(hash.try_into().unwrap_or_default());
+            (
+                hash,
+                u32::from_le_bytes(tokens.try_into().unwrap_or_default()),
+            )
+        })
+        .collect()
+}
+
+impl ClusterSync {
+    /// Every key matching `pattern`, at most `limit`.
+    pub(super) async fn scan(
+        conn: &mut MultiplexedConnection,
+        pattern: &str,
+        limit: usize,
+    ) -> Result<Vec<String>, Failed> {
+        let mut keys = Vec::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, batch): (u64, Vec<String>) = bounded(
+                redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(conn),
+            )
+            .await?;
+            keys.extend(batch);
+            cursor = next;
+            if cursor == 0 || keys.len() >= limit {
+                keys.truncate(limit);
+                return Ok(keys);
+            }
+        }
+    }
+
+    /// Adopts what Redis holds: pins of this hash version, and drains.
+    pub(super) async fn bootstrap(
+        &self,
+        conn: &mut MultiplexedConnection,
+    ) -> Result<usize, Failed> {
+        let mut adopted = 0;
+        for table in [Table::Affinity, Table::Stored] {
+            let pattern = format!("inferlb:v{HASH_VERSION}:{}:*", table.tag());
+            let keys = Self::scan(conn, &pattern, 1_000_000).await?;
+            for chunk in keys.chunks(500) {
+                let values: Vec<Option<String>> =
+                    bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
+                for (k, v) in chunk.iter().zip(values) {
+                    let key = k
+                        .rsplit(':')
+                        .next()
+                        .and_then(|h| u64::from_str_radix(h, 16).ok());
+                    if let (Some(key), Some(replica)) = (key, v) {
+                        self.apply(Change::Pin {
+                            table,
+                            key,
+                            replica: Arc::from(replica),
+                        })
+                        .await;
+                        adopted += 1;
+                    }
+                }
+            }
+        }
+        // Replicas added at runtime, before their pins and drains.
+        let added = Self::scan(conn, "inferlb:replica:*", 100_000).await?;
+        for chunk in added.chunks(500) {
+            let values: Vec<Option<String>> =
+                bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
+            for (k, conf) in chunk.iter().zip(values) {
+                let id = k.trim_start_matches("inferlb:replica:").to_string();
+                if conf.is_some() {
+                    self.apply(Change::Replica { id, conf }).await;
+                }
+            }
+        }
+        for r in self.registry.all().iter() {
+            let saved: Option<Vec<u8>> =
+                bounded(redis::cmd("GET").arg(index_key(&r.id)).query_async(conn)).await?;
+            r.index.restore(&links_from(&saved.unwrap_or_default()));
+        }
+        let drained = Self::scan(conn, "inferlb:drain:*", 100_000).await?;
+        for r in self.registry.all().iter() {
+            let draining = drained.contains(&drain_key(&r.id));
+            self.apply(Change::Drain {
+                replica: r.id.clone(),
+                draining,
+            })
+            .await;
+        }
+        Ok(adopted)
+    }
+
+    /// Saves the recent links of each replica's index that changed since `saved` says.
+    pub(super) async fn save_indexes(
+        &self,
+        conn: &mut MultiplexedConnection,
+        saved: &mut HashMap<Arc<str>, u64>,
+    ) -> Result<(), Failed> {
+        let ttl = self.pin_ttl.as_secs().max(1);
+        for r in self.registry.all().iter() {
+            let records = r.index.records();
+            if records == 0 || saved.get(&r.id) == Some(&records) {
+                continue;
+            }
+            let bytes = links_to(&r.index.recent(INDEX_SAVED_LINKS));
+            let mut set = redis::cmd("SET");
+            set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
+            bounded(set.query_async::<()>(conn)).await?;
+            saved.insert(r.id.clone(), records);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_index_reads_back_and_a_torn_one_loses_only_its_last_link() {
+        let links = vec![(u64::MAX, 1), (0, u32::MAX), (0x0123_4567_89ab_cdef, 256)];
+        let bytes = links_to(&links);
+        assert_eq!(bytes.len(), 36);
+        assert_eq!(links_from(&bytes), links);
+        assert_eq!(links_from(&bytes[..30]), links[..2]);
+        assert!(links_from(&[]).is_empty());
+    }
+}
