@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pingora_core::apps::http_app::HttpServer;
+use pingora_core::listeners::{L4BufferSettings, ListenerConfig};
 use pingora_core::server::configuration::Opt;
 use pingora_core::server::{ExecutionPhase, Server};
 use pingora_core::services::background::background_service;
@@ -130,9 +131,18 @@ fn main() {
         ),
         "inferlb",
     );
+    // A plain listener reads the socket straight into Pingora's HTTP buffers: its default
+    // 64 KiB read buffer per connection (zeroed when made, there for TLS's small reads) only
+    // added a copy, and was most of inferlb's memory per open stream.
+    let plain = |addr: &str| {
+        ListenerConfig::tcp(addr).l4_buffer(L4BufferSettings {
+            read: Some(0),
+            write: None,
+        })
+    };
     let reloader = match &conf.tls {
         None => {
-            proxy.add_tcp(&conf.listen);
+            proxy.add_listener(plain(&conf.listen));
             None
         }
         Some(tls) => {
@@ -146,8 +156,8 @@ fn main() {
                 }
             };
             proxy.add_tls_with_settings(&conf.listen, None, settings);
-            if let Some(plain) = &conf.plain_listen {
-                proxy.add_tcp(plain);
+            if let Some(addr) = &conf.plain_listen {
+                proxy.add_listener(plain(addr));
             }
             Some(background_service(
                 "certificate reload",

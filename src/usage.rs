@@ -7,7 +7,12 @@
 //! The balancer never waits for this: a streamed response is scanned event by event as it is
 //! relayed, a whole JSON response is kept (up to a bound) only to be parsed at its end. Pure.
 
-use serde_json::Value;
+use std::borrow::Cow;
+
+use bytes::Bytes;
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use crate::api::Family;
 
@@ -29,60 +34,171 @@ pub struct Usage {
 pub struct UsageReader {
     family: Family,
     sse: bool,
+    /// A JSON answer's first chunk, kept without a copy: most answers are one chunk.
+    first: Option<Bytes>,
     buf: Vec<u8>,
     overflow: bool,
     found: Option<Usage>,
     response_id: Option<String>,
 }
 
-fn u64_at(v: &Value, path: &[&str]) -> Option<u64> {
-    path.iter().try_fold(v, |v, k| v.get(k))?.as_u64()
+/// A JSON text's top-level fields, read without building a tree: the wanted ones as raw text,
+/// the others skipped. A repeated key keeps its last value, as a `serde_json::Value` would.
+struct Fields<'a, const N: usize> {
+    names: [&'static str; N],
+    found: [Option<&'a RawValue>; N],
 }
 
-/// The usage in a response object or stream event of `family`.
-fn usage_of(family: Family, v: &Value) -> Option<Usage> {
+/// A key, borrowed unless it has escapes.
+#[derive(Deserialize)]
+struct Key<'a>(#[serde(borrow)] Cow<'a, str>);
+
+impl<'de, const N: usize> Visitor<'de> for Fields<'de, N> {
+    type Value = [Option<&'de RawValue>; N];
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<Self::Value, A::Error> {
+        while let Some(Key(key)) = map.next_key::<Key>()? {
+            match self.names.iter().position(|n| *n == key) {
+                Some(i) => self.found[i] = Some(map.next_value::<&RawValue>()?),
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(self.found)
+    }
+}
+
+impl<'de, const N: usize> DeserializeSeed<'de> for Fields<'de, N> {
+    type Value = [Option<&'de RawValue>; N];
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+/// The fields `names` of the JSON object `json` (None when it is not one, or not JSON).
+fn fields<'a, const N: usize>(
+    json: &'a [u8],
+    names: [&'static str; N],
+) -> Option<[Option<&'a RawValue>; N]> {
+    let mut d = serde_json::Deserializer::from_slice(json);
+    let found = Fields {
+        names,
+        found: [None; N],
+    }
+    .deserialize(&mut d)
+    .ok()?;
+    d.end().ok()?;
+    Some(found)
+}
+
+/// One field of an object given as raw text.
+fn field<'a>(raw: Option<&'a RawValue>, name: &'static str) -> Option<&'a RawValue> {
+    let [v] = fields(raw?.get().as_bytes(), [name])?;
+    v
+}
+
+fn as_u64(raw: Option<&RawValue>) -> Option<u64> {
+    serde_json::from_str(raw?.get()).ok()
+}
+
+fn is_str(raw: Option<&RawValue>, s: &str) -> bool {
+    raw.and_then(|r| serde_json::from_str::<Key>(r.get()).ok())
+        .is_some_and(|k| k.0 == s)
+}
+
+/// The usage object `u` in the terms of `family`.
+fn usage_in(family: Family, u: Option<&RawValue>) -> Option<Usage> {
     match family {
         Family::Chat | Family::Completions => {
-            let u = v.get("usage")?;
+            let [prompt, details, completion] = fields(
+                u?.get().as_bytes(),
+                [
+                    "prompt_tokens",
+                    "prompt_tokens_details",
+                    "completion_tokens",
+                ],
+            )?;
             Some(Usage {
-                prompt_tokens: u64_at(u, &["prompt_tokens"])?,
-                cached_tokens: u64_at(u, &["prompt_tokens_details", "cached_tokens"]).unwrap_or(0),
-                completion_tokens: u64_at(u, &["completion_tokens"]).unwrap_or(0),
+                prompt_tokens: as_u64(prompt)?,
+                cached_tokens: as_u64(field(details, "cached_tokens")).unwrap_or(0),
+                completion_tokens: as_u64(completion).unwrap_or(0),
             })
         }
         Family::Responses => {
-            // Streamed, the usage is in `response.completed`'s response object.
-            let u = v.get("usage").or_else(|| v.get("response")?.get("usage"))?;
+            let [input, details, output] = fields(
+                u?.get().as_bytes(),
+                ["input_tokens", "input_tokens_details", "output_tokens"],
+            )?;
             Some(Usage {
-                prompt_tokens: u64_at(u, &["input_tokens"])?,
-                cached_tokens: u64_at(u, &["input_tokens_details", "cached_tokens"]).unwrap_or(0),
-                completion_tokens: u64_at(u, &["output_tokens"]).unwrap_or(0),
+                prompt_tokens: as_u64(input)?,
+                cached_tokens: as_u64(field(details, "cached_tokens")).unwrap_or(0),
+                completion_tokens: as_u64(output).unwrap_or(0),
             })
         }
         Family::Messages => {
-            // Streamed, the input side is in `message_start`'s message; `message_delta` carries
-            // output tokens only.
-            let u = v.get("usage").or_else(|| v.get("message")?.get("usage"))?;
-            let uncached = u64_at(u, &["input_tokens"])?;
-            let read = u64_at(u, &["cache_read_input_tokens"]).unwrap_or(0);
-            let created = u64_at(u, &["cache_creation_input_tokens"]).unwrap_or(0);
+            let [input, read, created, output] = fields(
+                u?.get().as_bytes(),
+                [
+                    "input_tokens",
+                    "cache_read_input_tokens",
+                    "cache_creation_input_tokens",
+                    "output_tokens",
+                ],
+            )?;
+            let (uncached, read) = (as_u64(input)?, as_u64(read).unwrap_or(0));
             Some(Usage {
-                prompt_tokens: uncached + read + created,
+                prompt_tokens: uncached + read + as_u64(created).unwrap_or(0),
                 cached_tokens: read,
-                completion_tokens: u64_at(u, &["output_tokens"]).unwrap_or(0),
+                completion_tokens: as_u64(output).unwrap_or(0),
             })
         }
     }
 }
 
-/// A Responses answer's id: the object's own, or the one `response.created` announces.
-fn response_id_of(v: &Value) -> Option<String> {
-    let object = match v.get("type").and_then(Value::as_str) {
-        Some("response.created") => v.get("response")?,
-        _ if v.get("object").and_then(Value::as_str) == Some("response") => v,
-        _ => return None,
+/// What a response object or stream event says: its usage, a Responses answer's id, and the
+/// output count of a usage that has no input side (Anthropic's `message_delta`).
+struct Read {
+    usage: Option<Usage>,
+    id: Option<String>,
+    output_tokens: Option<u64>,
+}
+
+/// Reads `json` (a whole answer or one event) of `family`.
+fn read(family: Family, json: &[u8]) -> Option<Read> {
+    let [usage, response, message, kind, object, id] = fields(
+        json,
+        ["usage", "response", "message", "type", "object", "id"],
+    )?;
+    // Streamed, the usage is in `response.completed`'s response object (Responses), or the
+    // input side in `message_start`'s message (Anthropic; `message_delta` carries output
+    // tokens only).
+    let nested = match family {
+        Family::Responses => response,
+        Family::Messages => message,
+        _ => None,
     };
-    Some(object.get("id")?.as_str()?.to_owned())
+    let usage_raw = usage.or_else(|| field(nested, "usage"));
+    // A Responses answer's id: the object's own, or the one `response.created` announces.
+    let id = if family != Family::Responses {
+        None
+    } else if is_str(kind, "response.created") {
+        field(response, "id")
+    } else if is_str(object, "response") {
+        id
+    } else {
+        None
+    };
+    Some(Read {
+        usage: usage_in(family, usage_raw),
+        id: id.and_then(|r| serde_json::from_str::<String>(r.get()).ok()),
+        output_tokens: as_u64(field(usage, "output_tokens")),
+    })
 }
 
 impl UsageReader {
@@ -91,10 +207,20 @@ impl UsageReader {
         UsageReader {
             family,
             sse,
+            first: None,
             buf: Vec::new(),
             overflow: false,
             found: None,
             response_id: None,
+        }
+    }
+
+    /// [`UsageReader::feed`], keeping a JSON answer's first chunk without copying it.
+    pub fn feed_bytes(&mut self, chunk: &Bytes) {
+        if !self.sse && !self.overflow && self.first.is_none() && self.buf.is_empty() {
+            self.first = Some(chunk.clone());
+        } else {
+            self.feed(chunk);
         }
     }
 
@@ -103,6 +229,9 @@ impl UsageReader {
             return;
         }
         if !self.sse {
+            if let Some(first) = self.first.take() {
+                self.buf.extend_from_slice(&first);
+            }
             if self.buf.len() + chunk.len() > MAX_JSON_BODY {
                 self.overflow = true;
                 self.buf = Vec::new();
@@ -134,32 +263,36 @@ impl UsageReader {
         if !wanted {
             return;
         }
-        if let Ok(v) = serde_json::from_slice::<Value>(data) {
-            self.found = match (usage_of(self.family, &v), self.found) {
+        if let Some(r) = read(self.family, data) {
+            self.found = match (r.usage, self.found) {
                 (Some(u), _) => Some(u),
                 // Anthropic's `message_delta` carries the final output count alone.
                 (None, Some(mut u)) => {
-                    let out = v.get("usage").and_then(|u| u64_at(u, &["output_tokens"]));
-                    u.completion_tokens = out.unwrap_or(u.completion_tokens);
+                    u.completion_tokens = r.output_tokens.unwrap_or(u.completion_tokens);
                     Some(u)
                 }
                 (None, None) => None,
             };
             if wants_id {
-                self.response_id = response_id_of(&v);
+                self.response_id = r.id;
             }
         }
     }
 
     /// The usage found, once the body has ended.
     pub fn finish(&mut self) -> Option<Usage> {
-        if !self.sse && !self.overflow && !self.buf.is_empty() {
-            let body = std::mem::take(&mut self.buf);
-            if let Ok(v) = serde_json::from_slice::<Value>(&body) {
-                self.found = usage_of(self.family, &v);
-                if self.family == Family::Responses {
-                    self.response_id = response_id_of(&v);
-                }
+        if self.sse || self.overflow {
+            return self.found;
+        }
+        // `feed` moves the first chunk into `buf` before a second one.
+        let body = match self.first.take() {
+            Some(first) => first,
+            None => Bytes::from(std::mem::take(&mut self.buf)),
+        };
+        if let Some(r) = read(self.family, &body) {
+            self.found = r.usage;
+            if self.family == Family::Responses {
+                self.response_id = r.id;
             }
         }
         self.found
@@ -294,5 +427,48 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
                 completion_tokens: 7
             })
         );
+    }
+
+    #[test]
+    fn read_without_a_tree_as_a_tree_would() {
+        let chat = |body: &[u8]| {
+            let mut r = UsageReader::new(Family::Chat, false);
+            r.feed_bytes(&Bytes::copy_from_slice(body));
+            r.finish().map(|u| (u.prompt_tokens, u.cached_tokens))
+        };
+        // Skipped fields of any shape, an escaped key, the last of a repeated key.
+        let body = br#" {"choices":[{"message":{"content":"a \"b\" \u00e9"}}],"us\u0061ge":{"prompt_tokens":1},"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":3}}} "#;
+        assert_eq!(chat(body), Some((7, 3)));
+        assert_eq!(chat(br#"{"usage":null}"#), None);
+        assert_eq!(chat(br#"{"usage":{"prompt_tokens":7.5}}"#), None);
+        assert_eq!(chat(br#"{"usage":{"prompt_tokens":-1}}"#), None);
+        assert_eq!(
+            chat(br#"{"usage":{"prompt_tokens":7,"prompt_tokens_details":null}}"#),
+            Some((7, 0))
+        );
+        assert_eq!(
+            chat(br#"{"usage":{"prompt_tokens":7}} x"#),
+            None,
+            "trailing bytes"
+        );
+        assert_eq!(
+            chat(br#"[{"usage":{"prompt_tokens":7}}]"#),
+            None,
+            "not an object"
+        );
+        assert_eq!(chat(b""), None);
+    }
+
+    #[test]
+    fn a_json_answer_fed_as_shared_chunks() {
+        let body =
+            br#"{"id":"resp_1","object":"response","usage":{"input_tokens":9,"output_tokens":2}}"#;
+        for cut in [0, 10, body.len()] {
+            let mut r = UsageReader::new(Family::Responses, false);
+            r.feed_bytes(&Bytes::copy_from_slice(&body[..cut]));
+            r.feed_bytes(&Bytes::copy_from_slice(&body[cut..]));
+            assert_eq!(r.finish().map(|u| u.prompt_tokens), Some(9), "cut {cut}");
+            assert_eq!(r.response_id(), Some("resp_1"));
+        }
     }
 }

@@ -112,7 +112,10 @@ impl BodyReplay {
             return Ok(replay);
         }
         let deadline = tokio::time::Instant::now() + limits.read_timeout;
-        let mut body = BytesMut::with_capacity(length.unwrap_or(0).min(limit));
+        // Most bodies come in one chunk: it is kept as it came, copied only when a second one
+        // follows.
+        let mut first: Option<Bytes> = None;
+        let mut body = BytesMut::new();
         let mut json_end = JsonEnd::default();
         if chunked {
             // Covers chunked bodies up to 64 KiB on every retry; larger ones are replayed by
@@ -124,7 +127,8 @@ impl BodyReplay {
                 replay.chunked_tail_pending = true;
                 break;
             }
-            if length.is_some_and(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER_LIMIT) {
+            let read = first.as_ref().map_or(body.len(), Bytes::len);
+            if length.is_some_and(|n| n.saturating_sub(read) <= RETRY_BUFFER_LIMIT) {
                 session.enable_retry_buffering();
             }
             let chunk = tokio::time::timeout_at(deadline, session.read_request_body())
@@ -132,18 +136,26 @@ impl BodyReplay {
                 .map_err(|_| BodyError::Timeout(limits.read_timeout))?
                 .map_err(|e| BodyError::Read(e.to_string()))?;
             let Some(chunk) = chunk else { break };
-            if body.len() + chunk.len() > limit {
+            if read + chunk.len() > limit {
                 return Err(BodyError::TooLarge { limit });
             }
             if chunked {
                 json_end.feed(&chunk);
+            }
+            if read == 0 && first.is_none() {
+                first = Some(chunk);
+                continue;
+            }
+            if let Some(f) = first.take() {
+                body.reserve(length.unwrap_or(0).min(limit).max(f.len() + chunk.len()));
+                body.extend_from_slice(&f);
             }
             body.extend_from_slice(&chunk);
         }
         if session.as_ref().retry_buffer_truncated() && !replay.chunked_tail_pending {
             return Err(BodyError::ChunkedTooLarge);
         }
-        replay.body = body.freeze();
+        replay.body = first.unwrap_or_else(|| body.freeze());
         Ok(replay)
     }
 

@@ -6,7 +6,7 @@ use pingora_proxy::Session;
 
 use super::answers::{self, Refusal};
 use super::{request, stored_key, Balancer, Ctx};
-use crate::api::{classify, stored_response_path};
+use crate::api::classify;
 use crate::body::{BodyLimits, BodyReplay};
 use crate::cluster::Table;
 use crate::overload::Admission;
@@ -68,13 +68,13 @@ impl Balancer {
         })
     }
 
-    /// The replica that stores the response this request continues or names, if inferlb knows
-    /// it or a replica says so when asked; a refusal when that replica is unavailable (no other
-    /// replica has it, and a silent 404 from one would mislead).
-    pub(super) async fn find_owner(&self, path: &str, ctx: &mut Ctx) -> Option<Refusal> {
+    /// The replica that stores the response this request continues (or `named` in its path),
+    /// if inferlb knows it or a replica says so when asked; a refusal when that replica is
+    /// unavailable (no other replica has it, and a silent 404 from one would mislead).
+    pub(super) async fn find_owner(&self, named: Option<String>, ctx: &mut Ctx) -> Option<Refusal> {
         let info = ctx.info.as_ref();
-        let id = info.and_then(|i| i.previous_response_id.as_deref());
-        let id = id.or_else(|| stored_response_path(path))?.to_owned();
+        let continued = info.and_then(|i| i.previous_response_id.clone());
+        let id = continued.or(named)?;
         let known = self.stored.served_by(stored_key(&id));
         let owner = match known.and_then(|owner| self.registry.get(&owner)) {
             Some(owner) => owner,
@@ -128,7 +128,7 @@ impl Balancer {
         {
             Admission::Go => Ok(false),
             Admission::Refused(too_many) => {
-                answers::too_many(session, &ctx.request_id, ctx.family, &too_many).await?;
+                answers::too_many(session, ctx.id(), ctx.family, &too_many).await?;
                 Ok(true)
             }
             Admission::Gone => {

@@ -98,7 +98,8 @@ pub fn stored_key(id: &str) -> u64 {
 /// One request's life.
 pub struct Ctx {
     arrived: Instant,
-    request_id: String,
+    /// The request's id, as sent to the replica and the client (see [`request::request_id`]).
+    request_id: http::HeaderValue,
     family: Family,
     body: BodyReplay,
     info: Option<RequestInfo>,
@@ -126,6 +127,11 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// The request id as text: always visible ASCII.
+    fn id(&self) -> &str {
+        self.request_id.to_str().unwrap_or("-")
+    }
+
     fn current(&self) -> Option<&Arc<Replica>> {
         self.in_flight.as_ref().map(InFlight::replica)
     }
@@ -140,7 +146,7 @@ impl ProxyHttp for Balancer {
     fn new_ctx(&self) -> Ctx {
         Ctx {
             arrived: Instant::now(),
-            request_id: String::new(),
+            request_id: http::HeaderValue::from_static(""),
             family: Family::Chat,
             body: BodyReplay::default(),
             info: None,
@@ -174,18 +180,19 @@ impl ProxyHttp for Balancer {
         let refusal = match refusal {
             Some(r) => Some(r),
             None => {
-                let path = session.req_header().uri.path().to_owned();
-                self.find_owner(&path, ctx).await
+                let path = session.req_header().uri.path();
+                let named = crate::api::stored_response_path(path).map(str::to_owned);
+                self.find_owner(named, ctx).await
             }
         };
         if let Some(r) = refusal {
-            answers::refuse(session, &ctx.request_id, ctx.family, &r).await?;
+            answers::refuse(session, ctx.id(), ctx.family, &r).await?;
             return Ok(true);
         }
         let req = session.req_header();
         if req.method == http::Method::GET && req.uri.path() == "/v1/models" {
             let body = answers::models_list(&self.registry.all_models());
-            answers::respond_json(session, &ctx.request_id, 200, body).await?;
+            answers::respond_json(session, ctx.id(), 200, body).await?;
             return Ok(true);
         }
         self.admit_load(session, ctx).await
@@ -219,7 +226,7 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
     ) -> Result<()> {
         request::strip_hop_by_hop(upstream);
-        upstream.insert_header("x-request-id", &ctx.request_id)?;
+        upstream.insert_header("x-request-id", ctx.request_id.clone())?;
         // Origin-form only: whatever the client wrote, the request goes to the chosen replica.
         if !upstream.raw_path().starts_with(b"/") {
             let path = upstream.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -279,9 +286,10 @@ impl ProxyHttp for Balancer {
             resp.insert_header("x-inferlb-replica", &*r.id)?;
         }
         if let Some(route) = ctx.route {
-            resp.insert_header("x-inferlb-route", route.as_str())?;
+            let route = http::HeaderValue::from_static(route.as_str());
+            resp.insert_header("x-inferlb-route", route)?;
         }
-        resp.insert_header("x-request-id", &ctx.request_id)?;
+        resp.insert_header("x-request-id", ctx.request_id.clone())?;
         if !resp.status.is_success() {
             // An error answer ends the prefill without the replica holding the prompt.
             ctx.prefill = None;
@@ -378,7 +386,7 @@ impl ProxyHttp for Balancer {
         let Some((code, message)) = self.final_answer(e, ctx) else {
             return done;
         };
-        let _ = answers::respond_error(session, &ctx.request_id, ctx.family, code, &message).await;
+        let _ = answers::respond_error(session, ctx.id(), ctx.family, code, &message).await;
         FailToProxy {
             error_code: code,
             ..done

@@ -158,7 +158,7 @@ impl Balancer {
     ) {
         if let Some(reader) = ctx.usage_reader.as_mut() {
             if let Some(b) = body {
-                reader.feed(b);
+                reader.feed_bytes(b);
             }
             if end_of_stream {
                 ctx.usage = reader.finish();
@@ -228,7 +228,7 @@ impl Balancer {
             return;
         }
         let record = access::Record {
-            request_id: &ctx.request_id,
+            request_id: ctx.id(),
             method: session.req_header().method.as_str(),
             path: session.req_header().uri.path(),
             model: ctx.info.as_ref().and_then(|i| i.model.as_deref()),

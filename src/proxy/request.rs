@@ -34,17 +34,19 @@ pub fn strip_hop_by_hop(req: &mut RequestHeader) {
     }
 }
 
-/// The client's `x-request-id` when it is a sane token, else a fresh one.
-pub fn request_id(given: Option<&http::HeaderValue>) -> String {
+/// The client's `x-request-id` when it is a sane token (kept as it came, no copy), else a
+/// fresh one. Either is visible ASCII, so [`http::HeaderValue::to_str`] never fails on it.
+pub fn request_id(given: Option<&http::HeaderValue>) -> http::HeaderValue {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let sane = |v: &&str| {
+    let sane = |v: &&http::HeaderValue| {
+        let v = v.as_bytes();
         !v.is_empty()
             && v.len() <= 128
-            && v.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+            && v.iter()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(b))
     };
-    if let Some(v) = given.and_then(|v| v.to_str().ok()).filter(sane) {
-        return v.to_owned();
+    if let Some(v) = given.filter(sane) {
+        return v.clone();
     }
     // Unique across processes too (an upgrade runs two): pid, start time, counter.
     static PREFIX: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
@@ -53,7 +55,9 @@ pub fn request_id(given: Option<&http::HeaderValue>) -> String {
             .map_or(0, |d| d.as_secs());
         format!("{:x}{:05x}", t & 0xffff_ffff, std::process::id() & 0xfffff)
     });
-    format!("{}-{:x}", *PREFIX, NEXT.fetch_add(1, Ordering::Relaxed))
+    let fresh = format!("{}-{:x}", *PREFIX, NEXT.fetch_add(1, Ordering::Relaxed));
+    http::HeaderValue::from_maybe_shared(bytes::Bytes::from(fresh))
+        .expect("hex digits and a dash are a valid header value")
 }
 
 /// The session key of a request that carries the configured session header.
@@ -132,6 +136,7 @@ mod tests {
         let bad = http::HeaderValue::from_static("has space");
         let fresh = request_id(Some(&bad));
         assert_ne!(fresh, "has space");
+        assert!(fresh.to_str().is_ok_and(|f| f.contains('-')), "{fresh:?}");
         assert_ne!(request_id(None), request_id(None), "fresh ids differ");
     }
 
