@@ -66,9 +66,23 @@ pub struct Args {
     /// Run the soak test: this many seconds with 1,000 concurrent connections (0: skip).
     #[arg(long, default_value_t = 180.0)]
     soak_seconds: f64,
+    /// After the soak: inferlb's memory with this many streams open at once (comma-separated;
+    /// smoke: 20). The bench raises its descriptor limit to 65,536 where allowed.
+    #[arg(long, default_value = "1000,10000")]
+    soak_streams: String,
     /// Skip the proxy-overhead pass.
     #[arg(long)]
     no_overhead: bool,
+    /// Only send small chat requests to this base URL (e.g. http://127.0.0.1:8080) at
+    /// `--drive-rate` a second, open loop (0: from 32 closed-loop clients), for
+    /// `--drive-seconds`, print their latency and exit: load for a profiler attached to a
+    /// proxy started by hand.
+    #[arg(long)]
+    drive: Option<String>,
+    #[arg(long, default_value_t = 2000.0)]
+    drive_rate: f64,
+    #[arg(long, default_value_t = 20.0)]
+    drive_seconds: f64,
     /// Rounds of the proxy-overhead pass (smoke: 1).
     #[arg(long, default_value_t = 3)]
     overhead_rounds: usize,
@@ -330,6 +344,9 @@ impl Timings {
 async fn main() {
     let a = Args::parse();
     let run_started = std::time::Instant::now();
+    // Before any process starts: they inherit it (the soak's 10,000 streams need 20,000
+    // descriptors in inferlb alone).
+    let nofile = scenarios::soak::raise_nofile(65_536);
     let mut timings = Timings::default();
     let mut s = Sizes::new(a.smoke);
     if let Some(c) = a.cache_tokens {
@@ -342,6 +359,11 @@ async fn main() {
         .timeout(Duration::from_secs(600))
         .build()
         .expect("client");
+    if let Some(base) = &a.drive {
+        let said = scenarios::overhead::drive(&client, base, a.drive_rate, a.drive_seconds).await;
+        println!("{said}");
+        return;
+    }
     let venv = a.peers_venv.clone().unwrap_or_else(Peer::default_venv);
     cluster::set_peer_flags(a.peer_flags.split_whitespace().map(str::to_owned).collect());
     let caps = cluster::sim_caps();
@@ -486,7 +508,18 @@ async fn main() {
             (1000, a.soak_seconds)
         };
         eprintln!("[soak] {connections} connections for {seconds} s");
-        Some(scenarios::soak::soak(&a, connections, seconds).await)
+        let mut soaked = scenarios::soak::soak(&a, connections, seconds).await;
+        let counts: Vec<usize> = if a.smoke {
+            vec![20]
+        } else {
+            items(&a.soak_streams)
+                .iter()
+                .filter_map(|x| x.parse().ok())
+                .collect()
+        };
+        soaked.open_streams = scenarios::soak::open_streams(&a, &counts).await;
+        soaked.nofile_limit = nofile.clone();
+        Some(soaked)
     } else {
         None
     };
@@ -572,6 +605,11 @@ async fn main() {
         for r in several.iter().flat_map(|x| &x.rows) {
             if r.skipped.is_none() && (r.warm_ttft_ms.is_empty() || r.errors > 0) {
                 broken.push(format!("several instances, {}", r.setup));
+            }
+        }
+        for s in soaked.iter().flat_map(|k| &k.open_streams) {
+            if s.open < s.streams || s.errors > 0 {
+                broken.push(format!("soak, {} streams open at once", s.streams));
             }
         }
         broken.extend(lat.iter().flat_map(scenarios::overhead::broken));

@@ -410,10 +410,30 @@ fn deploy_table(deploys: &[DeployResult], s: &Sizes) -> String {
 }
 
 fn soak_line(k: &SoakResult) -> String {
-    format!(
+    let mut md = format!(
         "\nSoak: {} concurrent connections for {:.0} s (half streams of 25 tokens, half small requests): {} requests, {} errors; inferlb RSS {} KiB after warm-up, {} KiB at the end (every tenth of the run: {:?}); file descriptors {} after warm-up, {} under load, {} once the clients left.\n",
         k.connections, k.seconds, k.requests, k.errors, k.rss_start_kib, k.rss_end_kib, k.rss_series_kib, k.fds_start, k.fds_under_load, k.fds_after
-    )
+    );
+    if !k.open_streams.is_empty() {
+        md.push_str(&format!("\nStreams open at once (one connection each, a token a second; fresh inferlb and replicas for each count; descriptor limit {}):\n\n| streams | open | errors | seconds to open | inferlb RSS idle (KiB) | with the streams open (KiB) | per stream (KiB) | descriptors open | RSS after (KiB) | descriptors after |\n|---|---|---|---|---|---|---|---|---|---|\n", k.nofile_limit));
+        for s in &k.open_streams {
+            let per = (s.rss_open_kib as f64 - s.rss_idle_kib as f64) / s.streams.max(1) as f64;
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} | {} |\n",
+                s.streams,
+                s.open,
+                s.errors,
+                s.open_seconds,
+                s.rss_idle_kib,
+                s.rss_open_kib,
+                per,
+                s.fds_open,
+                s.rss_after_kib,
+                s.fds_after
+            ));
+        }
+    }
+    md
 }
 
 /// TTFT distributions per target as an SVG (and a PNG when rsvg-convert is installed).

@@ -76,6 +76,26 @@ async fn open_loop(client: &reqwest::Client, base: &str, rate: f64, seconds: f64
     run
 }
 
+/// `inferlb-bench --drive`: [`open_loop`] against `base` at `rate`, or when `rate` is 0,
+/// [`saturation`]; what it measured, in a line.
+pub async fn drive(client: &reqwest::Client, base: &str, rate: f64, seconds: f64) -> String {
+    let (run, how) = if rate > 0.0 {
+        let run = open_loop(client, base, rate, seconds).await;
+        (run, format!("at {rate} req/s"))
+    } else {
+        let (rps, run) = saturation(client, base, seconds).await;
+        (run, format!("from 32 closed-loop clients ({rps:.0} req/s)"))
+    };
+    let l = &run.latencies_ms;
+    format!(
+        "{} requests {how} for {seconds} s: p50 {:.2} ms, p99 {:.2} ms, {} errors",
+        l.len(),
+        pct(l, 0.5),
+        pct(l, 0.99),
+        run.errors
+    )
+}
+
 /// 32 closed-loop clients for `seconds`: requests a second, and what they measured.
 async fn saturation(client: &reqwest::Client, base: &str, seconds: f64) -> (f64, ClientRun) {
     let started = Instant::now();

@@ -1,4 +1,5 @@
-//! Many connections at once for minutes: no errors, memory flat, descriptors given back.
+//! Many connections at once for minutes: no errors, memory flat, descriptors given back. Then
+//! inferlb's memory with 1,000 and 10,000 streams open at once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,6 +27,60 @@ pub struct SoakResult {
     pub fds_after: usize,
     /// RSS sampled every tenth of the run, KiB.
     pub rss_series_kib: Vec<u64>,
+    /// inferlb with many streams open at once.
+    pub open_streams: Vec<OpenStreams>,
+    /// The descriptor limit the bench (and every process it starts) ran with, or why it could
+    /// not be raised.
+    pub nofile_limit: String,
+}
+
+/// inferlb with `streams` streams open at once, each on its own connection.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct OpenStreams {
+    pub streams: usize,
+    /// Streams that had their first event when memory was read (the rest failed or were late).
+    pub open: usize,
+    pub errors: u64,
+    /// Seconds until every stream was open (or the wait ended).
+    pub open_seconds: f64,
+    pub rss_idle_kib: u64,
+    pub rss_open_kib: u64,
+    pub fds_open: usize,
+    /// Once the clients hung up.
+    pub rss_after_kib: u64,
+    pub fds_after: usize,
+}
+
+/// Raises this process's descriptor limit (soft and hard) to `want` where allowed (raising the
+/// hard limit needs CAP_SYS_RESOURCE), else the soft limit to the hard one; the processes it
+/// starts inherit it. What the limit is now, and why not more.
+pub fn raise_nofile(want: u64) -> String {
+    let mut now = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut now) != 0 {
+            return "unknown (getrlimit failed)".into();
+        }
+        let wanted = libc::rlimit {
+            rlim_cur: want,
+            rlim_max: want.max(now.rlim_max),
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) == 0 {
+            return format!("{want} (raised from {} / {})", now.rlim_cur, now.rlim_max);
+        }
+        let why = std::io::Error::last_os_error();
+        let soft = libc::rlimit {
+            rlim_cur: now.rlim_max,
+            rlim_max: now.rlim_max,
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &soft) == 0 {
+            return format!("{} (the hard limit; {want} refused: {why})", now.rlim_max);
+        }
+        format!("{} ({want} refused: {why})", now.rlim_cur)
+    }
 }
 
 /// What the clients saw, shared between them.
@@ -132,4 +187,113 @@ pub async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
     result.errors = tally.errors.load(Ordering::Relaxed);
     drop(c);
     result
+}
+
+/// For each count: fresh replicas and inferlb, that many streams opened at once (each on its
+/// own connection, slow enough to stay open), inferlb's RSS and descriptors once every stream
+/// has its first event, and again once the clients hung up.
+pub async fn open_streams(a: &Args, counts: &[usize]) -> Vec<OpenStreams> {
+    let mut out = vec![];
+    for &n in counts {
+        eprintln!("[soak] {n} streams open at once");
+        let batch = (n + 64).to_string();
+        let c = Cluster::start(&ClusterSpec {
+            front: Front::Inferlb("adaptive"),
+            replicas: 2,
+            speed: 1.0,
+            cache_tokens: 100_000,
+            sim_flags: &[
+                "--max-batch",
+                &batch,
+                "--prefill-tokens-per-s",
+                "1e9",
+                "--decode-interval-ms",
+                "1000",
+            ],
+            log: Some(a.out.join("logs").join(format!("streams-{n}.log"))),
+            spill_margin: None,
+        });
+        let pid = c.lb.as_ref().map(|l| l.proc.pid()).unwrap_or(0);
+        let base = c.target();
+        // One client: concurrent HTTP/1 requests each take a connection of their own.
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(0)
+            .timeout(Duration::from_secs(120))
+            .build()
+            .expect("client");
+        let mut row = OpenStreams {
+            streams: n,
+            rss_idle_kib: procfs::rss_kib(pid),
+            ..OpenStreams::default()
+        };
+        let opened = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..n)
+            .map(|i| {
+                let (client, base) = (client.clone(), base.clone());
+                let (opened, failed) = (opened.clone(), failed.clone());
+                tokio::spawn(async move {
+                    let body = json!({"model": "sim-model", "messages": [{"role": "user", "content": format!("stream {i}")}], "stream": true, "max_tokens": 90});
+                    let sent = client
+                        .post(format!("{base}/v1/chat/completions"))
+                        .json(&body)
+                        .send()
+                        .await;
+                    let mut events = match sent {
+                        Ok(r) if r.status() == 200 => r.bytes_stream(),
+                        _ => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            return;
+                        }
+                    };
+                    use futures::StreamExt;
+                    if let Some(Ok(_)) = events.next().await {
+                        opened.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    while let Some(Ok(_)) = events.next().await {}
+                })
+            })
+            .collect();
+        let limit = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < limit
+            && opened.load(Ordering::Relaxed) + failed.load(Ordering::Relaxed) < n as u64
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        row.open_seconds = started.elapsed().as_secs_f64();
+        // Settled: the last streams' first events are through, the rest are between tokens.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        row.open = opened.load(Ordering::Relaxed) as usize;
+        row.rss_open_kib = procfs::rss_kib(pid);
+        row.fds_open = procfs::fds(pid);
+        for t in &tasks {
+            t.abort();
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+        drop(client);
+        row.errors = failed.load(Ordering::Relaxed);
+        // Pooled upstream connections idle out after 4 s (upstream.idle_timeout_seconds).
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        row.rss_after_kib = procfs::rss_kib(pid);
+        row.fds_after = procfs::fds(pid);
+        eprintln!(
+            "[soak] {n} streams: {} open after {:.1} s, RSS {} -> {} -> {} KiB, {} fds open",
+            row.open,
+            row.open_seconds,
+            row.rss_idle_kib,
+            row.rss_open_kib,
+            row.rss_after_kib,
+            row.fds_open
+        );
+        out.push(row);
+        drop(c);
+    }
+    out
 }
