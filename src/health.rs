@@ -1,5 +1,5 @@
 //! Health checks: every replica probed with Pingora's `HttpHealthCheck` (GET /health) on an
-//! interval, all in parallel. The result is recorded on the replica itself (`replica.rs`): a
+//! interval, all in parallel. The result is recorded on the replica itself (`replica/`): a
 //! passing check re-admits a replica the data path demoted, and each up/down transition is
 //! logged once. Probes go by replica, never by address, so two replicas that share an address
 //! are each checked and re-admitted.

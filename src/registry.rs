@@ -1,7 +1,7 @@
 //! The replicas, and the policy's view of them.
 //!
 //! It holds replicas and answers questions about the set (which may serve a model, what the
-//! policy may choose from); each replica keeps its own state (`replica.rs`), and what the
+//! policy may choose from); each replica keeps its own state (`replica/`), and what the
 //! replicas served lives in the affinity table (`affinity.rs`). The set changes at runtime
 //! (DNS discovery, the admin API): readers take a snapshot, which a change replaces whole, so a
 //! request holds the replicas it saw for as long as it needs them.
