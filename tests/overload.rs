@@ -271,17 +271,6 @@ fn a_key_over_its_tokens_per_minute_is_refused_and_recovers_after_the_window() {
     assert!(queried >= 6, "the dashboard has the overload panels");
 }
 
-/// Resident memory of a process, in bytes.
-fn rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    kb * 1024
-}
-
 #[test]
 fn the_queue_holds_its_bound_under_5000_waiting_requests_and_leaving_clients_are_counted() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -316,7 +305,7 @@ fn the_queue_holds_its_bound_under_5000_waiting_requests_and_leaving_clients_are
     assert!(wait_until(Duration::from_secs(5), || {
         lb.metric("inferlb_replica_in_flight{replica=\"gpu0\"}") == 1.0
     }));
-    let before = rss(lb.proc.pid());
+    let before = inferlb_harness::rss_bytes(lb.proc.pid()).expect("inferlb VmRSS");
     let mut clients = Vec::with_capacity(5000);
     for _ in 0..5000 {
         let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
@@ -332,7 +321,7 @@ fn the_queue_holds_its_bound_under_5000_waiting_requests_and_leaving_clients_are
     );
     let refused = "inferlb_overload_rejected_total{key=\"anonymous\",reason=\"queue_full\"}";
     assert!(wait_until(Duration::from_secs(10), || lb.metric(refused) == 1000.0));
-    let at_bound = rss(lb.proc.pid());
+    let at_bound = inferlb_harness::rss_bytes(lb.proc.pid()).expect("inferlb VmRSS");
     // The refused ones have their 429 with Retry-After; the queued ones nothing yet.
     let (mut answered, mut with_retry) = (0, 0);
     for s in &mut clients {

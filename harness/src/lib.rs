@@ -32,6 +32,16 @@ pub use redis::Redis;
 pub use sim::Sim;
 
 /// A loopback port nothing listens on right now.
+/// Resident memory of process `pid` (`VmRSS` of /proc/<pid>/status), in bytes.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())?;
+    Some(kb * 1024)
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
