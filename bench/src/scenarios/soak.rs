@@ -193,6 +193,8 @@ pub async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
 /// own connection, slow enough to stay open), inferlb's RSS and descriptors once every stream
 /// has its first event, and again once the clients hung up.
 pub async fn open_streams(a: &Args, counts: &[usize]) -> Vec<OpenStreams> {
+    // Long enough for pooled upstream connections to idle out (4 s), except in the smoke run.
+    let settle = Duration::from_secs(if a.smoke { 1 } else { 6 });
     let mut out = vec![];
     for &n in counts {
         eprintln!("[soak] {n} streams open at once");
@@ -279,8 +281,7 @@ pub async fn open_streams(a: &Args, counts: &[usize]) -> Vec<OpenStreams> {
         }
         drop(client);
         row.errors = failed.load(Ordering::Relaxed);
-        // Pooled upstream connections idle out after 4 s (upstream.idle_timeout_seconds).
-        tokio::time::sleep(Duration::from_secs(6)).await;
+        tokio::time::sleep(settle).await;
         row.rss_after_kib = procfs::rss_kib(pid);
         row.fds_after = procfs::fds(pid);
         eprintln!(
