@@ -83,9 +83,10 @@ impl PrefixIndex {
         for (i, l) in links.iter().enumerate().rev() {
             let before = i.checked_sub(1).map_or(0, |p| links[p].bytes);
             let tokens = (l.bytes.saturating_sub(before) / BYTES_PER_TOKEN).max(1) as u32;
-            if held.links.put(l.hash, tokens).is_none() {
-                held.tokens += u64::from(tokens);
-            }
+            // A link held already covers the same tokens, unless another instance's index
+            // (or a save) counted it otherwise: the total follows whichever is put last.
+            let before = held.links.put(l.hash, tokens).map_or(0, u64::from);
+            held.tokens = held.tokens + u64::from(tokens) - before;
         }
         while held.tokens > capacity {
             match held.links.pop_lru() {

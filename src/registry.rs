@@ -156,6 +156,11 @@ impl Registry {
         self.counter.fetch_add(1, Ordering::Relaxed) + self.offset.load(Ordering::Relaxed)
     }
 
+    /// This instance's rank among a cluster's instances (0 alone, or the lowest id).
+    pub fn rank(&self) -> u64 {
+        self.offset.load(Ordering::Relaxed)
+    }
+
     /// This instance's rank among a cluster's instances (0 alone).
     pub fn set_rank(&self, rank: u64) {
         self.offset.store(rank, Ordering::Relaxed);

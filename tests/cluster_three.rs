@@ -585,12 +585,19 @@ fn a_sibling_reaching_another_instance_goes_to_the_replica_holding_its_history()
 
     // An instance that starts later adopts the indexes saved in Redis (every 10 s, by the
     // instance of the lowest id), and sends each family's next sibling home too.
-    std::thread::sleep(Duration::from_secs(12).saturating_sub(started.elapsed()));
+    let version = inferlb::api::prompt::HASH_VERSION;
+    let saved = wait_until(Duration::from_secs(30), || {
+        (0..2).all(|i| f.redis.exists(&format!("inferlb:v{version}:index:gpu{i}")))
+    });
+    assert!(saved, "no index saved in 30 s");
     let late = f.join("lb-d", "prefill_cost");
     let late: Vec<(String, String)> = (0..found.len())
         .map(|family| ask(&late, family, "a late question").expect("late sibling"))
         .collect();
-    eprintln!("[index] on an instance started 12 s in: {late:?}");
+    eprintln!(
+        "[index] on an instance started after the indexes were saved ({:.1} s in): {late:?}",
+        started.elapsed().as_secs_f64()
+    );
     for ((home, _, _), (replica, route)) in found.iter().zip(&late) {
         assert_eq!((replica, route.as_str()), (home, "prefix"), "{late:?}");
     }

@@ -107,4 +107,17 @@ impl Redis {
         let mut buf = [0u8; 7];
         s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
     }
+
+    /// Whether `key` exists (`EXISTS`, as an inline command: `key` has no spaces).
+    pub fn exists(&self, key: &str) -> bool {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+        if s.write_all(format!("EXISTS {key}\r\n").as_bytes()).is_err() {
+            return false;
+        }
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).is_ok() && &buf == b":1\r\n"
+    }
 }

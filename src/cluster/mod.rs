@@ -2,9 +2,9 @@
 //!
 //! Shared: pins (affinity and session pins, stored Responses ids), each replica's prefix index
 //! (what it prefilled), drains, replicas added at runtime, and each instance's load per replica
-//! (requests in flight, requests waiting for a first byte and their uncached tokens), announced
-//! as each request starts, gets its first byte and ends, and as a whole snapshot four times a
-//! second. Each instance keeps its own tables and applies the others' updates; it bootstraps
+//! (requests in flight, requests waiting for a first byte and their uncached tokens), published
+//! as it changes (changes close together go out as one message) and as a whole snapshot four
+//! times a second. Each instance keeps its own tables and applies the others' updates; it bootstraps
 //! from what Redis holds when it (re)connects. The request path never waits on Redis: it hands
 //! changes to a bounded queue ([`Cluster::pin`] never blocks, a full queue drops the change and
 //! counts it) and reads only local state. Redis down, slow or
@@ -75,12 +75,6 @@ pub enum Change {
         id: String,
         conf: Option<String>,
     },
-    /// This instance's load on a replica changed by this much (a request started, got its
-    /// first byte, or ended). Never replayed after an outage: the next snapshot says it all.
-    Load {
-        replica: Arc<str>,
-        change: Load,
-    },
     /// A replica prefilled a prompt sent from here: its index records the prompt's links.
     Prefilled {
         replica: Arc<str>,
@@ -92,7 +86,8 @@ pub enum Change {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
     Change(Change),
-    /// Its load per replica: the whole of it (`snapshot`), or changes since the last one.
+    /// Its load on each replica named, as it is now: the whole fleet (`snapshot`, replicas
+    /// not named carry none), or the replicas whose load changed since it last said.
     Load {
         snapshot: bool,
         replicas: Vec<(String, Load)>,
@@ -103,6 +98,8 @@ pub enum Message {
 pub struct Cluster {
     pub instance: String,
     tx: mpsc::Sender<Change>,
+    /// Signalled when this instance's load on a replica changed.
+    load: tokio::sync::Notify,
     connected: AtomicBool,
     /// What Redis held was adopted at least once since the start.
     bootstrapped: AtomicBool,
@@ -119,6 +116,7 @@ impl Cluster {
         let c = Cluster {
             instance,
             tx,
+            load: tokio::sync::Notify::new(),
             connected: AtomicBool::new(false),
             bootstrapped: AtomicBool::new(false),
         };
@@ -149,16 +147,11 @@ impl Cluster {
         });
     }
 
-    /// This instance's load on `replica` changed by `change`. Not queued while Redis is away
-    /// (the first snapshot after it says it all), so pins made meanwhile have the room.
-    pub fn load(&self, replica: &Arc<str>, change: Load) {
-        if !self.is_connected() {
-            return;
-        }
-        self.send(Change::Load {
-            replica: replica.clone(),
-            change,
-        });
+    /// This instance's load on some replica changed: the sync task publishes the loads that
+    /// changed, at once or together with the next changes if it is busy. Nothing is queued,
+    /// so pins always have the room.
+    pub fn load_changed(&self) {
+        self.load.notify_one();
     }
 
     /// `replica` prefilled the prompt `links`, sent from here. Not queued while Redis is away:
@@ -209,8 +202,7 @@ pub fn default_instance_id() -> String {
 
 /// A message on the updates channel: `instance|kind|...`; pure, so both ends are tested here.
 /// Replica ids are letters, digits, `-`, `_` and `.` (the conf checks it), so `|`, `;`, `=`,
-/// `,` and `:` separate fields safely. A [`Change::Load`] travels netted, in
-/// [`encode_load`].
+/// `,` and `:` separate fields safely. Load travels in [`encode_load`].
 pub fn encode(instance: &str, change: &Change) -> String {
     match change {
         Change::Pin {
@@ -223,9 +215,6 @@ pub fn encode(instance: &str, change: &Change) -> String {
         }
         Change::Replica { id, conf } => {
             format!("{instance}|replica|{id}|{}", conf.as_deref().unwrap_or(""))
-        }
-        Change::Load { replica, change } => {
-            encode_load(instance, false, &[(replica.to_string(), *change)])
         }
         Change::Prefilled { replica, links } => {
             let mut m = format!("{instance}|index|{replica}|");
@@ -307,7 +296,10 @@ pub fn decode(message: &str) -> Option<(&str, Message)> {
                 .filter(|r| !r.is_empty())
                 .map(|r| {
                     let (id, n) = r.split_once('=')?;
-                    let mut n = n.split(',').map(|v| v.parse::<i64>().ok());
+                    // Loads are counts: never negative, and bounded so that sums cannot overflow.
+                    let mut n = n
+                        .split(',')
+                        .map(|v| v.parse::<i64>().ok().filter(|v| (0..1 << 48).contains(v)));
                     let load = Load {
                         in_flight: n.next()??,
                         waiting: n.next()??,
@@ -391,8 +383,8 @@ mod tests {
                 vec![],
                 vec![("gpu0".to_string(), load(1, 1, 4000))],
                 vec![
-                    ("gpu0".to_string(), load(-1, 0, 0)),
-                    ("gpu-1.b".to_string(), load(0, -1, -4000)),
+                    ("gpu0".to_string(), load(0, 0, 0)),
+                    ("gpu-1.b".to_string(), load(3, 2, 1 << 40)),
                 ],
             ] {
                 let m = encode_load("host-1", snapshot, &replicas);
@@ -413,6 +405,8 @@ mod tests {
             "a|load|gpu0=1,2",
             "a|load|gpu0=1,2,3,4",
             "a|loadsnap|gpu0",
+            "a|load|gpu0=-1,0,0",
+            "a|loadsnap|gpu0=1,1,99999999999999999",
             "|drain|1|gpu0",
         ] {
             assert_eq!(decode(bad), None, "{bad}");

@@ -1,5 +1,5 @@
 //! The other instances' load, as this instance follows it: each peer's last snapshot with the
-//! changes it announced since, summed per replica for the routing candidates; and this
+//! replicas it said changed since, summed per replica for the routing candidates; and this
 //! instance's rank among the live ones, which offsets its tie-breaking counter so that
 //! instances deciding at the same moment start a burst on different replicas.
 //!
@@ -8,8 +8,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-/// Load on one replica in the units the cost policy uses; as a change, each field may be
-/// negative.
+/// Load on one replica in the units the cost policy uses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Load {
     /// Requests in flight.
@@ -18,17 +17,6 @@ pub struct Load {
     pub waiting: i64,
     /// Uncached prompt tokens of those requests.
     pub queued_tokens: i64,
-}
-
-impl Load {
-    pub fn add(&mut self, d: Load) {
-        self.in_flight += d.in_flight;
-        self.waiting += d.waiting;
-        self.queued_tokens += d.queued_tokens;
-    }
-    pub fn is_zero(&self) -> bool {
-        *self == Load::default()
-    }
 }
 
 /// Each peer instance's load per replica.
@@ -54,9 +42,8 @@ impl Peers {
         );
     }
 
-    /// A peer's changes since its last snapshot. A peer not heard of yet counts from zero
-    /// until its snapshot, at most one interval later, sets it right.
-    pub fn change(&mut self, instance: &str, replicas: Vec<(String, Load)>, now: Instant) {
+    /// A peer's load on the replicas it names, as it is now; the others stay as they were.
+    pub fn update(&mut self, instance: &str, replicas: Vec<(String, Load)>, now: Instant) {
         let peer = self
             .peers
             .entry(instance.to_string())
@@ -65,9 +52,7 @@ impl Peers {
                 load: HashMap::new(),
             });
         peer.seen = now;
-        for (replica, d) in replicas {
-            peer.load.entry(replica).or_default().add(d);
-        }
+        peer.load.extend(replicas);
     }
 
     /// Forgets peers silent for `ttl` (stopped, or cut from Redis); true when any went.
@@ -82,14 +67,14 @@ impl Peers {
         self.peers.clear();
     }
 
-    /// The peers' load on `replica`, summed, each peer's counts floored at zero (a change
-    /// may arrive before the snapshot that holds its start): (in flight, waiting, tokens).
+    /// The peers' load on `replica`, summed: (in flight, waiting, tokens).
     pub fn total(&self, replica: &str) -> (u64, u64, u64) {
-        let mut t = (0, 0, 0);
+        let mut t = (0u64, 0u64, 0u64);
+        let n = |v: i64| v.max(0) as u64;
         for l in self.peers.values().filter_map(|p| p.load.get(replica)) {
-            t.0 += l.in_flight.max(0) as u64;
-            t.1 += l.waiting.max(0) as u64;
-            t.2 += l.queued_tokens.max(0) as u64;
+            t.0 = t.0.saturating_add(n(l.in_flight));
+            t.1 = t.1.saturating_add(n(l.waiting));
+            t.2 = t.2.saturating_add(n(l.queued_tokens));
         }
         t
     }
@@ -113,7 +98,7 @@ mod tests {
     }
 
     #[test]
-    fn snapshots_replace_and_changes_add_up_per_peer() {
+    fn snapshots_replace_updates_set_and_peers_add_up() {
         let t0 = Instant::now();
         let mut p = Peers::default();
         // (step, expected total on gpu0 after it)
@@ -124,30 +109,35 @@ mod tests {
                 (2, 1, 900),
             ),
             (
-                |p, t| p.change("b", vec![("gpu0".into(), load(1, 1, 300))], t),
+                |p, t| p.update("b", vec![("gpu0".into(), load(3, 2, 1200))], t),
                 (3, 2, 1200),
             ),
             (
-                |p, t| p.change("c", vec![("gpu0".into(), load(1, 1, 50))], t),
+                |p, t| p.update("c", vec![("gpu0".into(), load(1, 1, 50))], t),
                 (4, 3, 1250),
             ),
-            // c's snapshot says its request already had its first byte.
+            // An update of another replica leaves gpu0 as it was.
             (
-                |p, t| p.snapshot("c", vec![("gpu0".into(), load(1, 0, 0))], t),
-                (4, 2, 1200),
+                |p, t| p.update("c", vec![("gpu1".into(), load(5, 5, 5))], t),
+                (4, 3, 1250),
             ),
-            // b's end arrives before any start of it: floored at zero for b alone.
+            // A snapshot replaces all of c: gpu0 no longer named, so none.
             (
-                |p, t| p.change("b", vec![("gpu0".into(), load(-5, -5, -5000))], t),
-                (1, 0, 0),
+                |p, t| p.snapshot("c", vec![("gpu1".into(), load(1, 0, 0))], t),
+                (3, 2, 1200),
             ),
-            (|p, t| p.snapshot("b", vec![], t), (1, 0, 0)),
+            (|p, t| p.snapshot("b", vec![], t), (0, 0, 0)),
         ];
         for (i, (step, want)) in steps.into_iter().enumerate() {
             step(&mut p, t0);
             assert_eq!(p.total("gpu0"), want, "step {i}");
         }
-        assert_eq!(p.total("gpu1"), (0, 0, 0));
+        assert_eq!(p.total("gpu1"), (1, 0, 0));
+        // Sums saturate.
+        p.update("b", vec![("gpu1".into(), load(i64::MAX, 0, 0))], t0);
+        p.update("d", vec![("gpu1".into(), load(i64::MAX, 0, 0))], t0);
+        p.update("e", vec![("gpu1".into(), load(i64::MAX, 0, 0))], t0);
+        assert_eq!(p.total("gpu1").0, u64::MAX);
     }
 
     #[test]

@@ -4,13 +4,19 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 
 use super::sync::{bounded, ClusterSync, Failed};
 use super::{Change, Table};
 use crate::api::prompt::HASH_VERSION;
+use crate::registry::Registry;
+use crate::replica::Replica;
 
+/// How often the lowest-ranked instance saves each changed prefix index to Redis, for
+/// instances that start later.
+const INDEX_EVERY: Duration = Duration::from_secs(10);
 /// The most recent links of a replica's index saved (12 bytes each).
 const INDEX_SAVED_LINKS: usize = 16_384;
 
@@ -88,7 +94,8 @@ impl ClusterSync {
         }
     }
 
-    /// Adopts what Redis holds: pins of this hash version, and drains.
+    /// Adopts what Redis holds: pins of this hash version, replicas added at runtime, and for
+    /// each replica its drain and saved index.
     pub(super) async fn bootstrap(
         &self,
         conn: &mut MultiplexedConnection,
@@ -129,31 +136,60 @@ impl ClusterSync {
                 }
             }
         }
-        for r in self.registry.all().iter() {
-            let saved: Option<Vec<u8>> =
-                bounded(redis::cmd("GET").arg(index_key(&r.id)).query_async(conn)).await?;
-            r.index.restore(&links_from(&saved.unwrap_or_default()));
-        }
         let drained = Self::scan(conn, "inferlb:drain:*", 100_000).await?;
         for r in self.registry.all().iter() {
-            let draining = drained.contains(&drain_key(&r.id));
-            self.apply(Change::Drain {
-                replica: r.id.clone(),
-                draining,
-            })
-            .await;
+            self.adopt(conn, r, Some(drained.contains(&drain_key(&r.id))))
+                .await?;
         }
         Ok(adopted)
     }
 
-    /// Saves the recent links of each replica's index that changed since `saved` says.
-    pub(super) async fn save_indexes(
+    /// Adopts what Redis holds for one replica: whether it is drained (`drained`, or asked
+    /// here), and its saved index when its own is empty (a fuller one is fresher than a
+    /// save). Also for a replica found after the bootstrap (DNS, another instance).
+    pub(super) async fn adopt(
         &self,
         conn: &mut MultiplexedConnection,
-        saved: &mut HashMap<Arc<str>, u64>,
+        r: &Replica,
+        drained: Option<bool>,
     ) -> Result<(), Failed> {
-        let ttl = self.pin_ttl.as_secs().max(1);
-        for r in self.registry.all().iter() {
+        let draining = match drained {
+            Some(d) => d,
+            None => bounded(redis::cmd("EXISTS").arg(drain_key(&r.id)).query_async(conn)).await?,
+        };
+        self.apply(Change::Drain {
+            replica: r.id.clone(),
+            draining,
+        })
+        .await;
+        if r.index.size().0 == 0 {
+            let saved: Option<Vec<u8>> =
+                bounded(redis::cmd("GET").arg(index_key(&r.id)).query_async(conn)).await?;
+            r.index.restore(&links_from(&saved.unwrap_or_default()));
+        }
+        Ok(())
+    }
+}
+
+/// Every [`INDEX_EVERY`], while this instance has the lowest id of the cluster (rank 0), saves
+/// the recent links of each replica's index that changed since its last save; runs on its own
+/// clone of the connection, so a slow save never holds back the session. Returns the error
+/// that stopped it.
+pub(super) async fn save_indexes_every(
+    registry: Arc<Registry>,
+    mut conn: MultiplexedConnection,
+    ttl: Duration,
+) -> Failed {
+    let ttl = ttl.as_secs().max(1);
+    let mut saved: HashMap<Arc<str>, u64> = HashMap::new();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + INDEX_EVERY, INDEX_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if registry.rank() != 0 {
+            continue;
+        }
+        for r in registry.all().iter() {
             let records = r.index.records();
             if records == 0 || saved.get(&r.id) == Some(&records) {
                 continue;
@@ -161,10 +197,11 @@ impl ClusterSync {
             let bytes = links_to(&r.index.recent(INDEX_SAVED_LINKS));
             let mut set = redis::cmd("SET");
             set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
-            bounded(set.query_async::<()>(conn)).await?;
+            if let Err(e) = bounded(set.query_async::<()>(&mut conn)).await {
+                return e;
+            }
             saved.insert(r.id.clone(), records);
         }
-        Ok(())
     }
 }
 

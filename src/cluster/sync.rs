@@ -2,7 +2,7 @@
 //! follows the others' on a pub/sub channel, bootstraps from Redis on every (re)connect, and
 //! shares each instance's load per replica. Nothing here is on the request path.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use pingora_core::services::background::BackgroundService;
 use redis::aio::MultiplexedConnection;
 use tokio::sync::mpsc;
 
-use super::stored::{drain_key, pin_key, pins_channel, replica_key, DRAINS};
+use super::stored::{drain_key, pin_key, pins_channel, replica_key, save_indexes_every, DRAINS};
 use super::{decode, encode, encode_load, Change, Cluster, Load, Message, Peers, Table};
 use crate::affinity::AffinityTable;
 use crate::config::{check_replica, ReplicaConf};
@@ -21,13 +21,12 @@ use crate::registry::Registry;
 
 /// Every Redis round trip is bounded by this; slower counts as down.
 const TIMEOUT: Duration = Duration::from_secs(1);
-/// How often each instance publishes a snapshot of its load (changes go out as they happen).
+/// How often each instance publishes a snapshot of its load (changes go out as they happen),
+/// and looks for replicas that arrived since (DNS, another instance) to adopt what Redis holds
+/// for them.
 const LOAD_EVERY: Duration = Duration::from_millis(250);
 /// An instance silent this long is gone (it stopped or lost Redis): its load no longer counts.
 const LOAD_TTL: Duration = Duration::from_secs(2);
-/// How often the lowest-ranked instance saves each changed prefix index to Redis, for
-/// instances that start later.
-const INDEX_EVERY: Duration = Duration::from_secs(10);
 /// Changes written per round trip.
 const BATCH: usize = 512;
 
@@ -77,9 +76,13 @@ impl ClusterSync {
                 key,
                 replica,
             } => {
-                if let Some(r) = self.registry.get(&replica) {
-                    self.table(table).record(key, &r.id);
-                }
+                // The replica's own id when it is known (one copy for all its pins); kept
+                // for one not found yet too (DNS finds it later).
+                let id = self
+                    .registry
+                    .get(&replica)
+                    .map_or(replica, |r| r.id.clone());
+                self.table(table).record(key, &id);
             }
             Change::Drain { replica, draining } => {
                 if let Some(r) = self.registry.get(&replica) {
@@ -93,8 +96,6 @@ impl ClusterSync {
                     r.index.record(&links);
                 }
             }
-            // Load arrives netted, as `Message::Load`.
-            Change::Load { .. } => {}
             Change::Replica { id, conf: None } => {
                 self.registry.remove(&id);
             }
@@ -133,16 +134,7 @@ impl ClusterSync {
     ) -> Result<(), Failed> {
         let ttl = self.pin_ttl.as_secs().max(1);
         let mut pipe = redis::pipe();
-        // Load changes are summed per replica and go out as one message.
-        let mut load: Vec<(String, Load)> = Vec::new();
         for c in changes {
-            if let Change::Load { replica, change } = c {
-                match load.iter_mut().find(|(r, _)| **r == **replica) {
-                    Some((_, l)) => l.add(*change),
-                    None => load.push((replica.to_string(), *change)),
-                }
-                continue;
-            }
             let message = encode(&self.cluster.instance, c);
             match c {
                 Change::Pin {
@@ -197,13 +189,7 @@ impl ClusterSync {
                         .arg(message)
                         .ignore();
                 }
-                Change::Load { .. } => {}
             }
-        }
-        load.retain(|(_, l)| !l.is_zero());
-        if !load.is_empty() {
-            let message = encode_load(&self.cluster.instance, false, &load);
-            pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
         }
         if pipe.is_empty() {
             return Ok(());
@@ -211,23 +197,31 @@ impl ClusterSync {
         bounded(pipe.query_async::<()>(conn)).await
     }
 
-    /// This instance's whole load per replica, published so the others can set theirs right.
-    async fn publish_load(&self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
-        let mine: Vec<(String, Load)> = self
-            .registry
-            .all()
-            .iter()
-            .map(|r| {
-                let (queued_tokens, waiting) = r.local_prefill();
-                let load = Load {
-                    in_flight: r.in_flight() as i64,
-                    waiting: waiting as i64,
-                    queued_tokens: queued_tokens as i64,
-                };
-                (r.id.to_string(), load)
-            })
-            .collect();
-        let message = encode_load(&self.cluster.instance, true, &mine);
+    /// Publishes this instance's load on each replica whose load changed since `published`
+    /// says, or on every replica (`full`: a snapshot, which also says it is alive).
+    async fn publish_load(
+        &self,
+        conn: &mut MultiplexedConnection,
+        published: &mut HashMap<Arc<str>, Load>,
+        full: bool,
+    ) -> Result<(), Failed> {
+        let mut now: Vec<(String, Load)> = Vec::new();
+        for r in self.registry.all().iter() {
+            let (queued_tokens, waiting) = r.local_prefill();
+            let load = Load {
+                in_flight: r.in_flight() as i64,
+                waiting: waiting as i64,
+                queued_tokens: queued_tokens as i64,
+            };
+            if full || published.get(&r.id) != Some(&load) {
+                published.insert(r.id.clone(), load);
+                now.push((r.id.to_string(), load));
+            }
+        }
+        if now.is_empty() && !full {
+            return Ok(());
+        }
+        let message = encode_load(&self.cluster.instance, full, &now);
         bounded(
             redis::cmd("PUBLISH")
                 .arg(DRAINS)
@@ -260,33 +254,39 @@ impl ClusterSync {
         if self.cluster.set_connected(true) {
             log::warn!("cluster: connected to redis as {}", self.cluster.instance);
         }
-        // What was changed here while Redis was away: the first writer wins.
-        let outage: Vec<Change> = std::mem::take(pending);
-        for chunk in outage.chunks(BATCH) {
-            self.write(&mut conn, chunk, true).await?;
+        // What was changed here while Redis was away: the first writer wins. When Redis fails
+        // again meanwhile, what is not written yet is kept for the next time.
+        let mut outage: Vec<Change> = std::mem::take(pending);
+        let mut written = 0;
+        while written < outage.len() {
+            let end = (written + BATCH).min(outage.len());
+            if let Err(e) = self.write(&mut conn, &outage[written..end], true).await {
+                pending.extend(outage.drain(written..));
+                return Err(e);
+            }
+            written = end;
         }
         let adopted = self.bootstrap(&mut conn).await?;
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
+        let mut known: HashSet<Arc<str>> =
+            self.registry.all().iter().map(|r| r.id.clone()).collect();
         let mut messages = pubsub.into_on_message();
-        // The others' load, followed for as long as this session lasts.
+        // The others' load, followed for as long as this session lasts; this instance's, as
+        // last published.
         let mut peers = Peers::default();
+        let mut published = HashMap::new();
         let mut snapshot = tokio::time::interval(LOAD_EVERY);
         snapshot.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut save =
-            tokio::time::interval_at(tokio::time::Instant::now() + INDEX_EVERY, INDEX_EVERY);
-        save.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut saved = HashMap::new();
+        let mut saver = Aborting(tokio::spawn(save_indexes_every(
+            self.registry.clone(),
+            conn.clone(),
+            self.pin_ttl,
+        )));
         let mut batch = Vec::with_capacity(BATCH);
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return Ok(()),
-                // One instance saves: they all hold about the same.
-                _ = save.tick() => {
-                    if peers.rank(&self.cluster.instance) == 0 {
-                        self.save_indexes(&mut conn, &mut saved).await?;
-                    }
-                }
                 m = messages.next() => {
                     let Some(m) = m else {
                         return Err(redis::RedisError::from(std::io::Error::other("subscription closed")));
@@ -299,7 +299,7 @@ impl ClusterSync {
                             if snapshot {
                                 peers.snapshot(from, replicas, Instant::now());
                             } else {
-                                peers.change(from, replicas, Instant::now());
+                                peers.update(from, replicas, Instant::now());
                             }
                             self.apply_peers(&peers);
                         }
@@ -312,21 +312,25 @@ impl ClusterSync {
                     }
                     self.write_or_keep(&mut conn, &mut batch, pending).await?;
                 }
+                _ = self.cluster.load.notified() => {
+                    self.publish_load(&mut conn, &mut published, false).await?;
+                }
                 _ = snapshot.tick() => {
-                    // What is queued goes first, so the snapshot never precedes a change it
-                    // already counts.
-                    while batch.len() < BATCH {
-                        match rx.try_recv() {
-                            Ok(c) => batch.push(c),
-                            Err(_) => break,
-                        }
-                    }
-                    self.write_or_keep(&mut conn, &mut batch, pending).await?;
-                    self.publish_load(&mut conn).await?;
+                    self.publish_load(&mut conn, &mut published, true).await?;
                     if peers.expire(Instant::now(), LOAD_TTL) {
                         self.apply_peers(&peers);
                     }
                     self.registry.set_rank(peers.rank(&self.cluster.instance));
+                    for r in self.registry.all().iter() {
+                        if known.insert(r.id.clone()) {
+                            self.adopt(&mut conn, r, None).await?;
+                        }
+                    }
+                }
+                failed = &mut saver.0 => {
+                    return Err(failed.unwrap_or_else(|_| {
+                        redis::RedisError::from(std::io::Error::other("index saving stopped"))
+                    }));
                 }
             }
         }
@@ -348,13 +352,23 @@ impl ClusterSync {
     }
 }
 
-/// Keeps changes made while Redis is away, bounded, to write when it is back. Load changes are
-/// not kept: the first snapshot after the outage says it all.
+/// Keeps changes made while Redis is away, bounded, to write when it is back. Prompts
+/// prefilled meanwhile are not kept (each may be large): the others learn what the replicas
+/// hold again as requests flow.
 fn keep(pending: &mut Vec<Change>, changes: impl Iterator<Item = Change>) {
     for c in changes {
-        if pending.len() < super::QUEUE && !matches!(c, Change::Load { .. }) {
+        if pending.len() < super::QUEUE && !matches!(c, Change::Prefilled { .. }) {
             pending.push(c);
         }
+    }
+}
+
+/// A task that is stopped when its session ends, however it ends.
+struct Aborting<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for Aborting<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::Replica;
-use crate::cluster::{Cluster, Load as LoadChange};
+use crate::cluster::Cluster;
 
 /// Prefill queued and decodes running, as this process sees them and as the replica reports.
 #[derive(Default)]
@@ -42,9 +42,11 @@ impl Replica {
         let _ = self.cluster.set(cluster.clone());
     }
 
-    fn share(&self, change: LoadChange) {
+    /// Its load changed: the cluster, if any, tells the others soon (never waits, never
+    /// allocates; changes close together go out as one).
+    fn changed(&self) {
         if let Some(c) = self.cluster.get() {
-            c.load(&self.id, change);
+            c.load_changed();
         }
     }
 
@@ -52,10 +54,7 @@ impl Replica {
     pub fn start(self: &Arc<Self>) -> InFlight {
         let n = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         self.in_flight_gauge.set(n as i64);
-        self.share(LoadChange {
-            in_flight: 1,
-            ..Default::default()
-        });
+        self.changed();
         InFlight(self.clone())
     }
 
@@ -140,11 +139,7 @@ impl Replica {
             (mean * 15 + uncached) / 16
         };
         l.mean_uncached.store(next, Ordering::Relaxed);
-        self.share(LoadChange {
-            waiting: 1,
-            queued_tokens: uncached as i64,
-            ..Default::default()
-        });
+        self.changed();
         QueuedPrefill {
             replica: self.clone(),
             tokens: uncached,
@@ -173,11 +168,7 @@ impl Drop for QueuedPrefill {
         let l = &self.replica.load;
         l.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
         l.waiting.fetch_sub(1, Ordering::Relaxed);
-        self.replica.share(LoadChange {
-            waiting: -1,
-            queued_tokens: -(self.tokens as i64),
-            ..Default::default()
-        });
+        self.replica.changed();
     }
 }
 
@@ -194,9 +185,6 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         let n = self.0.in_flight.fetch_sub(1, Ordering::Relaxed) - 1;
         self.0.in_flight_gauge.set(n as i64);
-        self.0.share(LoadChange {
-            in_flight: -1,
-            ..Default::default()
-        });
+        self.0.changed();
     }
 }
