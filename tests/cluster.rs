@@ -150,3 +150,34 @@ fn without_redis_each_instance_goes_on_alone_and_resyncs_when_it_is_back() {
         assert_eq!(&turn(&two, name, 2).0, home, "{name}");
     }
 }
+
+/// Two processes given the same `instance_id` would each take the other's messages for its
+/// own and ignore them: each says so in its log.
+#[test]
+fn two_processes_given_one_instance_id_each_say_so() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis = Redis::start(root.path());
+    let (a, b) = two_sims(root.path(), &[]);
+    let start = |name: &str| {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let conf = LbConf {
+            extra: redis.cluster_conf("twin"),
+            ..test_conf()
+        };
+        Lb::start(&dir, &[&a, &b], conf)
+    };
+    let (one, two) = (start("one"), start("two"));
+    let said = "another inferlb process uses instance_id \"twin\"";
+    let both = wait_until(Duration::from_secs(10), || {
+        [&one, &two]
+            .iter()
+            .all(|lb| lb.proc.log_text().contains(said))
+    });
+    assert!(
+        both,
+        "logs:\n{}\n---\n{}",
+        one.proc.log_text(),
+        two.proc.log_text()
+    );
+}

@@ -97,6 +97,9 @@ pub enum Message {
 /// The request path's handle: queue changes, never wait.
 pub struct Cluster {
     pub instance: String,
+    /// `instance#nonce`, a nonce per process: what its messages are signed with, so that two
+    /// processes given the same `instance_id` notice each other.
+    sender: String,
     tx: mpsc::Sender<Change>,
     /// Signalled when this instance's load on a replica changed.
     load: tokio::sync::Notify,
@@ -113,7 +116,17 @@ impl Cluster {
     pub fn new(instance: String) -> (Arc<Cluster>, mpsc::Receiver<Change>) {
         let (tx, rx) = mpsc::channel(QUEUE);
         METRICS.cluster_connected.set(0);
+        let nonce = {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            h.update(&std::process::id().to_le_bytes());
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+            h.update(&now.map_or(0, |d| d.as_nanos()).to_le_bytes());
+            static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            h.update(&MADE.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+            h.digest()
+        };
         let c = Cluster {
+            sender: format!("{instance}#{nonce:016x}"),
             instance,
             tx,
             load: tokio::sync::Notify::new(),
@@ -172,6 +185,11 @@ impl Cluster {
         }
     }
 
+    /// What this process signs its messages with.
+    pub fn sender(&self) -> &str {
+        &self.sender
+    }
+
     /// Whether the shared state was adopted since the start (readiness).
     pub fn is_bootstrapped(&self) -> bool {
         self.bootstrapped.load(Ordering::Relaxed)
@@ -200,7 +218,8 @@ pub fn default_instance_id() -> String {
     format!("{host}-{}", std::process::id())
 }
 
-/// A message on the updates channel: `instance|kind|...`; pure, so both ends are tested here.
+/// A message on the updates channel: `sender|kind|...`, the sender being `instance#nonce`;
+/// pure, so both ends are tested here.
 /// Replica ids are letters, digits, `-`, `_` and `.` (the conf checks it), so `|`, `;`, `=`,
 /// `,` and `:` separate fields safely. Load travels in [`encode_load`].
 pub fn encode(instance: &str, change: &Change) -> String {
@@ -235,6 +254,11 @@ pub fn encode_load(instance: &str, snapshot: bool, replicas: &[(String, Load)]) 
         .map(|(r, l)| format!("{r}={},{},{}", l.in_flight, l.waiting, l.queued_tokens))
         .collect();
     format!("{instance}|{kind}|{}", list.join(";"))
+}
+
+/// The instance that sent a message, and its process's nonce (empty when there is none).
+pub fn sender(sender: &str) -> (&str, &str) {
+    sender.split_once('#').unwrap_or((sender, ""))
 }
 
 /// The sender and the content of a message, or None for anything else.
@@ -411,6 +435,23 @@ mod tests {
         ] {
             assert_eq!(decode(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_sender_names_its_instance_and_its_process() {
+        let (a, b) = (Cluster::new("lb-a".into()).0, Cluster::new("lb-a".into()).0);
+        assert_eq!(
+            (sender(a.sender()).0, sender(b.sender()).0),
+            ("lb-a", "lb-a")
+        );
+        assert_ne!(a.sender(), b.sender(), "two processes of one id differ");
+        let change = Change::Drain {
+            replica: Arc::from("gpu0"),
+            draining: true,
+        };
+        let m = encode(a.sender(), &change);
+        assert_eq!(decode(&m), Some((a.sender(), Message::Change(change))));
+        assert_eq!(sender("no-nonce"), ("no-nonce", ""));
     }
 
     #[test]

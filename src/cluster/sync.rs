@@ -14,7 +14,7 @@ use redis::aio::MultiplexedConnection;
 use tokio::sync::mpsc;
 
 use super::stored::{drain_key, pin_key, pins_channel, replica_key, save_indexes_every, DRAINS};
-use super::{decode, encode, encode_load, Change, Cluster, Load, Message, Peers, Table};
+use super::{decode, encode, encode_load, sender, Change, Cluster, Load, Message, Peers, Table};
 use crate::affinity::AffinityTable;
 use crate::config::{check_replica, ReplicaConf};
 use crate::registry::Registry;
@@ -135,7 +135,7 @@ impl ClusterSync {
         let ttl = self.pin_ttl.as_secs().max(1);
         let mut pipe = redis::pipe();
         for c in changes {
-            let message = encode(&self.cluster.instance, c);
+            let message = encode(self.cluster.sender(), c);
             match c {
                 Change::Pin {
                     table,
@@ -221,7 +221,7 @@ impl ClusterSync {
         if now.is_empty() && !full {
             return Ok(());
         }
-        let message = encode_load(&self.cluster.instance, full, &now);
+        let message = encode_load(self.cluster.sender(), full, &now);
         bounded(
             redis::cmd("PUBLISH")
                 .arg(DRAINS)
@@ -284,6 +284,7 @@ impl ClusterSync {
             self.pin_ttl,
         )));
         let mut batch = Vec::with_capacity(BATCH);
+        let mut twin_seen = false;
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return Ok(()),
@@ -292,10 +293,25 @@ impl ClusterSync {
                         return Err(redis::RedisError::from(std::io::Error::other("subscription closed")));
                     };
                     let payload: String = m.get_payload().unwrap_or_default();
-                    match decode(&payload) {
-                        Some((from, _)) if from == self.cluster.instance => {}
-                        Some((_, Message::Change(change))) => self.apply(change).await,
-                        Some((from, Message::Load { snapshot, replicas })) => {
+                    let decoded = decode(&payload).map(|(from, m)| (from, sender(from).0, m));
+                    match decoded {
+                        // Another process signing with this instance's id: said once.
+                        Some((from, id, _))
+                            if id == self.cluster.instance
+                                && from != self.cluster.sender()
+                                && !twin_seen =>
+                        {
+                            twin_seen = true;
+                            log::error!(
+                                "cluster: another inferlb process uses instance_id {id:?}: each \
+                                 ignores the other's updates; give every instance its own \
+                                 cluster.instance_id (or leave it unset)"
+                            );
+                        }
+                        // This process's own messages.
+                        Some((_, id, _)) if id == self.cluster.instance => {}
+                        Some((_, _, Message::Change(change))) => self.apply(change).await,
+                        Some((_, from, Message::Load { snapshot, replicas })) => {
                             if snapshot {
                                 peers.snapshot(from, replicas, Instant::now());
                             } else {

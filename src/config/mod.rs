@@ -426,9 +426,9 @@ fn validate(raw: RawSection) -> Result<Config, String> {
             }
             let instance_id = match c.instance_id.as_deref().map(str::trim) {
                 None | Some("") => crate::cluster::default_instance_id(),
-                Some(id) if id.contains('|') || id.contains(char::is_whitespace) => {
+                Some(id) if id.contains(['|', '#']) || id.contains(char::is_whitespace) => {
                     return Err(format!(
-                        "inferlb.cluster.instance_id: {id:?} may not contain '|' or spaces"
+                        "inferlb.cluster.instance_id: {id:?} may not contain '|', '#' or spaces"
                     ))
                 }
                 Some(id) => id.to_string(),
