@@ -18,6 +18,7 @@
 //! Keys carry the prompt hash version (`inferlb:v2:...`), so instances of two versions during
 //! a rolling upgrade never read each other's hashes as their own.
 
+mod apply;
 mod peers;
 mod stored;
 mod sync;

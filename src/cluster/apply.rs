@@ -1,0 +1,82 @@
+//! What another instance said, applied here: its pins, drains, replicas and prefilled prompts
+//! to the local tables, and the peers' load to each replica.
+
+use super::sync::ClusterSync;
+use super::{Change, Peers, Table};
+use crate::affinity::AffinityTable;
+use crate::config::{check_replica, ReplicaConf};
+
+impl ClusterSync {
+    pub(super) fn table(&self, t: Table) -> &AffinityTable {
+        match t {
+            Table::Affinity => &self.affinity,
+            Table::Stored => &self.stored,
+        }
+    }
+
+    /// Applies another instance's change (or what Redis holds) to the local state.
+    pub(super) async fn apply(&self, change: Change) {
+        match change {
+            Change::Pin {
+                table,
+                key,
+                replica,
+            } => {
+                // The replica's own id when it is known (one copy for all its pins); kept
+                // for one not found yet too (DNS finds it later).
+                let id = self
+                    .registry
+                    .get(&replica)
+                    .map_or(replica, |r| r.id.clone());
+                self.table(table).record(key, &id);
+            }
+            Change::Drain { replica, draining } => {
+                if let Some(r) = self.registry.get(&replica) {
+                    if r.is_draining() != draining {
+                        r.set_draining(draining);
+                    }
+                }
+            }
+            Change::Prefilled { replica, links } => {
+                if let Some(r) = self.registry.get(&replica) {
+                    r.index.record(&links);
+                }
+            }
+            Change::Replica { id, conf: None } => {
+                self.registry.remove(&id);
+            }
+            Change::Replica {
+                id,
+                conf: Some(json),
+            } => {
+                if self.registry.get(&id).is_some() {
+                    return;
+                }
+                let Ok(mut conf) = serde_json::from_str::<ReplicaConf>(&json) else {
+                    return;
+                };
+                // Resolving an address may block: not on this task.
+                let checked = tokio::task::spawn_blocking(move || {
+                    check_replica(&mut conf, "shared replica").map(|()| conf)
+                })
+                .await;
+                match checked {
+                    Ok(Ok(conf)) => {
+                        let _ = self.registry.add(&conf, None);
+                    }
+                    Ok(Err(e)) => log::warn!("cluster: replica {id} from another instance: {e}"),
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+
+    /// The peers' load summed into each replica, and this instance's rank among them.
+    pub(super) fn apply_peers(&self, peers: &Peers) {
+        for r in self.registry.all().iter() {
+            let (in_flight, waiting, queued) = peers.total(&r.id);
+            r.set_peer_load(queued, waiting, in_flight);
+        }
+        self.registry.set_rank(peers.rank(&self.cluster.instance));
+    }
+}
