@@ -63,10 +63,6 @@ impl Peers {
         self.peers.len() != before
     }
 
-    pub fn clear(&mut self) {
-        self.peers.clear();
-    }
-
     /// The peers' load on `replica`, summed: (in flight, waiting, tokens).
     pub fn total(&self, replica: &str) -> (u64, u64, u64) {
         let mut t = (0u64, 0u64, 0u64);
@@ -152,7 +148,5 @@ mod tests {
         assert!(!p.expire(t0 + Duration::from_millis(1900), ttl));
         assert!(p.expire(t0 + Duration::from_millis(2100), ttl));
         assert_eq!((p.rank("lb-b"), p.total("gpu0")), (0, (0, 0, 0)));
-        p.clear();
-        assert_eq!(p.rank("lb-z"), 0);
     }
 }
