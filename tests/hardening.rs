@@ -309,3 +309,35 @@ fn disconnected_clients_cancel_their_upstream_requests_and_nothing_leaks() {
         "generation stopped early: {generated} tokens"
     );
 }
+
+#[test]
+fn pipelined_requests_are_answered_in_order_on_their_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_a, _b, lb) = cluster(dir.path(), &[], test_conf());
+    let chat = |text: &str| {
+        raw_post(
+            "/v1/chat/completions",
+            &chat_body(&[("user", text)], false, 2).to_string(),
+        )
+    };
+    // Four requests in one write: a chat, one the replica refuses, one the balancer answers
+    // itself, another chat.
+    let mut s = TcpStream::connect(("127.0.0.1", lb.port)).unwrap();
+    let all = format!(
+        "{}{}GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n{}",
+        chat("first"),
+        raw_post("/v1/chat/completions", "hello"),
+        chat("fourth")
+    );
+    s.write_all(all.as_bytes()).unwrap();
+    let got = read_responses(&mut s, 4, Duration::from_secs(10));
+    let statuses: Vec<u16> = got.iter().map(|(status, _)| *status).collect();
+    assert_eq!(statuses, [200, 400, 200, 200], "{got:?}");
+    assert!(got[0].1.contains("chat.completion"), "{}", got[0].1);
+    assert!(got[2].1.contains("sim-model"), "{}", got[2].1);
+    assert!(got[3].1.contains("chat.completion"), "{}", got[3].1);
+    // The connection stays open for more, sent one at a time.
+    s.write_all(chat("fifth").as_bytes()).unwrap();
+    let more = read_responses(&mut s, 1, Duration::from_secs(10));
+    assert_eq!(more.first().map(|r| r.0), Some(200), "{more:?}");
+}

@@ -371,6 +371,57 @@ fn the_queue_holds_its_bound_under_5000_waiting_requests_and_leaving_clients_are
 }
 
 #[test]
+fn a_waiting_request_whose_client_pipelines_the_next_one_keeps_its_place() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 200 tokens a second: a 400-token prompt holds the replica for about 2 s.
+    let sim = Sim::start(dir.path(), "gpu0", &["--prefill-tokens-per-s", "200"]);
+    let conf = LbConf {
+        overload: Some(
+            "max_queued_prefill_tokens: 1\nqueue_length: 100\nqueue_timeout_seconds: 60\n".into(),
+        ),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[&sim], conf);
+    let post = |text: &str| {
+        raw_post(
+            "/v1/chat/completions",
+            &chat_body(&[("user", text)], false, 1).to_string(),
+        )
+    };
+    let mut first = TcpStream::connect(("127.0.0.1", lb.port)).expect("connect");
+    first
+        .write_all(post(&text_of("long", 400)).as_bytes())
+        .expect("write");
+    assert!(wait_until(Duration::from_secs(5), || {
+        lb.metric("inferlb_replica_in_flight{replica=\"gpu0\"}") == 1.0
+    }));
+    // The second client's request waits; then it sends its next request on the same
+    // connection before the first is answered.
+    let mut second = TcpStream::connect(("127.0.0.1", lb.port)).expect("connect");
+    second.write_all(post("one").as_bytes()).expect("write");
+    let queue = "inferlb_overload_queue_length{class=\"default\"}";
+    assert!(wait_until(Duration::from_secs(5), || lb.metric(queue) == 1.0));
+    second.write_all(post("two").as_bytes()).expect("write");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        lb.metric(queue),
+        1.0,
+        "still waiting, not taken for a hang-up"
+    );
+    let answers = read_responses(&mut second, 2, Duration::from_secs(20));
+    let statuses: Vec<u16> = answers.iter().map(|(status, _)| *status).collect();
+    assert_eq!(statuses, [200, 200], "{answers:?}");
+    assert_eq!(
+        lb.metric("inferlb_overload_abandoned_total{class=\"default\"}"),
+        0.0
+    );
+    assert_eq!(
+        read_responses(&mut first, 1, Duration::from_secs(10)).len(),
+        1
+    );
+}
+
+#[test]
 fn bad_overload_limits_are_refused_at_start_with_the_key_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     for (section, key) in [

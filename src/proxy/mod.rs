@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use pingora_core::protocols::http::server::Session as HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -169,6 +170,13 @@ impl ProxyHttp for Balancer {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.arrived = Instant::now();
+        // HTTP/1.1 pipelining (RFC 9112 9.3.2): a next request the client sent before this
+        // one's answer waits its turn on the connection, instead of closing it; and a request
+        // waiting under overload protection does not take it for its client leaving. Set
+        // before the body is read: bytes past it are kept for the next request.
+        if let HttpSession::H1(h1) = session.as_downstream_mut() {
+            h1.set_pipelining_enabled(true);
+        }
         let req = session.req_header();
         ctx.request_id = request::request_id(req.headers.get("x-request-id"));
         ctx.family = Family::of(req.uri.path());

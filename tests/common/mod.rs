@@ -207,6 +207,70 @@ pub fn raw_exchange(port: u16, head: &str, body: &[u8], limit: Duration) -> Stri
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// A POST of `body` (JSON) to `path` as raw HTTP/1.1, kept alive: what a pipelining client writes.
+pub fn raw_post(path: &str, body: &str) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Reads `n` HTTP/1.1 responses off `s` in order (bodies by `content-length` or chunked), each
+/// as (status, body); fewer when the server closes or nothing arrives for `limit`.
+pub fn read_responses(s: &mut TcpStream, n: usize, limit: Duration) -> Vec<(u16, String)> {
+    s.set_read_timeout(Some(limit)).ok();
+    let (mut buf, mut out) = (Vec::<u8>::new(), vec![]);
+    let mut chunk = [0u8; 16 * 1024];
+    while out.len() < n {
+        if let Some((status, body, used)) = one_response(&buf) {
+            out.push((status, body));
+            buf.drain(..used);
+            continue;
+        }
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+        }
+    }
+    out
+}
+
+/// The first whole response in `buf`: status, body and the bytes it took.
+fn one_response(buf: &[u8]) -> Option<(u16, String, usize)> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let header = |name: &str| {
+        head.lines()
+            .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_string()))
+    };
+    if let Some(len) = header("content-length:") {
+        let len: usize = len.parse().ok()?;
+        let body = buf.get(end..end + len)?;
+        return Some((
+            status,
+            String::from_utf8_lossy(body).into_owned(),
+            end + len,
+        ));
+    }
+    if header("transfer-encoding:").is_some_and(|v| v.contains("chunked")) {
+        let (mut at, mut body) = (end, Vec::new());
+        loop {
+            let line_end = at + buf.get(at..)?.windows(2).position(|w| w == b"\r\n")?;
+            let size = std::str::from_utf8(&buf[at..line_end]).ok()?;
+            let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+            let data = line_end + 2;
+            if size == 0 {
+                let done = data + buf.get(data..)?.windows(2).position(|w| w == b"\r\n")? + 2;
+                return Some((status, String::from_utf8_lossy(&body).into_owned(), done));
+            }
+            body.extend_from_slice(buf.get(data..data + size)?);
+            at = data + size + 2;
+        }
+    }
+    Some((status, String::new(), end))
+}
+
 /// Reads an SSE response line by line, with the instant each `data:` line arrived.
 pub fn sse_events(resp: reqwest::blocking::Response) -> (Vec<(Instant, String)>, Option<String>) {
     let mut events = vec![];
