@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use pingora_core::protocols::http::server::Session as HttpSession;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -34,6 +33,7 @@ use crate::shape::Shape;
 use crate::usage::{Usage, UsageReader};
 use errors::{failure_of, reason, Seen};
 use failover::Failure;
+pub use request::stored_key;
 
 pub struct Balancer {
     registry: Arc<Registry>,
@@ -90,11 +90,6 @@ impl Balancer {
 
 /// How long a cut HTTP/2 stream waits for its error event to leave before the reset.
 const H2_FLUSH_WAIT: Duration = Duration::from_millis(50);
-
-/// The key of a stored response id in the `stored` table.
-pub fn stored_key(id: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(id.as_bytes())
-}
 
 /// One request's life.
 pub struct Ctx {
@@ -170,13 +165,7 @@ impl ProxyHttp for Balancer {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.arrived = Instant::now();
-        // HTTP/1.1 pipelining (RFC 9112 9.3.2): a next request the client sent before this
-        // one's answer waits its turn on the connection, instead of closing it; and a request
-        // waiting under overload protection does not take it for its client leaving. Set
-        // before the body is read: bytes past it are kept for the next request.
-        if let HttpSession::H1(h1) = session.as_downstream_mut() {
-            h1.set_pipelining_enabled(true);
-        }
+        request::allow_pipelining(session);
         let req = session.req_header();
         ctx.request_id = request::request_id(req.headers.get("x-request-id"));
         ctx.family = Family::of(req.uri.path());

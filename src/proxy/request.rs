@@ -5,6 +5,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use pingora_http::RequestHeader;
 use subtle::ConstantTimeEq;
 
+/// HTTP/1.1 pipelining (RFC 9112 9.3.2): a next request the client sent before this one's
+/// answer waits its turn on the connection instead of closing it, and a request waiting under
+/// overload protection does not take it for its client leaving. Called before the body is
+/// read: bytes past it are kept for the next request.
+pub fn allow_pipelining(session: &mut pingora_proxy::Session) {
+    use pingora_core::protocols::http::server::Session;
+    if let Session::H1(h1) = session.as_downstream_mut() {
+        h1.set_pipelining_enabled(true);
+    }
+}
+
+/// The key of a stored response id in the balancer's `stored` table.
+pub fn stored_key(id: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(id.as_bytes())
+}
+
 /// Headers that describe one connection, not the request: never forwarded.
 const HOP_BY_HOP: [&str; 7] = [
     "connection",
