@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use inferlb_harness::{Lb, LbConf, Nginx, Replica, Sim};
+use inferlb_harness::{
+    free_port, http_status, wait_until, Lb, LbConf, Nginx, Proc, Replica, Signal, Sim,
+};
 use serde::Serialize;
 use serde_json::json;
 
@@ -54,15 +56,36 @@ impl ClientRun {
 /// Small requests sent at `rate` a second for `seconds`, open loop: each leaves at its time
 /// whether or not the ones before it were answered.
 async fn open_loop(client: &reqwest::Client, base: &str, rate: f64, seconds: f64) -> ClientRun {
+    open_loop_bounded(client, base, rate, seconds, None).await
+}
+
+/// [`open_loop`] with at most `most` requests outstanding (None: no bound): a request whose
+/// time comes while `most` are waits for one to end, and its latency counts that wait. A rate
+/// past what the server can take then shows as latency, not as the client's (or the server's)
+/// descriptors running out.
+async fn open_loop_bounded(
+    client: &reqwest::Client,
+    base: &str,
+    rate: f64,
+    seconds: f64,
+    most: Option<usize>,
+) -> ClientRun {
     let n = (rate * seconds) as usize;
     let started = Instant::now();
+    let slots = most.map(|m| Arc::new(tokio::sync::Semaphore::new(m)));
     let tasks: Vec<_> = (0..n)
         .map(|i| {
-            let (client, base) = (client.clone(), base.to_string());
+            let (client, base, slots) = (client.clone(), base.to_string(), slots.clone());
             let at = started + Duration::from_secs_f64(i as f64 / rate);
             tokio::spawn(async move {
                 tokio::time::sleep_until(at.into()).await;
-                small_request(&client, &base).await
+                let woke = Instant::now();
+                let _slot = match slots {
+                    Some(slots) => Some(slots.acquire_owned().await.ok()?),
+                    None => None,
+                };
+                let waited = woke.elapsed().as_secs_f64() * 1e3;
+                Some(waited + small_request(&client, &base).await?)
             })
         })
         .collect();
@@ -298,6 +321,19 @@ pub struct Row {
     /// CPU time of the answering process(es) per request, µs, each round.
     pub cpu_us_rounds: Vec<f64>,
     pub cpu_us_per_request: Spread,
+    /// A 400 KB chat prompt, one at a time: each round's p50 and p90, ms (plain pass only).
+    pub big_p50_rounds: Vec<f64>,
+    pub big_p90_rounds: Vec<f64>,
+    pub big_prompt_p50_ms: Spread,
+    pub big_prompt_p90_ms: Spread,
+    /// Small requests open loop at 80% of nginx's saturation rate: each round's p50 and p99, ms
+    /// (plain pass only).
+    pub busy_p50_rounds: Vec<f64>,
+    pub busy_p99_rounds: Vec<f64>,
+    /// Large prompts and busy-phase requests that failed, over every round.
+    pub later_errors: u64,
+    pub busy_p50_ms: Spread,
+    pub busy_p99_ms: Spread,
     /// Over every round.
     pub errors: u64,
 }
@@ -321,7 +357,11 @@ impl Row {
         self.sse_gap_p50_ms = Spread::of(r.iter().map(|l| l.sse_gap_p50_ms));
         self.sse_gap_p99_ms = Spread::of(r.iter().map(|l| l.sse_gap_p99_ms));
         self.cpu_us_per_request = Spread::of(self.cpu_us_rounds.iter().copied());
-        self.errors = r.iter().map(|l| l.errors).sum();
+        self.big_prompt_p50_ms = Spread::of(self.big_p50_rounds.iter().copied());
+        self.big_prompt_p90_ms = Spread::of(self.big_p90_rounds.iter().copied());
+        self.busy_p50_ms = Spread::of(self.busy_p50_rounds.iter().copied());
+        self.busy_p99_ms = Spread::of(self.busy_p99_rounds.iter().copied());
+        self.errors = r.iter().map(|l| l.errors).sum::<u64>() + self.later_errors;
     }
 
     /// Whether a round failed to measure it, or a request failed.
@@ -381,6 +421,11 @@ pub struct OverheadResult {
     /// The open-loop rate and duration of each CPU measurement.
     pub cpu_rate_rps: f64,
     pub cpu_seconds: f64,
+    /// The large prompt's size (bytes) and how many were sent a round to each target.
+    pub big_prompt_bytes: usize,
+    pub big_prompts: usize,
+    /// 80% of nginx's (logs off) median saturation rate, the rate of the busy phase (0: not run).
+    pub busy_rate_rps: f64,
     /// Targets that could not be measured, and why.
     pub skipped: Vec<String>,
 }
@@ -427,8 +472,89 @@ pub(crate) fn lb_conf(sims: &[Sim]) -> LbConf {
     }
 }
 
+/// `pingora-floor` (built beside this binary) in front of `upstreams`: Pingora with none of
+/// inferlb's work, the floor under inferlb's cost.
+struct PingoraFloor {
+    port: u16,
+    proc: Proc,
+}
+
+impl PingoraFloor {
+    fn start(dir: &std::path::Path, upstreams: &[u16]) -> Result<PingoraFloor, String> {
+        let bin = std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .with_file_name("pingora-floor");
+        if !bin.exists() {
+            return Err(format!("{} not built", bin.display()));
+        }
+        let port = free_port();
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.arg(port.to_string())
+            .args(upstreams.iter().map(u16::to_string));
+        let log = dir.join("stderr.log");
+        let proc = Proc::spawn("pingora-floor", cmd, Some(&log), Signal::SIGTERM)
+            .map_err(|e| format!("spawn {}: {e}", bin.display()))?;
+        let up = wait_until(Duration::from_secs(10), || {
+            http_status(port, "/health", Duration::from_secs(1)) == Some(200)
+        });
+        if !up {
+            return Err(format!("no answer on :{port} within 10 s"));
+        }
+        Ok(PingoraFloor { port, proc })
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+/// A chat request whose one user message makes the body `bytes` long (give or take a few).
+fn big_prompt_body(bytes: usize) -> bytes::Bytes {
+    let words = bytes.saturating_sub(80) / 5;
+    let body = json!({"model": "sim-model", "messages": [{"role": "user", "content": "word ".repeat(words)}], "max_tokens": 1});
+    serde_json::to_vec(&body).expect("a JSON body").into()
+}
+
+/// `n` large prompts sent one at a time after two unmeasured ones: each one's latency, ms (to
+/// the end of the answer); a failed one is left out and counted.
+async fn big_prompts(
+    client: &reqwest::Client,
+    base: &str,
+    body: &bytes::Bytes,
+    n: usize,
+) -> (Vec<f64>, u64) {
+    let (mut ms, mut failed) = (vec![], 0);
+    for i in 0..n + 2 {
+        let started = Instant::now();
+        let r = client
+            .post(format!("{base}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await;
+        let ok = match r {
+            Ok(r) if r.status() == 200 => r.bytes().await.is_ok(),
+            _ => false,
+        };
+        match (ok, i >= 2) {
+            (true, true) => ms.push(started.elapsed().as_secs_f64() * 1e3),
+            (false, _) => failed += 1,
+            (true, false) => {}
+        }
+    }
+    (ms, failed)
+}
+
 /// The open-loop rate of the CPU measurement: well under either proxy's saturation here.
 const CPU_RATE: f64 = 2_000.0;
+
+/// Requests outstanding at most in the busy phase: a balancer's clients are not unbounded, and
+/// the client keeps this many connections alive (`pool_max_idle_per_host` is 256): more would
+/// open and close connections until the loopback's ephemeral ports ran out (TIME_WAIT).
+const BUSY_MOST_OUTSTANDING: usize = 128;
+
+/// The large prompt's body: a long agent conversation's size.
+const BIG_PROMPT_BYTES: usize = 400 * 1024;
 
 /// Direct, inferlb and (when installed) nginx against the same two replicas, with access logs
 /// off on both proxies, then on on both (to a file): `rounds` rounds (1 when `smoke`).
@@ -490,6 +616,14 @@ pub async fn overhead(
             })
             .collect(),
     };
+    let floor_dir = sub("pingora-floor");
+    let floor = match tokio::task::block_in_place(|| PingoraFloor::start(&floor_dir, &upstreams)) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            out.skipped.push(format!("Pingora alone: {e}"));
+            None
+        }
+    };
     for s in &out.skipped {
         eprintln!("[overhead] {s}: skipped");
     }
@@ -510,6 +644,12 @@ pub async fn overhead(
         let pids = tokio::task::block_in_place(|| procfs::with_children(n.pid()));
         targets.push((Row::new("nginx", logs), n.url(), pids));
     }
+    if let Some(f) = &floor {
+        targets.push((Row::new("Pingora alone", "-"), f.url(), vec![f.proc.pid()]));
+    }
+    out.big_prompt_bytes = BIG_PROMPT_BYTES;
+    out.big_prompts = if smoke { 3 } else { 30 };
+    let big_body = big_prompt_body(BIG_PROMPT_BYTES);
     let n = targets.len();
     for round in 0..rounds {
         for k in 0..n {
@@ -526,6 +666,43 @@ pub async fn overhead(
                 .push(overhead_target(client, &name, base, s).await);
             let cpu = cpu_at_rate(client, base, pids, CPU_RATE, cpu_seconds).await;
             row.cpu_us_rounds.push(cpu);
+            let (big, failed) = big_prompts(client, base, &big_body, out.big_prompts).await;
+            row.big_p50_rounds.push(pct(&big, 0.5));
+            row.big_p90_rounds.push(pct(&big, 0.9));
+            row.later_errors += failed;
+        }
+    }
+    // Small requests at 80% of nginx's saturation rate (access log off): queueing shows at p99
+    // in a proxy that is nearer its own limit at that rate.
+    let nginx_sat = targets
+        .iter()
+        .find(|(row, _, _)| row.target == "nginx" && row.variant == "logs off")
+        .map(|(row, _, _)| Spread::of(row.rounds.iter().map(|l| l.saturation_rps)).median);
+    if let Some(sat) = nginx_sat.filter(|r| r.is_finite() && *r > 0.0) {
+        out.busy_rate_rps = (0.8 * sat).round();
+        for round in 0..rounds {
+            for k in 0..n {
+                let (row, base, _) = &mut targets[(round + k) % n];
+                eprintln!(
+                    "[overhead] round {}/{rounds}, {} req/s: {} ({})",
+                    round + 1,
+                    out.busy_rate_rps,
+                    row.target,
+                    row.variant
+                );
+                warm_up(client, base).await;
+                let run = open_loop_bounded(
+                    client,
+                    base,
+                    out.busy_rate_rps,
+                    s.overhead_seconds,
+                    Some(BUSY_MOST_OUTSTANDING),
+                )
+                .await;
+                row.busy_p50_rounds.push(pct(&run.latencies_ms, 0.5));
+                row.busy_p99_rounds.push(pct(&run.latencies_ms, 0.99));
+                row.later_errors += run.errors;
+            }
         }
     }
     out.rows = targets
@@ -537,6 +714,7 @@ pub async fn overhead(
         .collect();
     // Stopped before their directory goes: the proxies, then the replicas.
     drop(nginxes);
+    drop(floor);
     drop(lbs);
     drop(sims);
     out
@@ -582,6 +760,69 @@ pub fn table(r: &OverheadResult) -> String {
             ));
         }
         md.push_str(".\n");
+    }
+    md.push_str(&format!(
+        "\nA {} KB chat prompt, {} one at a time a round (to the end of the answer), and small requests open loop at {} req/s, 80% of nginx's saturation rate (logs off), for {} s a round, at most {BUSY_MOST_OUTSTANDING} outstanding (a request waiting for one of them counts its wait):\n\n| target | access log | 400 KB prompt p50 (ms) | 400 KB prompt p90 (ms) | p50 at {} req/s (ms) | p99 at {} req/s (ms) |\n|---|---|---|---|---|---|\n",
+        r.big_prompt_bytes / 1024,
+        r.big_prompts,
+        r.busy_rate_rps,
+        r.seconds,
+        r.busy_rate_rps,
+        r.busy_rate_rps,
+    ));
+    for row in &r.rows {
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} |\n",
+            row.target,
+            row.variant,
+            row.big_prompt_p50_ms.cell(2),
+            row.big_prompt_p90_ms.cell(2),
+            row.busy_p50_ms.cell(2),
+            row.busy_p99_ms.cell(2),
+        ));
+    }
+    let paired = |a: &[f64], b: &[f64], f: fn(f64, f64) -> f64| {
+        Spread::of(a.iter().zip(b).map(|(x, y)| f(*x, *y))).cell(2)
+    };
+    for logs in ["logs off", "logs on"] {
+        let (Some(i), Some(d)) = (find("inferlb", logs), find("direct", "-")) else {
+            continue;
+        };
+        md.push_str(&format!(
+            "\ninferlb ({logs}): the 400 KB prompt adds {} ms at p50 over direct",
+            paired(&i.big_p50_rounds, &d.big_p50_rounds, |a, b| a - b)
+        ));
+        if let Some(x) = find("nginx", logs) {
+            md.push_str(&format!(
+                " ({} ms through nginx); p99 at {} req/s inferlb/nginx = {}",
+                paired(&x.big_p50_rounds, &d.big_p50_rounds, |a, b| a - b),
+                r.busy_rate_rps,
+                paired(&i.busy_p99_rounds, &x.busy_p99_rounds, |a, b| a / b),
+            ));
+        }
+        md.push_str(".\n");
+    }
+    if let (Some(f), Some(i), Some(x)) = (
+        find("Pingora alone", "-"),
+        find("inferlb", "logs off"),
+        find("nginx", "logs off"),
+    ) {
+        let cpu = |a: &Row, b: &Row| {
+            Spread::of(
+                a.cpu_us_rounds
+                    .iter()
+                    .zip(&b.cpu_us_rounds)
+                    .map(|(p, q)| p / q),
+            )
+            .cell(2)
+        };
+        md.push_str(&format!(
+            "\nPingora alone (no hooks, no body read, no metrics, no log) against nginx (logs off): CPU per request {}, saturation {}; inferlb (logs off) against Pingora alone: CPU per request {}, saturation {}.\n",
+            cpu(f, x),
+            Spread::paired(f, x, |a, b| a.saturation_rps / b.saturation_rps).cell(2),
+            cpu(i, f),
+            Spread::paired(i, f, |a, b| a.saturation_rps / b.saturation_rps).cell(2),
+        ));
     }
     for s in &r.skipped {
         md.push_str(&format!("\nSkipped: {s}.\n"));
