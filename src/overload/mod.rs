@@ -8,19 +8,25 @@
 //! fairly between keys ([`queue`]), until one of them has room, its client leaves, or the wait
 //! bound passes. Responses already streaming are never touched: only admission is decided here.
 //!
+//! Here: the state behind one lock, the pump that lets queued requests go while their replicas
+//! have room, and the 429's shape. Admitting one request (its budget, at once or the wait in the
+//! queue, a refusal's `Retry-After`) is in `admit`; what an admitted request holds until it
+//! ends, and its end, in `pass`.
+//!
 //! Not for routing (which replica: `crate::routing`) nor for answering (the proxy writes the
 //! 429 in the caller's API's shape). Everything here is off unless `inferlb.overload` is set.
 
+mod admit;
 pub mod budget;
 pub mod conf;
 pub mod metrics;
+mod pass;
 pub mod policy;
 pub mod queue;
 pub mod shared;
 mod who;
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -29,8 +35,9 @@ use tokio::sync::oneshot;
 
 pub use conf::OverloadConf;
 use metrics::METRICS;
+pub use pass::Pass;
 use policy::{Drain, Limits, ReplicaLoad};
-use queue::{Full, Pushed, Queue};
+use queue::Queue;
 pub use who::Who;
 
 use crate::registry::Registry;
@@ -101,67 +108,6 @@ pub enum Admission {
     Refused(TooMany),
     /// The client hung up while it waited.
     Gone,
-}
-
-/// What one request holds from admission to its end: its key's concurrency and its prefill in
-/// transit, both given back when it ends (or when it is dropped, whatever happened).
-#[derive(Default)]
-pub struct Pass {
-    owner: Option<Arc<Overload>>,
-    key: u64,
-    label: Option<Arc<str>>,
-    /// The prompt tokens charged at admission (estimated).
-    tokens: u64,
-    counted: bool,
-    ticket: Option<u64>,
-    /// For the access log: `-`, `queued`, or why it was refused or left.
-    pub note: Option<&'static str>,
-    /// How long it waited in the queue.
-    pub waited: Option<Duration>,
-}
-
-impl Pass {
-    /// The request's prefill is now counted on its replica: no longer in transit.
-    pub fn routed(&mut self) {
-        if let (Some(o), Some(t)) = (&self.owner, self.ticket.take()) {
-            o.lock().transit.remove(&t);
-        }
-    }
-
-    /// Gives back what it holds, under one lock; the queue is looked at again only when it
-    /// holds requests that the freed place may let go.
-    fn release(&mut self) {
-        let Some(o) = &self.owner else {
-            return;
-        };
-        let (ticket, counted) = (self.ticket.take(), std::mem::take(&mut self.counted));
-        if ticket.is_none() && !counted {
-            return;
-        }
-        let waiting = {
-            let mut s = o.lock();
-            if let Some(t) = ticket {
-                s.transit.remove(&t);
-            }
-            if counted {
-                s.budgets.end(self.key);
-            }
-            !s.queue.is_empty()
-        };
-        if counted && waiting {
-            o.pump();
-        }
-    }
-
-    fn label(&self) -> &str {
-        self.label.as_deref().unwrap_or("anonymous")
-    }
-}
-
-impl Drop for Pass {
-    fn drop(&mut self) {
-        self.release();
-    }
 }
 
 impl Overload {
@@ -261,39 +207,6 @@ impl Overload {
         t
     }
 
-    fn refuse(&self, pass: &mut Pass, s: &mut State, reason: &'static str, wait: u64) -> TooMany {
-        if pass.counted {
-            // It never ran: its key gets its place and its tokens back.
-            pass.counted = false;
-            s.budgets.end(pass.key);
-            s.budgets
-                .charge(pass.key, -(pass.tokens as i64), Instant::now());
-        }
-        pass.note = Some(reason);
-        METRICS
-            .rejected
-            .with_label_values(&[pass.label(), reason])
-            .inc();
-        let message = match reason {
-            "concurrency" => "too many requests of this key at once".to_string(),
-            "tokens_per_minute" => "this key's tokens per minute are used up".to_string(),
-            "key_share" => "this key holds its share of the queue".to_string(),
-            "queue_timeout" => "the replicas are saturated and the request waited too long".into(),
-            _ => "the replicas are saturated and the queue is full".to_string(),
-        };
-        TooMany {
-            reason,
-            retry_after: wait,
-            message: format!("{message}; retry after {wait} s"),
-        }
-    }
-
-    fn retry_after(&self, s: &mut State, now: Instant) -> u64 {
-        let ahead = s.queue.len();
-        let rate = s.drain.per_second(now);
-        policy::retry_after(ahead, rate, self.conf.queue_timeout)
-    }
-
     fn show(&self, s: &State) {
         for (name, n) in self.conf.classes.iter().zip(s.queue.len_by_class()) {
             METRICS
@@ -301,131 +214,6 @@ impl Overload {
                 .with_label_values(&[name])
                 .set(n as i64);
         }
-    }
-
-    /// Admits a request of about `tokens` prompt tokens for `model`'s replicas: at once, after
-    /// waiting in the queue, or not (429). `gone` completes when the client hangs up.
-    pub async fn admit(
-        self: &Arc<Self>,
-        pass: &mut Pass,
-        who: Who,
-        tokens: u64,
-        model: Option<&str>,
-        gone: impl Future<Output = ()>,
-    ) -> Admission {
-        let Who {
-            key,
-            label,
-            class,
-            budget,
-        } = who;
-        *pass = Pass {
-            owner: Some(self.clone()),
-            key,
-            label,
-            tokens,
-            ..Pass::default()
-        };
-        let class_name = self.conf.classes[class].as_str();
-        self.keep_sharing();
-        let now = Instant::now();
-        let (id, rx) = {
-            let mut s = self.lock();
-            if let Err((over, wait)) = s.budgets.check(key, budget, tokens, now) {
-                let reason = match over {
-                    budget::Over::Concurrency => "concurrency",
-                    budget::Over::TokensPerMinute => "tokens_per_minute",
-                };
-                let wait = wait.as_secs_f64().ceil().max(1.0) as u64;
-                return Admission::Refused(self.refuse(pass, &mut s, reason, wait));
-            }
-            s.budgets.start(key, tokens, now);
-            pass.counted = true;
-            METRICS
-                .tokens
-                .with_label_values(&[pass.label(), "prompt"])
-                .inc_by(tokens);
-            let go_now = !self.conf.limits_load() || {
-                let mut fleet = self.fleet(model, &s.transit);
-                s.queue.is_empty() && self.limits.place(&mut fleet, tokens)
-            };
-            if go_now {
-                let model = model.map(Arc::from);
-                pass.ticket = Some(Self::let_go(&mut s, tokens, model, now));
-                pass.note = Some("-");
-                METRICS
-                    .queue_wait
-                    .with_label_values(&[class_name])
-                    .observe(0.0);
-                return Admission::Go;
-            }
-            let (tx, rx) = oneshot::channel();
-            let waiter = Waiter {
-                tx,
-                model: model.map(Arc::from),
-            };
-            let id = match s.queue.push(key, class, tokens, waiter) {
-                Pushed::Queued(id) => id,
-                Pushed::Evicted(id, out) => {
-                    let _ = out.item.tx.send(Verdict::PushedOut);
-                    id
-                }
-                Pushed::Refused(why, _) => {
-                    let reason = match why {
-                        Full::Queue => "queue_full",
-                        Full::KeyShare => "key_share",
-                    };
-                    let wait = self.retry_after(&mut s, now);
-                    return Admission::Refused(self.refuse(pass, &mut s, reason, wait));
-                }
-            };
-            METRICS.saturated.set(1);
-            self.show(&s);
-            (id, rx)
-        };
-        self.keep_pumping();
-        // Its replicas may have room while other models' requests wait.
-        self.pump();
-        let mut rx = rx;
-        let (waited, answered) = tokio::select! {
-            v = &mut rx => (None, v.ok()),
-            _ = tokio::time::sleep(self.conf.queue_timeout) => (Some("queue_timeout"), None),
-            _ = gone => (Some("client_gone"), None),
-        };
-        let waited_for = now.elapsed();
-        pass.waited = Some(waited_for);
-        let mut s = self.lock();
-        // Under the lock an entry is either still queued or was answered (the pump and a
-        // push-out send while they hold it): a verdict is never lost.
-        let left = waited.filter(|_| s.queue.remove(id).is_some());
-        let verdict = answered.or_else(|| rx.try_recv().ok());
-        self.show(&s);
-        if waited == Some("client_gone") {
-            if left.is_some() {
-                METRICS.abandoned.with_label_values(&[class_name]).inc();
-            }
-            if let Some(Verdict::Go(ticket)) = verdict {
-                pass.ticket = Some(ticket);
-            }
-            // It never ran: its tokens go back (its place, when the pass ends).
-            s.budgets
-                .charge(pass.key, -(pass.tokens as i64), Instant::now());
-            pass.note = Some("client_gone");
-            return Admission::Gone;
-        }
-        let reason = match verdict {
-            Some(Verdict::Go(ticket)) => {
-                pass.ticket = Some(ticket);
-                pass.note = Some("queued");
-                let q = METRICS.queue_wait.with_label_values(&[class_name]);
-                q.observe(waited_for.as_secs_f64());
-                return Admission::Go;
-            }
-            Some(Verdict::PushedOut) => "pushed_out",
-            None => "queue_timeout",
-        };
-        let wait = self.retry_after(&mut s, Instant::now());
-        Admission::Refused(self.refuse(pass, &mut s, reason, wait))
     }
 
     /// Lets queued requests go, in the queue's order, while their replicas have room.
@@ -498,25 +286,6 @@ impl Overload {
             }
         });
         self.pump();
-    }
-
-    /// The request ended: its key is charged what the replica reported (the completion, and
-    /// the prompt's difference from the estimate); its place is given back.
-    pub fn finish(&self, pass: &mut Pass, prompt: Option<u64>, completion: Option<u64>) {
-        if pass.owner.is_none() {
-            return;
-        }
-        let correction = prompt.map_or(0, |p| p as i64 - pass.tokens as i64);
-        let completion = completion.unwrap_or(0);
-        if pass.counted && (correction != 0 || completion > 0) {
-            let extra = correction.saturating_add(completion as i64);
-            self.lock().budgets.charge(pass.key, extra, Instant::now());
-            METRICS
-                .tokens
-                .with_label_values(&[pass.label(), "completion"])
-                .inc_by(completion);
-        }
-        pass.release();
     }
 
     /// The queue's own memory now (its tables), and its length.
