@@ -1,0 +1,311 @@
+//! The `inferlb:` section: parsed as written ([`RawSection`], with its defaults), then validated
+//! once into the [`Config`] the rest of the program trusts. Every bad value is refused with its
+//! key named (`inferlb.health.path: ...`); a replica entry is checked by `replica`, the
+//! `overload:` part by `crate::overload::conf`.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{
+    check_replica, ClusterConf, Config, DiscoveryConf, HealthConf, ReplicaConf, UpstreamConf,
+};
+use crate::routing::Mode;
+
+/// The `inferlb:` section as written; see the README for each key.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawSection {
+    listen: String,
+    plain_listen: Option<String>,
+    tls: Option<crate::tls::RawTls>,
+    h2c: bool,
+    admin_listen: String,
+    replicas: Vec<ReplicaConf>,
+    routing: Mode,
+    health: RawHealth,
+    upstream: RawUpstream,
+    max_body_bytes: usize,
+    body_read_timeout_seconds: f64,
+    affinity_capacity: usize,
+    spill_margin: usize,
+    state_file: Option<PathBuf>,
+    api_keys: Vec<String>,
+    max_header_bytes: usize,
+    access_log: crate::access::Format,
+    session_header: Option<String>,
+    stored_responses_capacity: usize,
+    stored_lookup_timeout_seconds: f64,
+    load_poll_interval_seconds: f64,
+    cluster: Option<RawCluster>,
+    discovery_interval_seconds: f64,
+    discovery_nameserver: Option<String>,
+    overload: Option<crate::overload::conf::RawOverload>,
+}
+
+impl Default for RawSection {
+    fn default() -> Self {
+        RawSection {
+            listen: "0.0.0.0:7770".into(),
+            plain_listen: None,
+            tls: None,
+            h2c: false,
+            admin_listen: "127.0.0.1:7771".into(),
+            replicas: vec![],
+            routing: Mode::PrefillCost,
+            health: RawHealth::default(),
+            upstream: RawUpstream::default(),
+            max_body_bytes: 32 * 1024 * 1024,
+            body_read_timeout_seconds: 30.0,
+            affinity_capacity: 100_000,
+            spill_margin: 4,
+            state_file: None,
+            api_keys: vec![],
+            max_header_bytes: 64 * 1024,
+            access_log: crate::access::Format::Kv,
+            session_header: None,
+            stored_responses_capacity: 100_000,
+            stored_lookup_timeout_seconds: 2.0,
+            load_poll_interval_seconds: 0.25,
+            cluster: None,
+            discovery_interval_seconds: 5.0,
+            discovery_nameserver: None,
+            overload: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawHealth {
+    path: String,
+    interval_seconds: f64,
+    timeout_seconds: f64,
+    failures: usize,
+    successes: usize,
+}
+
+impl Default for RawHealth {
+    fn default() -> Self {
+        RawHealth {
+            path: "/health".into(),
+            interval_seconds: 1.0,
+            timeout_seconds: 1.0,
+            failures: 2,
+            successes: 1,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawUpstream {
+    connect_timeout_seconds: f64,
+    read_timeout_seconds: f64,
+    write_timeout_seconds: f64,
+    idle_timeout_seconds: f64,
+    ca_file: Option<PathBuf>,
+    client_cert_file: Option<PathBuf>,
+    client_key_file: Option<PathBuf>,
+}
+
+impl Default for RawUpstream {
+    fn default() -> Self {
+        RawUpstream {
+            connect_timeout_seconds: 2.0,
+            read_timeout_seconds: 300.0,
+            write_timeout_seconds: 30.0,
+            idle_timeout_seconds: 4.0,
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    redis_url: String,
+    #[serde(default)]
+    instance_id: Option<String>,
+    #[serde(default = "default_pin_ttl")]
+    pin_ttl_seconds: f64,
+}
+
+fn default_pin_ttl() -> f64 {
+    86_400.0
+}
+
+fn seconds(key: &str, v: f64) -> Result<Duration, String> {
+    if v.is_finite() && v > 0.0 && v < 1e7 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(format!(
+            "inferlb.{key} must be a positive number of seconds, got {v}"
+        ))
+    }
+}
+
+fn upstream_tls(u: &RawUpstream) -> Result<crate::tls::UpstreamTls, String> {
+    let client = match (&u.client_cert_file, &u.client_key_file) {
+        (None, None) => None,
+        (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+        _ => {
+            return Err("inferlb.upstream.client_cert_file and client_key_file go together".into())
+        }
+    };
+    crate::tls::UpstreamTls::load(u.ca_file.as_deref(), client, "inferlb.upstream")
+}
+
+pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
+    let plain = raw.plain_listen.as_ref();
+    for (key, addr) in [
+        ("listen", Some(&raw.listen)),
+        ("admin_listen", Some(&raw.admin_listen)),
+        ("plain_listen", plain),
+    ] {
+        let Some(addr) = addr else { continue };
+        addr.parse::<SocketAddr>()
+            .map_err(|e| format!("inferlb.{key}: {addr:?} is not an ip:port ({e})"))?;
+    }
+    if plain.is_some() && raw.tls.is_none() {
+        return Err("inferlb.plain_listen: only with `tls` (without it, `listen` is plain)".into());
+    }
+    if plain.is_some_and(|p| *p == raw.listen || *p == raw.admin_listen) {
+        return Err("inferlb.plain_listen: must differ from `listen` and `admin_listen`".into());
+    }
+    if raw.replicas.is_empty() {
+        return Err("inferlb.replicas: at least one replica (id and address) is needed".into());
+    }
+    let mut raw = raw;
+    let mut ids = BTreeSet::new();
+    for (i, r) in raw.replicas.iter_mut().enumerate() {
+        let key = format!("inferlb.replicas[{i}]");
+        check_replica(r, &key)?;
+        if !ids.insert(r.id.clone()) {
+            return Err(format!("{key}.id: {:?} is used twice", r.id));
+        }
+    }
+    let h = &raw.health;
+    if !h.path.starts_with('/') {
+        return Err(format!(
+            "inferlb.health.path: {:?} must start with '/'",
+            h.path
+        ));
+    }
+    let health = HealthConf {
+        path: h.path.clone(),
+        interval: seconds("health.interval_seconds", h.interval_seconds)?,
+        timeout: seconds("health.timeout_seconds", h.timeout_seconds)?,
+        failures: h.failures.max(1),
+        successes: h.successes.max(1),
+    };
+    if health.interval > Duration::from_secs(2) {
+        return Err(
+            "inferlb.health.interval_seconds: at most 2 (a dead replica must be noticed quickly)"
+                .into(),
+        );
+    }
+    let u = &raw.upstream;
+    let upstream = UpstreamConf {
+        connect_timeout: seconds(
+            "upstream.connect_timeout_seconds",
+            u.connect_timeout_seconds,
+        )?,
+        read_timeout: seconds("upstream.read_timeout_seconds", u.read_timeout_seconds)?,
+        write_timeout: seconds("upstream.write_timeout_seconds", u.write_timeout_seconds)?,
+        idle_timeout: seconds("upstream.idle_timeout_seconds", u.idle_timeout_seconds)?,
+        tls: upstream_tls(u)?,
+    };
+    if raw.api_keys.iter().any(|k| k.len() < 8) {
+        return Err("inferlb.api_keys: each key must be at least 8 characters".into());
+    }
+    if raw.max_body_bytes == 0 {
+        return Err("inferlb.max_body_bytes must be positive".into());
+    }
+    if raw.affinity_capacity == 0 {
+        return Err("inferlb.affinity_capacity must be positive".into());
+    }
+    if raw.stored_responses_capacity == 0 {
+        return Err("inferlb.stored_responses_capacity must be positive".into());
+    }
+    let cluster = match &raw.cluster {
+        None => None,
+        Some(c) => {
+            if let Err(e) = redis::Client::open(c.redis_url.as_str()) {
+                return Err(format!("inferlb.cluster.redis_url: {:?}: {e}", c.redis_url));
+            }
+            let instance_id = match c.instance_id.as_deref().map(str::trim) {
+                None | Some("") => crate::cluster::default_instance_id(),
+                Some(id) if id.contains(['|', '#']) || id.contains(char::is_whitespace) => {
+                    return Err(format!(
+                        "inferlb.cluster.instance_id: {id:?} may not contain '|', '#' or spaces"
+                    ))
+                }
+                Some(id) => id.to_string(),
+            };
+            Some(ClusterConf {
+                redis_url: c.redis_url.clone(),
+                instance_id,
+                pin_ttl: seconds("cluster.pin_ttl_seconds", c.pin_ttl_seconds)?,
+            })
+        }
+    };
+    let discovery = DiscoveryConf {
+        interval: seconds("discovery_interval_seconds", raw.discovery_interval_seconds)?,
+        nameserver: match raw.discovery_nameserver.as_deref() {
+            None | Some("") => None,
+            Some(ns) => Some(ns.parse::<SocketAddr>().map_err(|e| {
+                format!("inferlb.discovery_nameserver: {ns:?} is not an ip:port ({e})")
+            })?),
+        },
+    };
+    let session_header = match raw.session_header.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(name) => match http::HeaderName::from_bytes(name.as_bytes()) {
+            Ok(h) => Some(h.as_str().to_owned()),
+            Err(_) => {
+                return Err(format!(
+                    "inferlb.session_header: {name:?} is not a valid header name"
+                ))
+            }
+        },
+    };
+    let tls = raw.tls.map(crate::tls::RawTls::validate).transpose()?;
+    Ok(Config {
+        listen: raw.listen,
+        plain_listen: raw.plain_listen,
+        tls,
+        h2c: raw.h2c,
+        admin_listen: raw.admin_listen,
+        replicas: raw.replicas,
+        routing: raw.routing,
+        health,
+        upstream,
+        max_body_bytes: raw.max_body_bytes,
+        body_read_timeout: seconds("body_read_timeout_seconds", raw.body_read_timeout_seconds)?,
+        affinity_capacity: raw.affinity_capacity,
+        spill_margin: (raw.spill_margin > 0).then_some(raw.spill_margin),
+        state_file: raw.state_file.unwrap_or_default(),
+        api_keys: raw.api_keys,
+        max_header_bytes: raw.max_header_bytes.max(1024),
+        access_log: raw.access_log,
+        session_header,
+        stored_responses_capacity: raw.stored_responses_capacity,
+        stored_lookup_timeout: seconds(
+            "stored_lookup_timeout_seconds",
+            raw.stored_lookup_timeout_seconds,
+        )?,
+        load_poll_interval: seconds("load_poll_interval_seconds", raw.load_poll_interval_seconds)?,
+        cluster,
+        discovery,
+        overload: raw
+            .overload
+            .map(crate::overload::conf::validate)
+            .transpose()?,
+    })
+}
