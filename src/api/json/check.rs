@@ -9,7 +9,6 @@ use super::{ws, Invalid, Span, Str, Strings, LONG};
 struct Checker<'a> {
     b: &'a [u8],
     i: usize,
-    /// Open brackets of the value being skipped.
     /// Open brackets of the value being skipped, with where each opened.
     stack: Vec<(u8, usize)>,
     strings: Strings,
