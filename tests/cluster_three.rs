@@ -48,6 +48,11 @@ impl Fleet {
     }
 
     fn routing(replicas: usize, routing: &str) -> Fleet {
+        Fleet::with(replicas, routing, None)
+    }
+
+    /// [`Fleet::routing`], with `spill_margin` set when given (0: never spill).
+    fn with(replicas: usize, routing: &str, spill_margin: Option<usize>) -> Fleet {
         let root = tempfile::tempdir().expect("tempdir");
         let redis = Redis::start(root.path());
         let sims: Vec<Sim> = (0..replicas)
@@ -56,9 +61,20 @@ impl Fleet {
         sims.iter().for_each(Sim::assert_healthy);
         let lbs: Vec<Lb> = INSTANCES
             .iter()
-            .map(|n| instance(root.path(), &sims, routing, n, redis.cluster_conf(n)))
+            .map(|n| {
+                let conf = LbConf {
+                    extra: redis.cluster_conf(n),
+                    spill_margin,
+                    ..test_conf()
+                };
+                instance(root.path(), &sims, routing, n, conf)
+            })
             .collect();
-        let solo = instance(root.path(), &sims, routing, "solo", String::new());
+        let solo = LbConf {
+            spill_margin,
+            ..test_conf()
+        };
+        let solo = instance(root.path(), &sims, routing, "solo", solo);
         let joined = wait_until(Duration::from_secs(10), || {
             lbs.iter().all(|lb| connected(lb) && ready(lb))
         });
@@ -74,13 +90,11 @@ impl Fleet {
 
     /// One more instance of the cluster, `name`, started now.
     fn join(&self, name: &str, routing: &str) -> Lb {
-        let lb = instance(
-            self.root.path(),
-            &self.sims,
-            routing,
-            name,
-            self.redis.cluster_conf(name),
-        );
+        let conf = LbConf {
+            extra: self.redis.cluster_conf(name),
+            ..test_conf()
+        };
+        let lb = instance(self.root.path(), &self.sims, routing, name, conf);
         let joined = wait_until(Duration::from_secs(10), || connected(&lb) && ready(&lb));
         assert!(joined, "{name} did not join the cluster");
         lb
@@ -91,15 +105,15 @@ impl Fleet {
     }
 }
 
-/// An inferlb named `name` in front of `sims`, with `extra` conf (its cluster, or nothing).
-fn instance(root: &std::path::Path, sims: &[Sim], routing: &str, name: &str, extra: String) -> Lb {
+/// An inferlb named `name` in front of `sims`, routing `routing`, with `conf` (its cluster in
+/// `extra`, or none).
+fn instance(root: &std::path::Path, sims: &[Sim], routing: &str, name: &str, conf: LbConf) -> Lb {
     let dir = root.join(name);
     std::fs::create_dir_all(&dir).expect("dir");
     let refs: Vec<&Sim> = sims.iter().collect();
     let conf = LbConf {
-        extra,
         routing: Some(routing.into()),
-        ..test_conf()
+        ..conf
     };
     Lb::start(&dir, &refs, conf)
 }
@@ -380,7 +394,11 @@ fn pin_propagation(f: &Fleet, samples: usize) -> Vec<f64> {
 #[test]
 fn sixteen_agent_loops_keep_their_replica_whichever_instance_each_turn_reaches() {
     let _turn = one_at_a_time();
-    let f = Fleet::start(4);
+    // Spilling off: this measures whether a pin made through one instance is found through
+    // the others. With it on, a first-turn placement left uneven by turns that reach two
+    // instances within a message's travel (the burst test measures that) is later evened out
+    // by spills, which counted here as misses (3 of 176 in one run of eight).
+    let f = Fleet::with(4, "adaptive", Some(0));
     let shape = |until| Loops {
         loops: 16,
         turns: 12,
