@@ -397,7 +397,7 @@ fn sixteen_agent_loops_keep_their_replica_whichever_instance_each_turn_reaches()
     // Spilling off: this measures whether a pin made through one instance is found through
     // the others. With it on, a first-turn placement left uneven by turns that reach two
     // instances within a message's travel (the burst test measures that) is later evened out
-    // by spills, which counted here as misses (3 of 176 in one run of eight).
+    // by spills, which counted here as misses (3 of 176 in one of seven runs).
     let f = Fleet::with(4, "adaptive", Some(0));
     let shape = |until| Loops {
         loops: 16,

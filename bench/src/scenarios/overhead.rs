@@ -296,6 +296,11 @@ impl Spread {
         }
     }
 
+    /// Each round's `f(a, b)`, for two per-round series measured in the same rounds.
+    pub fn zip(a: &[f64], b: &[f64], f: impl Fn(f64, f64) -> f64) -> Spread {
+        Spread::of(a.iter().zip(b).map(|(x, y)| f(*x, *y)))
+    }
+
     /// Each round's `f(a, b)`, for two rows measured in the same rounds.
     pub fn paired(a: &Row, b: &Row, f: impl Fn(&Latency, &Latency) -> f64) -> Spread {
         Spread::of(a.rounds.iter().zip(&b.rounds).map(|(x, y)| f(x, y)))
@@ -747,12 +752,7 @@ pub fn table(r: &OverheadResult) -> String {
             Spread::paired(i, d, |a, b| a.saturation_rps / b.saturation_rps).cell(2),
         ));
         if let Some(x) = find("nginx", logs) {
-            let cpu = Spread::of(
-                i.cpu_us_rounds
-                    .iter()
-                    .zip(&x.cpu_us_rounds)
-                    .map(|(a, b)| a / b),
-            );
+            let cpu = Spread::zip(&i.cpu_us_rounds, &x.cpu_us_rounds, |a, b| a / b);
             md.push_str(&format!(
                 ", inferlb/nginx = {}; CPU per request inferlb/nginx = {}",
                 Spread::paired(i, x, |a, b| a.saturation_rps / b.saturation_rps).cell(2),
@@ -781,9 +781,7 @@ pub fn table(r: &OverheadResult) -> String {
             row.busy_p99_ms.cell(2),
         ));
     }
-    let paired = |a: &[f64], b: &[f64], f: fn(f64, f64) -> f64| {
-        Spread::of(a.iter().zip(b).map(|(x, y)| f(*x, *y))).cell(2)
-    };
+    let paired = |a: &[f64], b: &[f64], f: fn(f64, f64) -> f64| Spread::zip(a, b, f).cell(2);
     for logs in ["logs off", "logs on"] {
         let (Some(i), Some(d)) = (find("inferlb", logs), find("direct", "-")) else {
             continue;
@@ -808,13 +806,7 @@ pub fn table(r: &OverheadResult) -> String {
         find("nginx", "logs off"),
     ) {
         let cpu = |a: &Row, b: &Row| {
-            Spread::of(
-                a.cpu_us_rounds
-                    .iter()
-                    .zip(&b.cpu_us_rounds)
-                    .map(|(p, q)| p / q),
-            )
-            .cell(2)
+            Spread::zip(&a.cpu_us_rounds, &b.cpu_us_rounds, |p, q| p / q).cell(2)
         };
         md.push_str(&format!(
             "\nPingora alone (no hooks, no body read, no metrics, no log) against nginx (logs off): CPU per request {}, saturation {}; inferlb (logs off) against Pingora alone: CPU per request {}, saturation {}.\n",

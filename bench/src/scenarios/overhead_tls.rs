@@ -298,12 +298,7 @@ pub fn table(r: &TlsOverheadResult) -> String {
     let find = |t: &str, s: &str| r.rows.iter().find(|x| x.target == t && x.variant == s);
     for target in ["inferlb", "nginx"] {
         if let (Some(h), Some(t)) = (find(target, "http"), find(target, "https")) {
-            let cpu = Spread::of(
-                h.cpu_us_rounds
-                    .iter()
-                    .zip(&t.cpu_us_rounds)
-                    .map(|(a, b)| b - a),
-            );
+            let cpu = Spread::zip(&h.cpu_us_rounds, &t.cpu_us_rounds, |a, b| b - a);
             md.push_str(&format!(
                 "\nTLS adds to {target}: {} ms at p50 and {} ms at p99 at 200 rps, {} µs of CPU a request; saturation throughput https/http = {}.\n",
                 Spread::paired(t, h, |b, a| b.fixed_p50_ms - a.fixed_p50_ms).cell(2),
