@@ -13,12 +13,13 @@
 mod lb;
 mod nginx;
 mod peer;
+mod ports;
 mod proc;
 mod redis;
 mod sim;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -27,11 +28,11 @@ pub use lb::{Lb, LbConf, Replica};
 pub use nginx::{Nginx, NginxTls};
 pub use nix::sys::signal::Signal;
 pub use peer::{Peer, PeerConf, PeerKind};
+pub use ports::free_port;
 pub use proc::Proc;
 pub use redis::Redis;
 pub use sim::Sim;
 
-/// A loopback port nothing listens on right now.
 /// Resident memory of process `pid` (`VmRSS` of /proc/<pid>/status), in bytes.
 pub fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -40,13 +41,6 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())?;
     Some(kb * 1024)
-}
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }
 
 /// Polls `f` every 20 ms until it is true (returns true) or `limit` passes (returns false).
@@ -143,6 +137,7 @@ fn yaml_str(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::TcpListener;
 
     #[test]
     fn wait_until_is_bounded_and_returns_early() {

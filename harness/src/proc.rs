@@ -147,9 +147,32 @@ impl Proc {
 }
 
 impl Drop for Proc {
+    /// Stops the process. When a test is failing (the thread is panicking), the end of the
+    /// process's log goes to stderr first, where the test's output shows it: the log itself
+    /// is usually in a temporary directory that is gone once the test ends.
     fn drop(&mut self) {
         self.stop();
+        if std::thread::panicking() {
+            let text = self.log_text();
+            if !text.is_empty() {
+                let tail = last_lines(&text, LOG_TAIL_LINES);
+                eprintln!("harness: the end of {}'s log:\n{tail}", self.name);
+            }
+        }
     }
+}
+
+/// How many lines of a process's log a failing test shows.
+const LOG_TAIL_LINES: usize = 60;
+
+/// The last `n` lines of `text`.
+fn last_lines(text: &str, n: usize) -> &str {
+    let start = text
+        .trim_end()
+        .rmatch_indices('\n')
+        .nth(n.saturating_sub(1))
+        .map_or(0, |(i, _)| i + 1);
+    &text[start..]
 }
 
 /// The pids whose parent is `pid`, from /proc.
@@ -251,5 +274,18 @@ mod tests {
         assert_eq!(s.code(), Some(3));
         assert!(p.has_exited());
         assert_eq!(p.stop().and_then(|s| s.code()), Some(3));
+    }
+
+    #[test]
+    fn a_failing_test_shows_the_last_lines_of_a_log() {
+        for (text, n, tail) in [
+            ("", 3, ""),
+            ("a\nb\nc\n", 3, "a\nb\nc\n"),
+            ("a\nb\nc\nd\n", 2, "c\nd\n"),
+            ("a\nb\nc", 2, "b\nc"),
+            ("a\nb\n", 9, "a\nb\n"),
+        ] {
+            assert_eq!(last_lines(text, n), tail, "{text:?}, {n}");
+        }
     }
 }

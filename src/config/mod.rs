@@ -270,6 +270,18 @@ inferlb:
                 GOOD.replace("listen: 127.0.0.1:7770", "listen: 7770"),
                 "inferlb.listen",
             ),
+            (
+                format!("{GOOD}  admin_listen: 127.0.0.1:7770\n"),
+                "inferlb.admin_listen: \"127.0.0.1:7770\" is the port of `listen`",
+            ),
+            (
+                format!("{GOOD}  admin_listen: 0.0.0.0:7770\n"),
+                "port of `listen`",
+            ),
+            (
+                format!("{GOOD}  plain_listen: \"127.0.0.1:7771\"\n  tls: {{cert_file: c, key_file: k}}\n"),
+                "inferlb.plain_listen: \"127.0.0.1:7771\" is the port of `admin_listen`",
+            ),
             (format!("{GOOD}  max_body_bytes: lots\n"), "max_body_bytes"),
             (format!("max_retries: 0\n{GOOD}"), "max_retries"),
             (

@@ -161,22 +161,34 @@ fn upstream_tls(u: &RawUpstream) -> Result<crate::tls::UpstreamTls, String> {
     crate::tls::UpstreamTls::load(u.ca_file.as_deref(), client, "inferlb.upstream")
 }
 
+/// Whether listeners on `a` and `b` would share a port: the same port on the same address,
+/// or on any address when either is the unspecified one (0.0.0.0 or ::).
+fn same_port(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
 pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
     let plain = raw.plain_listen.as_ref();
+    let mut bound: Vec<(&str, SocketAddr)> = vec![];
     for (key, addr) in [
         ("listen", Some(&raw.listen)),
         ("admin_listen", Some(&raw.admin_listen)),
         ("plain_listen", plain),
     ] {
         let Some(addr) = addr else { continue };
-        addr.parse::<SocketAddr>()
+        let at = addr
+            .parse::<SocketAddr>()
             .map_err(|e| format!("inferlb.{key}: {addr:?} is not an ip:port ({e})"))?;
+        // Two listeners on one port would each get some of the other's connections.
+        if let Some((other, _)) = bound.iter().find(|(_, b)| same_port(*b, at)) {
+            return Err(format!(
+                "inferlb.{key}: {addr:?} is the port of `{other}`; each listener needs its own"
+            ));
+        }
+        bound.push((key, at));
     }
     if plain.is_some() && raw.tls.is_none() {
         return Err("inferlb.plain_listen: only with `tls` (without it, `listen` is plain)".into());
-    }
-    if plain.is_some_and(|p| *p == raw.listen || *p == raw.admin_listen) {
-        return Err("inferlb.plain_listen: must differ from `listen` and `admin_listen`".into());
     }
     if raw.replicas.is_empty() {
         return Err("inferlb.replicas: at least one replica (id and address) is needed".into());
