@@ -74,6 +74,22 @@ pub async fn models(r: &Replica, timeout: Duration) -> Option<Vec<String>> {
     (!ids.is_empty()).then_some(ids)
 }
 
+/// Asks every replica in `among` whose models are still unknown (neither configured nor
+/// learnt yet: right after start or after it was added) for its `/v1/models` at once, and
+/// records what each says. Bounded by `timeout`; a replica that does not answer stays unknown.
+pub async fn learn_models(among: &[Arc<Replica>], timeout: Duration) {
+    let mut asks: FuturesUnordered<_> = among
+        .iter()
+        .filter(|r| !r.models_configured && r.models().is_empty())
+        .map(|r| async move { (r, models(r, timeout).await) })
+        .collect();
+    while let Some((r, answer)) = asks.next().await {
+        if let Some(ids) = answer {
+            r.set_models(ids);
+        }
+    }
+}
+
 /// Whether `id` can go into a path as it is (ids are tokens like `resp_1a2b`).
 fn path_safe(id: &str) -> bool {
     !id.is_empty()

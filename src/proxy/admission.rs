@@ -102,6 +102,15 @@ impl Balancer {
         })
     }
 
+    /// Every model the replicas serve. Right after start (or an added replica's first check)
+    /// the health checks may not have learnt a replica's yet: those are asked now, rather than
+    /// answer a list a client would take for "no models".
+    pub(super) async fn models_now(&self) -> Vec<String> {
+        let among = self.registry.reachable();
+        crate::probe::learn_models(&among, self.conf.health.timeout).await;
+        self.registry.all_models()
+    }
+
     /// Overload protection, when configured: the request goes on now, waits for room, or is
     /// answered 429 here. True when it was answered here (or its client left while it waited).
     pub(super) async fn admit_load(

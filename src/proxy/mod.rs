@@ -188,7 +188,7 @@ impl ProxyHttp for Balancer {
         }
         let req = session.req_header();
         if req.method == http::Method::GET && req.uri.path() == "/v1/models" {
-            let body = answers::models_list(&self.registry.all_models());
+            let body = answers::models_list(&self.models_now().await);
             answers::respond_json(session, ctx.id(), 200, body).await?;
             return Ok(true);
         }
