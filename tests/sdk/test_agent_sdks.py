@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,28 +18,12 @@ import anthropic
 import openai
 import pytest
 
+from procs import free_port, wait_http
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("INFERLB_BIN_DIR", os.path.join(ROOT, "target", "release"))
 MODEL = "sim-model"
 KEY = "sk-inferlb-test-key"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url, limit=10.0):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            time.sleep(0.05)
-    return False
 
 
 def get(url):

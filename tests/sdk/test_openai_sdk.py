@@ -19,26 +19,10 @@ import openai
 import pytest
 import trustme
 
+from procs import free_port, wait_http
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("INFERLB_BIN_DIR", os.path.join(ROOT, "target", "release"))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url, limit=10.0):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            time.sleep(0.05)
-    return False
 
 
 def wait_listening(port, limit=10.0):
