@@ -47,8 +47,16 @@ fn main() {
     let conf = Arc::new(loaded.inferlb);
 
     let max_attempts = loaded.server.max_retries;
+    // An upgrade takes its listeners over from the old process instead of binding them.
+    let upgrading = opt.upgrade;
     let mut server = Server::new_with_opt_and_conf(opt, loaded.server);
     server.bootstrap();
+    if !upgrading {
+        if let Err(e) = wait_for_addresses(&conf, BIND_WAIT) {
+            eprintln!("inferlb: {e}");
+            std::process::exit(1);
+        }
+    }
 
     // Set when this process starts handing over (SIGQUIT) or stopping (SIGTERM): responses then
     // close their connections, so clients move to the new process instead of racing the
@@ -228,4 +236,39 @@ fn main() {
     server.add_service(proxy);
     server.add_service(admin);
     server.run_forever();
+}
+
+/// How long a listener's address may stay in use at start (an old process still stopping)
+/// before inferlb gives up: as long as Pingora's own listener keeps trying.
+const BIND_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Waits, at most `limit`, until every address inferlb listens on can be bound, and names the
+/// one that cannot. Pingora's listener retries an address in use just as long, but then gives
+/// up on that listener alone and leaves the process running without it (no proxy port, or no
+/// metrics and admin): inferlb exits instead, saying why.
+fn wait_for_addresses(conf: &config::Config, limit: std::time::Duration) -> Result<(), String> {
+    let start = std::time::Instant::now();
+    let listeners = [
+        ("listen", Some(&conf.listen)),
+        ("admin_listen", Some(&conf.admin_listen)),
+        ("plain_listen", conf.plain_listen.as_ref()),
+    ];
+    for (key, addr) in listeners {
+        let Some(addr) = addr else { continue };
+        let mut warned = false;
+        loop {
+            match std::net::TcpListener::bind(addr.as_str()) {
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && start.elapsed() < limit => {
+                    if !warned {
+                        log::warn!("inferlb.{key} {addr} is in use: waiting up to {limit:?}");
+                        warned = true;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+                Err(e) => return Err(format!("inferlb.{key}: cannot listen on {addr}: {e}")),
+            }
+        }
+    }
+    Ok(())
 }

@@ -341,3 +341,61 @@ fn pipelined_requests_are_answered_in_order_on_their_connection() {
     let more = read_responses(&mut s, 1, Duration::from_secs(10));
     assert_eq!(more.first().map(|r| r.0), Some(200), "{more:?}");
 }
+
+/// A listener address inferlb cannot bind stops it at start with the key and the reason; it
+/// does not run on without that listener (Pingora alone gives up on the one listener and
+/// leaves the process serving without it).
+#[test]
+fn an_address_that_cannot_be_bound_stops_inferlb_at_start_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("inferlb.yaml");
+    let d = dir.path().display();
+    // 192.0.2.1 (TEST-NET-1) is no address of this host: binding it fails at once.
+    std::fs::write(
+        &conf,
+        format!(
+            "pid_file: {d}/lb.pid\nupgrade_sock: {d}/lb.sock\ninferlb:\n  listen: 127.0.0.1:{}\n  \
+             admin_listen: 192.0.2.1:{}\n  replicas:\n    - {{id: a, address: \"127.0.0.1:{}\"}}\n",
+            free_port(),
+            free_port(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("inferlb.log");
+    let mut cmd = std::process::Command::new(inferlb_harness::bin("inferlb"));
+    cmd.arg("-c").arg(&conf);
+    let mut p = Proc::spawn("inferlb", cmd, Some(&log), Signal::SIGINT).unwrap();
+    let status = p.wait_exit(Duration::from_secs(10));
+    let text = p.log_text();
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{text}");
+    assert!(
+        text.contains("inferlb.admin_listen: cannot listen on 192.0.2.1:"),
+        "{text}"
+    );
+}
+
+/// An address still in use at start (an old process still stopping) is waited for.
+#[test]
+fn an_address_still_in_use_at_start_is_waited_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = two_sims(dir.path(), &[]);
+    let admin_port = free_port();
+    let held = std::net::TcpListener::bind(("127.0.0.1", admin_port)).unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(held);
+    });
+    let lb = Lb::start(
+        dir.path(),
+        &[&a, &b],
+        LbConf {
+            admin_port,
+            ..test_conf()
+        },
+    );
+    release.join().unwrap();
+    assert!(lb.metrics().contains("inferlb_"));
+    let (replica, _, _) = routed_chat(&lb, &[("user", "after the wait")]);
+    assert!(["gpu0", "gpu1"].contains(&replica.as_str()), "{replica}");
+}
