@@ -3,10 +3,11 @@
 use std::fs::OpenOptions;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
+use nix::sys::signal::{kill, signal, SigHandler, Signal};
 use nix::unistd::Pid;
 
 /// How long a process gets to exit after its stop signal before it is killed.
@@ -40,6 +41,19 @@ impl Proc {
             Some(p) => Stdio::from(OpenOptions::new().create(true).append(true).open(p)?),
             None => Stdio::null(),
         };
+        // A shell starting a job in the background (`make test &` in a script) has it ignore
+        // SIGINT and SIGQUIT, and ignored signals are inherited: a child that stops on one of
+        // them would not. Each child starts with the stop signals at their defaults.
+        // SAFETY: the closure runs in the forked child before exec and only calls sigaction,
+        // which is async-signal-safe; it allocates nothing and takes no lock.
+        unsafe {
+            cmd.pre_exec(|| {
+                for sig in [Signal::SIGINT, Signal::SIGQUIT, Signal::SIGTERM] {
+                    signal(sig, SigHandler::SigDfl).map_err(io::Error::from)?;
+                }
+                Ok(())
+            });
+        }
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
