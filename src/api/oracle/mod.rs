@@ -326,3 +326,4 @@ fn hash_value(v: &Value, h: &mut Xxh3) {
 /// The single-pass reader against this oracle, on generated bodies of every family written
 /// with random key order, whitespace and escapes, tricky numbers and strings, and mutated.
 mod equivalence;
+mod writer;
