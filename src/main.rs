@@ -272,3 +272,43 @@ fn wait_for_addresses(conf: &config::Config, limit: std::time::Duration) -> Resu
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn conf_listening_on(admin: u16) -> config::Config {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let listen = free.local_addr().expect("its address").port();
+        drop(free);
+        let text = format!(
+            "inferlb:\n  listen: 127.0.0.1:{listen}\n  admin_listen: 127.0.0.1:{admin}\n  \
+             replicas:\n    - {{id: a, address: \"127.0.0.1:9\"}}\n"
+        );
+        config::parse(&text, None).expect("conf").inferlb
+    }
+
+    #[test]
+    fn an_address_in_use_is_waited_for_then_named_when_it_stays_taken() {
+        let held = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = held.local_addr().expect("address").port();
+        let conf = conf_listening_on(port);
+        let start = Instant::now();
+        let e = wait_for_addresses(&conf, Duration::from_millis(400)).expect_err("in use");
+        assert!(start.elapsed() >= Duration::from_millis(400), "waited");
+        assert!(
+            e.starts_with(&format!("inferlb.admin_listen: cannot listen on 127.0.0.1:{port}")),
+            "{e}"
+        );
+        // Released while waiting: the wait ends then, well before its limit.
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(held);
+        });
+        let start = Instant::now();
+        wait_for_addresses(&conf, Duration::from_secs(20)).expect("released");
+        assert!(start.elapsed() >= Duration::from_millis(300));
+        release.join().expect("release");
+    }
+}

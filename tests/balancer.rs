@@ -715,20 +715,32 @@ fn replica_503s_fail_over_500s_pass_through_and_a_hang_is_a_504() {
         assert_eq!(header(&r, "x-inferlb-replica"), "gpu1");
     }
     assert!(lb.metric(r#"inferlb_failovers_total{reason="http_503",replica="gpu0"}"#) >= 1.0);
-    // Both 503: the client gets a 503 in OpenAI's format.
+    // Both 503: the client gets a 503 in OpenAI's format, saying a replica answered it (not
+    // that none was live: both are, once gpu0's passing check re-admits it).
     b.fault(json!({"fault": "error503"}));
-    std::thread::sleep(Duration::from_millis(2500)); // gpu0 re-admitted by a passing check
+    let both_live = || {
+        wait_until(Duration::from_secs(10), || {
+            ["gpu0", "gpu1"]
+                .iter()
+                .all(|id| lb.replica_state(id)["live"] == true)
+        })
+    };
+    assert!(both_live(), "{}", lb.admin("GET", "/admin/replicas"));
     let r = post(
         &lb,
         "/v1/chat/completions",
         &chat_body(&[("user", "both")], false, 1),
     );
     assert_eq!(r.status(), 503);
-    assert!(r.json::<Value>().unwrap()["error"]["message"].is_string());
+    let message = r.json::<Value>().unwrap()["error"]["message"].clone();
+    assert!(
+        message.as_str().is_some_and(|m| m.contains("answered 503")),
+        "{message}"
+    );
     // A 500 is the replica's answer about this request: it goes back as it is.
     a.fault(json!({"fault": "error500"}));
     b.fault(json!({"fault": "error500"}));
-    std::thread::sleep(Duration::from_millis(2500));
+    assert!(both_live(), "{}", lb.admin("GET", "/admin/replicas"));
     let r = post(
         &lb,
         "/v1/chat/completions",

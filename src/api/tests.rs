@@ -267,14 +267,33 @@ proptest! {
         }
     }
 
+    /// Any well-formed prompt of any family is read as a prompt with one part per message,
+    /// and the prompt one message shorter is its prefix.
     #[test]
-    fn json_ish_bodies_of_every_family_classify(
+    fn every_familys_prompts_are_read_part_by_part(
         family in any_family(),
-        body in r#"\{"(messages|input|prompt|system)":\[(\{"(role|type)":"[a-z_]{0,8}","(content|text|output)":("[^"\\]{0,20}"|\[\{"type":"text","text":"[a-z]{0,5}"\}\])\},?){0,5}\]\}"#,
+        msgs in proptest::collection::vec((0usize..3, "\\PC{1,40}"), 1..6),
     ) {
-        let info = classify(family, body.as_bytes());
-        if let Shape::Prompt { links } = &info.shape {
-            prop_assert!(!links.is_empty());
+        let body = |msgs: &[(usize, String)]| {
+            let roles = ["user", "assistant", "system"];
+            let items: Vec<_> = msgs.iter().map(|(r, c)| {
+                // Anthropic's messages carry no system role: it is a top-level field there.
+                let role = if family == Family::Messages { roles[r % 2] } else { roles[*r] };
+                json!({"role": role, "content": c})
+            }).collect();
+            let texts: Vec<_> = msgs.iter().map(|(_, c)| json!(c)).collect();
+            match family {
+                Family::Chat | Family::Messages => json!({"model": "m", "messages": items}),
+                Family::Responses => json!({"model": "m", "input": items}),
+                Family::Completions => json!({"model": "m", "prompt": texts}),
+            }
+        };
+        let full = classify_json(family, body(&msgs));
+        prop_assert!(matches!(full.shape, Shape::Prompt { .. }), "{:?}", full.shape);
+        prop_assert_eq!(ends(&full).len(), msgs.len());
+        if msgs.len() > 1 {
+            let shorter = classify_json(family, body(&msgs[..msgs.len() - 1]));
+            prop_assert_eq!(&ends(&full)[..msgs.len() - 1], &ends(&shorter)[..]);
         }
     }
 
