@@ -259,7 +259,10 @@ vllm:prefix_cache_hits_total{model_name="m"} 1.2e6
             let d = policy
                 .decide(&info.shape, None, &candidates, |_| None::<String>, i)
                 .expect("a replica");
-            got[fleet.iter().position(|r| Arc::ptr_eq(r, d.replica)).expect("ours")] += 1;
+            got[fleet
+                .iter()
+                .position(|r| Arc::ptr_eq(r, d.replica))
+                .expect("ours")] += 1;
         }
         assert!(got[1] <= got[0], "busy {} absurd {}", got[0], got[1]);
         assert_eq!(got, [20, 0]);

@@ -78,8 +78,11 @@ pub struct ReplicaCounters(IntCounterVec);
 
 /// Where counts for replicas that are gone go: never registered, never scraped.
 static DETACHED: LazyLock<IntCounter> = LazyLock::new(|| {
-    IntCounter::new("inferlb_detached", "Counts of replicas no longer in the registry.")
-        .expect("a valid name")
+    IntCounter::new(
+        "inferlb_detached",
+        "Counts of replicas no longer in the registry.",
+    )
+    .expect("a valid name")
 });
 
 impl ReplicaCounters {
@@ -89,22 +92,25 @@ impl ReplicaCounters {
         // series' creation.
         let fleet = fleet();
         match vals.first().map(AsRef::as_ref) {
-            Some(id) if id == NO_REPLICA || fleet.contains_key(id) => self.0.with_label_values(vals),
+            Some(id) if id == NO_REPLICA || fleet.contains_key(id) => {
+                self.0.with_label_values(vals)
+            }
             _ => DETACHED.clone(),
         }
     }
 
     /// Deletes every series whose `replica` label is `id`.
     fn remove(&self, id: &str) {
-        let family = self.0.collect();
-        for metric in family.get_metric() {
-            let labels: HashMap<&str, &str> = metric
-                .get_label()
-                .iter()
-                .map(|l| (l.name(), l.value()))
-                .collect();
-            if labels.get("replica") == Some(&id) {
-                let _ = self.0.remove(&labels);
+        for family in self.0.collect() {
+            for metric in family.get_metric() {
+                let labels: HashMap<&str, &str> = metric
+                    .get_label()
+                    .iter()
+                    .map(|l| (l.name(), l.value()))
+                    .collect();
+                if labels.get("replica") == Some(&id) {
+                    let _ = self.0.remove(&labels);
+                }
             }
         }
     }

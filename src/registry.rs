@@ -273,7 +273,11 @@ mod tests {
         count("gone-a");
         drop(flight);
         assert_eq!(series_of("gone-a"), Vec::<String>::new());
-        assert_eq!(series_of("kept-b").len(), families.len(), "the other keeps its own");
+        assert_eq!(
+            series_of("kept-b").len(),
+            families.len(),
+            "the other keeps its own"
+        );
 
         // Added back under the same id, it has series again, as a new replica (not up yet).
         let (confs, _) = test_confs(&["gone-a"]);

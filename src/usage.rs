@@ -329,6 +329,7 @@ impl UsageReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn a_json_response_split_anywhere() {
@@ -517,7 +518,14 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
         };
         let rows: &[((&str, &str, &str), Option<(u64, u64, u64)>)] = &[
             (("900", "640", "3"), Some((900, 640, 3))),
-            (("18446744073709551615", "18446744073709551615", "18446744073709551615"), Some((max, max, max))),
+            (
+                (
+                    "18446744073709551615",
+                    "18446744073709551615",
+                    "18446744073709551615",
+                ),
+                Some((max, max, max)),
+            ),
             (("10000000001", "0", "0"), Some((max, 0, 0))),
             (("100", "5000", "0"), Some((100, 100, 0))),
             (("18446744073709551616", "0", "0"), None),
@@ -532,7 +540,11 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
             (("100", "18446744073709551616", "0"), Some((100, 0, 0))),
         ];
         for ((prompt, cached, completion), want) in rows {
-            assert_eq!(chat(prompt, cached, completion), *want, "{prompt} {cached} {completion}");
+            assert_eq!(
+                chat(prompt, cached, completion),
+                *want,
+                "{prompt} {cached} {completion}"
+            );
         }
         let messages = |input: u64, read_: u64, created: u64, output: u64| {
             read(
@@ -547,7 +559,9 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
         assert_eq!(messages(1, 2, 3, 4), Some((6, 2, 4)));
         let responses = read(
             Family::Responses,
-            format!(r#"{{"usage":{{"input_tokens":{big},"input_tokens_details":{{"cached_tokens":{big}}},"output_tokens":{big}}}}}"#),
+            format!(
+                r#"{{"usage":{{"input_tokens":{big},"input_tokens_details":{{"cached_tokens":{big}}},"output_tokens":{big}}}}}"#
+            ),
         );
         assert_eq!(responses, Some((max, max, max)));
         // The output count of a `message_delta`, streamed after the input side.
@@ -563,23 +577,23 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
         );
     }
 
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
         /// Any counts, any family, JSON or streamed, split anywhere: reading never panics,
         /// and what it gives is within bounds.
         #[test]
         fn any_usage_reads_within_bounds(
-            counts in proptest::collection::vec(
-                proptest::prop_oneof![
-                    proptest::prelude::any::<u64>().prop_map(|v| v.to_string()),
-                    proptest::prelude::any::<i64>().prop_map(|v| v.to_string()),
-                    proptest::prelude::any::<f64>().prop_map(|v| v.to_string()),
+            counts in prop::collection::vec(
+                prop_oneof![
+                    any::<u64>().prop_map(|v| v.to_string()),
+                    any::<i64>().prop_map(|v| v.to_string()),
+                    any::<f64>().prop_map(|v| v.to_string()),
                     "[-+0-9.eE]{1,30}",
                 ],
                 6,
             ),
             family in 0..4usize,
-            sse in proptest::prelude::any::<bool>(),
+            sse in any::<bool>(),
             cut in 0..400usize,
         ) {
             let family = [Family::Chat, Family::Completions, Family::Responses, Family::Messages][family];
@@ -599,9 +613,9 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
             r.feed(&body[..cut]);
             r.feed(&body[cut..]);
             if let Some(u) = r.finish() {
-                proptest::prop_assert!(u.prompt_tokens <= MAX_TOKENS);
-                proptest::prop_assert!(u.cached_tokens <= u.prompt_tokens);
-                proptest::prop_assert!(u.completion_tokens <= MAX_TOKENS);
+                prop_assert!(u.prompt_tokens <= MAX_TOKENS);
+                prop_assert!(u.cached_tokens <= u.prompt_tokens);
+                prop_assert!(u.completion_tokens <= MAX_TOKENS);
             }
         }
     }

@@ -431,7 +431,10 @@ mod tests {
         r.set_reported_load(Some((u64::MAX, u64::MAX)));
         assert_eq!(
             (r.queued_tokens(), r.running()),
-            (1000 + (MAX_REPORTED_REQUESTS - 1) * 1000, MAX_REPORTED_REQUESTS as usize)
+            (
+                1000 + (MAX_REPORTED_REQUESTS - 1) * 1000,
+                MAX_REPORTED_REQUESTS as usize
+            )
         );
     }
 }

@@ -265,8 +265,17 @@ mod tests {
         };
         let idle = super::cost(&c(0, 0), 1000, 0);
         assert_eq!(idle, 3000);
-        for (queued, running) in [(u64::MAX, 0), (u64::MAX - 1, 1), (0, usize::MAX), (u64::MAX, usize::MAX)] {
-            assert_eq!(super::cost(&c(queued, running), 1000, 0), u64::MAX, "{queued} {running}");
+        for (queued, running) in [
+            (u64::MAX, 0),
+            (u64::MAX - 1, 1),
+            (0, usize::MAX),
+            (u64::MAX, usize::MAX),
+        ] {
+            assert_eq!(
+                super::cost(&c(queued, running), 1000, 0),
+                u64::MAX,
+                "{queued} {running}"
+            );
         }
         assert_eq!(super::cost(&c(0, 0), u64::MAX, 0), u64::MAX);
     }
