@@ -77,6 +77,8 @@ fuzz:
 	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
 	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run shape -O -- -max_total_time=600 -print_final_stats=1
 	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run routing -O -- -max_total_time=600 -print_final_stats=1
+	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run metrics -O -- -max_total_time=600 -print_final_stats=1
+	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run usage -O -- -max_total_time=600 -print_final_stats=1
 
 clean:
 	$(CARGO) clean

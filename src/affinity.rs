@@ -73,10 +73,12 @@ impl AffinityTable {
         self.generation.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// The gauge moves by the same delta as the count, never to a value read earlier: two
+    /// concurrent changes setting what each read could leave it off for good.
     fn count(&self, delta: i64) {
-        let n = self.entries.fetch_add(delta, Ordering::Relaxed) + delta;
+        self.entries.fetch_add(delta, Ordering::Relaxed);
         if let Some(g) = &self.gauge {
-            g.set(n);
+            g.add(delta);
         }
     }
 
@@ -224,5 +226,31 @@ mod tests {
             "bounded: {}",
             t.len()
         );
+    }
+
+    /// The size gauge moves with the count: after concurrent inserts it equals the table's
+    /// size. Set from the count each insert read, the last write could be a stale one.
+    #[test]
+    fn the_size_gauge_equals_the_size_after_concurrent_inserts() {
+        let gauge = IntGauge::new("affinity_race", "test").expect("gauge");
+        let t = AffinityTable::new(10_000_000, Some(gauge.clone()));
+        let r = id("r");
+        for round in 0..200u64 {
+            let go = std::sync::Barrier::new(4);
+            std::thread::scope(|s| {
+                for thread in 0..4u64 {
+                    let (t, r, go) = (&t, &r, &go);
+                    s.spawn(move || {
+                        go.wait();
+                        for i in 0..100u64 {
+                            let key = (round << 32) | (thread << 16) | i;
+                            t.record(xxhash_rust::xxh3::xxh3_64(&key.to_le_bytes()), r);
+                        }
+                    });
+                }
+            });
+            assert_eq!(gauge.get(), t.len() as i64, "round {round}");
+        }
+        assert_eq!(t.len(), 200 * 4 * 100);
     }
 }

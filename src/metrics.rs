@@ -1,20 +1,183 @@
 //! Prometheus metrics, registered through pingora-prometheus's re-export of `prometheus`
 //! (a second copy of the crate would register into a registry nobody scrapes).
+//!
+//! Per-replica series exist only for the replicas the registry holds: the gauges (up, in
+//! flight, draining) are read from each replica's own state at scrape time, and a removed
+//! replica's counter series are deleted with it, and not created again by a late count.
 
-use std::sync::LazyLock;
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
+use pingora_prometheus::prometheus::core::{Collector, Desc};
+use pingora_prometheus::prometheus::proto::MetricFamily;
 use pingora_prometheus::prometheus::{
     self, register_histogram_vec, register_int_counter, register_int_counter_vec,
-    register_int_gauge, register_int_gauge_vec, Encoder, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec,
+    register_int_gauge, Encoder, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts,
 };
 
+/// The `replica` label of a request no replica served.
+pub const NO_REPLICA: &str = "none";
+
+/// What a replica's gauges are read from, at each scrape.
+pub trait ReplicaGauges: Send + Sync {
+    /// Passes health checks and is not demoted.
+    fn up(&self) -> bool;
+    fn in_flight(&self) -> usize;
+    fn draining(&self) -> bool;
+}
+
+type Fleet = HashMap<Arc<str>, Weak<dyn ReplicaGauges>>;
+
+/// The replicas the registry holds, by id.
+static FLEET: LazyLock<RwLock<Fleet>> = LazyLock::new(Default::default);
+
+fn fleet() -> RwLockReadGuard<'static, Fleet> {
+    FLEET.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn fleet_mut() -> RwLockWriteGuard<'static, Fleet> {
+    FLEET.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Replica `id` is in the registry: it has series from now on (it replaces an earlier
+/// replica of that id).
+pub fn track<R: ReplicaGauges + 'static>(id: &Arc<str>, replica: &Arc<R>) {
+    LazyLock::force(&METRICS);
+    let weak: Weak<dyn ReplicaGauges> = Arc::downgrade(replica) as _;
+    fleet_mut().insert(id.clone(), weak);
+}
+
+/// Replica `id` left the registry: every series that names it goes. Nothing happens when
+/// `replica` is no longer the one tracked under `id` (a replica of that id was added since).
+pub fn forget<R: ReplicaGauges + 'static>(id: &str, replica: &Arc<R>) {
+    let mut fleet = fleet_mut();
+    let ours = fleet
+        .get(id)
+        .is_some_and(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(replica)));
+    if !ours {
+        return;
+    }
+    fleet.remove(id);
+    let m = &*METRICS;
+    for counters in [
+        &m.requests,
+        &m.failovers,
+        &m.upstream_errors,
+        &m.prompt_tokens,
+        &m.cached_tokens,
+    ] {
+        counters.remove(id);
+    }
+}
+
+/// Counters whose first label is `replica`: a count for a replica that is not (or no longer)
+/// in the registry is dropped, so a request that ends after its replica was removed does not
+/// bring the removed replica's series back.
+pub struct ReplicaCounters(IntCounterVec);
+
+/// Where counts for replicas that are gone go: never registered, never scraped.
+static DETACHED: LazyLock<IntCounter> = LazyLock::new(|| {
+    IntCounter::new(
+        "inferlb_detached",
+        "Counts of replicas no longer in the registry.",
+    )
+    .expect("a valid name")
+});
+
+impl ReplicaCounters {
+    /// The counter of these label values, the replica's id first (as `IntCounterVec`'s).
+    pub fn with_label_values<V: AsRef<str> + std::fmt::Debug>(&self, vals: &[V]) -> IntCounter {
+        // Under the read lock: `forget` (write lock) cannot run between the check and the
+        // series' creation.
+        let fleet = fleet();
+        match vals.first().map(AsRef::as_ref) {
+            Some(id) if id == NO_REPLICA || fleet.contains_key(id) => {
+                self.0.with_label_values(vals)
+            }
+            _ => DETACHED.clone(),
+        }
+    }
+
+    /// Deletes every series whose `replica` label is `id`.
+    fn remove(&self, id: &str) {
+        for family in self.0.collect() {
+            for metric in family.get_metric() {
+                let labels: HashMap<&str, &str> = metric
+                    .get_label()
+                    .iter()
+                    .map(|l| (l.name(), l.value()))
+                    .collect();
+                if labels.get("replica") == Some(&id) {
+                    let _ = self.0.remove(&labels);
+                }
+            }
+        }
+    }
+}
+
+/// `inferlb_replica_up`, `_in_flight` and `_draining`, filled from the tracked replicas at
+/// each scrape: a value set from a count read earlier could be stale (two concurrent
+/// requests ending could leave 1 in flight), one read at the scrape cannot.
+struct ReplicaGaugeFamilies {
+    up: IntGaugeVec,
+    in_flight: IntGaugeVec,
+    draining: IntGaugeVec,
+    /// One scrape fills the vectors at a time.
+    filling: Mutex<()>,
+}
+
+impl ReplicaGaugeFamilies {
+    fn new() -> Result<Self, prometheus::Error> {
+        let vec = |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["replica"]);
+        Ok(ReplicaGaugeFamilies {
+            up: vec(
+                "inferlb_replica_up",
+                "1 when the replica passes health checks and is not demoted.",
+            )?,
+            in_flight: vec(
+                "inferlb_replica_in_flight",
+                "Requests in flight on the replica.",
+            )?,
+            draining: vec(
+                "inferlb_replica_draining",
+                "1 while the replica is drained by the admin endpoint.",
+            )?,
+            filling: Mutex::new(()),
+        })
+    }
+}
+
+impl Collector for ReplicaGaugeFamilies {
+    fn desc(&self) -> Vec<&Desc> {
+        [&self.up, &self.in_flight, &self.draining]
+            .into_iter()
+            .flat_map(|v| v.desc())
+            .collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let _one = self.filling.lock().unwrap_or_else(|e| e.into_inner());
+        let vecs = [&self.up, &self.in_flight, &self.draining];
+        vecs.iter().for_each(|v| v.reset());
+        for (id, r) in fleet().iter() {
+            let Some(r) = r.upgrade() else { continue };
+            let id: &str = id;
+            self.up.with_label_values(&[id]).set(r.up() as i64);
+            self.in_flight
+                .with_label_values(&[id])
+                .set(i64::try_from(r.in_flight()).unwrap_or(i64::MAX));
+            self.draining
+                .with_label_values(&[id])
+                .set(r.draining() as i64);
+        }
+        vecs.iter().flat_map(|v| v.collect()).collect()
+    }
+}
+
 pub struct Metrics {
-    pub requests: IntCounterVec,
-    pub failovers: IntCounterVec,
-    pub up: IntGaugeVec,
-    pub in_flight: IntGaugeVec,
-    pub draining: IntGaugeVec,
+    pub requests: ReplicaCounters,
+    pub failovers: ReplicaCounters,
     pub affinity_entries: IntGauge,
     pub stored_responses: IntGauge,
     pub cluster_connected: IntGauge,
@@ -22,39 +185,25 @@ pub struct Metrics {
     pub ttfb: HistogramVec,
     pub stream_errors: IntCounter,
     pub rejected: IntCounterVec,
-    pub upstream_errors: IntCounterVec,
-    pub prompt_tokens: IntCounterVec,
-    pub cached_tokens: IntCounterVec,
+    pub upstream_errors: ReplicaCounters,
+    pub prompt_tokens: ReplicaCounters,
+    pub cached_tokens: ReplicaCounters,
     pub tls_reloads: IntCounter,
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
+    prometheus::register(Box::new(ReplicaGaugeFamilies::new()?))?;
     Ok(Metrics {
-        requests: register_int_counter_vec!(
+        requests: ReplicaCounters(register_int_counter_vec!(
             "inferlb_requests_total",
             "Requests answered, by replica, route decision and status class.",
             &["replica", "route", "code"]
-        )?,
-        failovers: register_int_counter_vec!(
+        )?),
+        failovers: ReplicaCounters(register_int_counter_vec!(
             "inferlb_failovers_total",
             "Attempts that failed before the client got a byte and were retried elsewhere.",
             &["replica", "reason"]
-        )?,
-        up: register_int_gauge_vec!(
-            "inferlb_replica_up",
-            "1 when the replica passes health checks and is not demoted.",
-            &["replica"]
-        )?,
-        in_flight: register_int_gauge_vec!(
-            "inferlb_replica_in_flight",
-            "Requests in flight on the replica.",
-            &["replica"]
-        )?,
-        draining: register_int_gauge_vec!(
-            "inferlb_replica_draining",
-            "1 while the replica is drained by the admin endpoint.",
-            &["replica"]
-        )?,
+        )?),
         affinity_entries: register_int_gauge!(
             "inferlb_affinity_entries",
             "Served message lists remembered in the affinity table."
@@ -81,21 +230,21 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "inferlb_stream_errors_total",
             "Responses cut after the client got bytes (never retried)."
         )?,
-        upstream_errors: register_int_counter_vec!(
+        upstream_errors: ReplicaCounters(register_int_counter_vec!(
             "inferlb_upstream_errors_total",
             "Requests that ended in a replica's failure, not retried (timeouts, cut streams), by reason.",
             &["replica", "reason"]
-        )?,
-        prompt_tokens: register_int_counter_vec!(
+        )?),
+        prompt_tokens: ReplicaCounters(register_int_counter_vec!(
             "inferlb_prompt_tokens_total",
             "Prompt tokens of answered requests, as the replicas report them in `usage`.",
             &["replica"]
-        )?,
-        cached_tokens: register_int_counter_vec!(
+        )?),
+        cached_tokens: ReplicaCounters(register_int_counter_vec!(
             "inferlb_cached_prompt_tokens_total",
             "Prompt tokens the replicas served from their prefix cache (usage.prompt_tokens_details.cached_tokens).",
             &["replica"]
-        )?,
+        )?),
         tls_reloads: register_int_counter!(
             "inferlb_tls_certificate_reloads_total",
             "Times the listener's certificate was replaced from its changed files."
@@ -113,6 +262,7 @@ pub static METRICS: LazyLock<Metrics> =
 
 /// The text exposition of every registered metric.
 pub fn render() -> Vec<u8> {
+    LazyLock::force(&METRICS);
     let mut out = Vec::new();
     let families = prometheus::gather();
     // Encoding into a Vec cannot fail for well-formed families.

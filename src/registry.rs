@@ -14,6 +14,7 @@ use arc_swap::ArcSwap;
 use crate::api::prompt::Link;
 use crate::cluster::Cluster;
 use crate::config::{ReplicaConf, UpstreamConf};
+use crate::metrics;
 use crate::replica::Replica;
 use crate::routing::Candidate;
 
@@ -38,11 +39,12 @@ pub struct Registry {
 impl Registry {
     /// The configured replicas (those found by DNS come later, from discovery).
     pub fn new(confs: &[ReplicaConf], upstream: &UpstreamConf) -> Registry {
-        let list = confs
+        let list: Vec<Arc<Replica>> = confs
             .iter()
             .filter(|c| c.discover.is_none())
             .map(|c| Arc::new(Replica::new(c, upstream)))
             .collect();
+        list.iter().for_each(|r| metrics::track(&r.id, r));
         Registry {
             list: ArcSwap::from_pointee(list),
             upstream: upstream.clone(),
@@ -79,6 +81,7 @@ impl Registry {
         let mut next = (*now).clone();
         next.push(r.clone());
         self.list.store(Arc::new(next));
+        metrics::track(&r.id, &r);
         log::warn!(
             "replica {} ({}) added: joins after a passing health check",
             r.id,
@@ -95,6 +98,9 @@ impl Registry {
         let gone = now.iter().find(|r| &*r.id == id)?.clone();
         let next: Vec<Arc<Replica>> = now.iter().filter(|r| &*r.id != id).cloned().collect();
         self.list.store(Arc::new(next));
+        // Its series go with it: a removed replica is not `up`, and DNS churn does not grow
+        // the scrape without bound.
+        metrics::forget(&gone.id, &gone);
         log::warn!("replica {} ({}) removed", gone.id, gone.address);
         Some(gone)
     }
@@ -172,5 +178,147 @@ impl Registry {
         if self.cluster.set(cluster.clone()).is_ok() {
             self.list.load().iter().for_each(|r| r.share_with(cluster));
         }
+    }
+}
+
+/// A registry of replicas `ids`, each on a loopback port of its own (nothing listens), built
+/// from a conf text as the balancer builds its own.
+#[cfg(test)]
+pub(crate) fn test_registry(ids: &[&str]) -> Registry {
+    let (replicas, upstream) = test_confs(ids);
+    Registry::new(&replicas, &upstream)
+}
+
+#[cfg(test)]
+pub(crate) fn test_confs(ids: &[&str]) -> (Vec<ReplicaConf>, UpstreamConf) {
+    let entries: String = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| format!("    - {{id: {id}, address: \"127.0.0.1:{}\"}}\n", 1 + i))
+        .collect();
+    let l = crate::config::parse(&format!("inferlb:\n  replicas:\n{entries}"), None)
+        .expect("test conf");
+    (l.inferlb.replicas, l.inferlb.upstream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::METRICS;
+
+    /// The scrape's lines that name replica `id`.
+    fn series_of(id: &str) -> Vec<String> {
+        let text = String::from_utf8(crate::metrics::render()).expect("utf-8");
+        let label = format!("replica=\"{id}\"");
+        text.lines()
+            .filter(|l| l.contains(&label))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    fn sample(name_and_labels: &str) -> Option<f64> {
+        let text = String::from_utf8(crate::metrics::render()).expect("utf-8");
+        text.lines().find_map(|l| {
+            let rest = l.strip_prefix(name_and_labels)?.strip_prefix(' ')?;
+            rest.trim().parse().ok()
+        })
+    }
+
+    /// Every family that carries a replica label loses the replica's series when it is
+    /// removed, and a request that ends after the removal does not bring them back. Before,
+    /// a removed replica kept `inferlb_replica_up 1` for good.
+    #[test]
+    fn a_removed_replicas_series_go_with_it_and_stay_gone() {
+        let reg = test_registry(&["gone-a", "kept-b"]);
+        let m = &*METRICS;
+        let count = |id: &str| {
+            m.requests.with_label_values(&[id, "spread", "2xx"]).inc();
+            m.failovers
+                .with_label_values(&[id, "connect_refused"])
+                .inc();
+            m.upstream_errors
+                .with_label_values(&[id, "read_timeout"])
+                .inc();
+            m.prompt_tokens.with_label_values(&[id]).inc_by(5);
+            m.cached_tokens.with_label_values(&[id]).inc_by(3);
+        };
+        count("gone-a");
+        count("kept-b");
+        let families = [
+            "inferlb_requests_total{",
+            "inferlb_failovers_total{",
+            "inferlb_upstream_errors_total{",
+            "inferlb_prompt_tokens_total{",
+            "inferlb_cached_prompt_tokens_total{",
+            "inferlb_replica_up{",
+            "inferlb_replica_in_flight{",
+            "inferlb_replica_draining{",
+        ];
+        for id in ["gone-a", "kept-b"] {
+            let series = series_of(id);
+            for f in families {
+                assert!(
+                    series.iter().any(|l| l.starts_with(f)),
+                    "{id} has a {f} series: {series:?}"
+                );
+            }
+        }
+        assert_eq!(sample(r#"inferlb_replica_up{replica="gone-a"}"#), Some(1.0));
+
+        let gone = reg.get("gone-a").expect("configured");
+        let flight = gone.start();
+        assert!(reg.remove("gone-a").is_some());
+        assert_eq!(series_of("gone-a"), Vec::<String>::new());
+        // A request that was in flight on it ends now: its counts go nowhere.
+        count("gone-a");
+        drop(flight);
+        assert_eq!(series_of("gone-a"), Vec::<String>::new());
+        assert_eq!(
+            series_of("kept-b").len(),
+            families.len(),
+            "the other keeps its own"
+        );
+
+        // Added back under the same id, it has series again, as a new replica (not up yet).
+        let (confs, _) = test_confs(&["gone-a"]);
+        reg.add(&confs[0], None).expect("added");
+        assert_eq!(sample(r#"inferlb_replica_up{replica="gone-a"}"#), Some(0.0));
+        assert_eq!(
+            sample(r#"inferlb_requests_total{code="2xx",replica="gone-a",route="spread"}"#),
+            None,
+            "its old counts are not back"
+        );
+    }
+
+    /// The gauge is the count itself: however starts and drops interleave, it reads 0 once
+    /// every request ended. When each thread set the gauge to the value its own fetch_add or
+    /// fetch_sub returned, a stale value could be the last one written.
+    #[test]
+    fn the_in_flight_gauge_is_zero_once_every_request_ended() {
+        let reg = test_registry(&["race-a"]);
+        let r = reg.get("race-a").expect("configured");
+        for round in 0..200 {
+            let go = std::sync::Barrier::new(4);
+            std::thread::scope(|s| {
+                for _ in 0..4 {
+                    s.spawn(|| {
+                        go.wait();
+                        for _ in 0..100 {
+                            drop(r.start());
+                        }
+                    });
+                }
+            });
+            assert_eq!(
+                sample(r#"inferlb_replica_in_flight{replica="race-a"}"#),
+                Some(0.0),
+                "round {round}"
+            );
+        }
+        let _held = r.start();
+        assert_eq!(
+            sample(r#"inferlb_replica_in_flight{replica="race-a"}"#),
+            Some(1.0)
+        );
     }
 }

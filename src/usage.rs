@@ -6,6 +6,10 @@
 //!
 //! The balancer never waits for this: a streamed response is scanned event by event as it is
 //! relayed, a whole JSON response is kept (up to a bound) only to be parsed at its end. Pure.
+//!
+//! The counts are the replica's word, not trusted: each is at most [`MAX_TOKENS`], a cached
+//! count at most the prompt, and what is added up saturates, so that no answer can overflow
+//! the token counters and budgets it feeds.
 
 use std::borrow::Cow;
 
@@ -20,6 +24,10 @@ use crate::api::Family;
 const MAX_JSON_BODY: usize = 4 * 1024 * 1024;
 /// An SSE line longer than this is skipped.
 const MAX_SSE_LINE: usize = 1024 * 1024;
+/// The most tokens one count of a response is taken for (10^10: a thousand times the longest
+/// context of 2026); more reads as this many. A count that is not a whole number from 0 to
+/// `u64::MAX` (negative, fractional, `1e19`, larger) is no count at all.
+pub const MAX_TOKENS: u64 = 10_000_000_000;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -103,8 +111,11 @@ fn field<'a>(raw: Option<&'a RawValue>, name: &'static str) -> Option<&'a RawVal
     v
 }
 
+/// A token count, at most [`MAX_TOKENS`].
 fn as_u64(raw: Option<&RawValue>) -> Option<u64> {
-    serde_json::from_str(raw?.get()).ok()
+    serde_json::from_str::<u64>(raw?.get())
+        .ok()
+        .map(|n| n.min(MAX_TOKENS))
 }
 
 fn is_str(raw: Option<&RawValue>, s: &str) -> bool {
@@ -112,8 +123,16 @@ fn is_str(raw: Option<&RawValue>, s: &str) -> bool {
         .is_some_and(|k| k.0 == s)
 }
 
-/// The usage object `u` in the terms of `family`.
+/// The usage object `u` in the terms of `family`; its cached count at most its prompt.
 fn usage_in(family: Family, u: Option<&RawValue>) -> Option<Usage> {
+    let u = usage_as_written(family, u)?;
+    Some(Usage {
+        cached_tokens: u.cached_tokens.min(u.prompt_tokens),
+        ..u
+    })
+}
+
+fn usage_as_written(family: Family, u: Option<&RawValue>) -> Option<Usage> {
     match family {
         Family::Chat | Family::Completions => {
             let [prompt, details, completion] = fields(
@@ -153,7 +172,10 @@ fn usage_in(family: Family, u: Option<&RawValue>) -> Option<Usage> {
             )?;
             let (uncached, read) = (as_u64(input)?, as_u64(read).unwrap_or(0));
             Some(Usage {
-                prompt_tokens: uncached + read + as_u64(created).unwrap_or(0),
+                prompt_tokens: uncached
+                    .saturating_add(read)
+                    .saturating_add(as_u64(created).unwrap_or(0))
+                    .min(MAX_TOKENS),
                 cached_tokens: read,
                 completion_tokens: as_u64(output).unwrap_or(0),
             })
@@ -307,6 +329,7 @@ impl UsageReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn a_json_response_split_anywhere() {
@@ -469,6 +492,131 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
             r.feed_bytes(&Bytes::copy_from_slice(&body[cut..]));
             assert_eq!(r.finish().map(|u| u.prompt_tokens), Some(9), "cut {cut}");
             assert_eq!(r.response_id(), Some("resp_1"));
+        }
+    }
+
+    /// The counts are the replica's word: each is clamped to [`MAX_TOKENS`], a cached count
+    /// to the prompt, and what is not a whole number in u64 is no count. Unchecked, three
+    /// `u64::MAX` Anthropic counts wrapped to a prompt of `u64::MAX - 2` (or panicked).
+    #[test]
+    fn hostile_usage_numbers_are_clamped_or_refused() {
+        let max = MAX_TOKENS;
+        let big = u64::MAX;
+        let read = |family: Family, body: String| {
+            let mut r = UsageReader::new(family, false);
+            r.feed(body.as_bytes());
+            r.finish()
+                .map(|u| (u.prompt_tokens, u.cached_tokens, u.completion_tokens))
+        };
+        let chat = |prompt: &str, cached: &str, completion: &str| {
+            read(
+                Family::Chat,
+                format!(
+                    r#"{{"usage":{{"prompt_tokens":{prompt},"completion_tokens":{completion},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+                ),
+            )
+        };
+        let rows: &[((&str, &str, &str), Option<(u64, u64, u64)>)] = &[
+            (("900", "640", "3"), Some((900, 640, 3))),
+            (
+                (
+                    "18446744073709551615",
+                    "18446744073709551615",
+                    "18446744073709551615",
+                ),
+                Some((max, max, max)),
+            ),
+            (("10000000001", "0", "0"), Some((max, 0, 0))),
+            (("100", "5000", "0"), Some((100, 100, 0))),
+            (("18446744073709551616", "0", "0"), None),
+            (("99999999999999999999999999999", "0", "0"), None),
+            (("1e19", "0", "0"), None),
+            (("1e400", "0", "0"), None),
+            (("-1", "0", "0"), None),
+            (("NaN", "0", "0"), None),
+            (("7.5", "0", "0"), None),
+            // A bad optional count reads as none.
+            (("100", "-1", "1e19"), Some((100, 0, 0))),
+            (("100", "18446744073709551616", "0"), Some((100, 0, 0))),
+        ];
+        for ((prompt, cached, completion), want) in rows {
+            assert_eq!(
+                chat(prompt, cached, completion),
+                *want,
+                "{prompt} {cached} {completion}"
+            );
+        }
+        let messages = |input: u64, read_: u64, created: u64, output: u64| {
+            read(
+                Family::Messages,
+                format!(
+                    r#"{{"usage":{{"input_tokens":{input},"cache_read_input_tokens":{read_},"cache_creation_input_tokens":{created},"output_tokens":{output}}}}}"#
+                ),
+            )
+        };
+        assert_eq!(messages(big, big, big, big), Some((max, max, max)));
+        assert_eq!(messages(max, max, max, 1), Some((max, max, 1)));
+        assert_eq!(messages(1, 2, 3, 4), Some((6, 2, 4)));
+        let responses = read(
+            Family::Responses,
+            format!(
+                r#"{{"usage":{{"input_tokens":{big},"input_tokens_details":{{"cached_tokens":{big}}},"output_tokens":{big}}}}}"#
+            ),
+        );
+        assert_eq!(responses, Some((max, max, max)));
+        // The output count of a `message_delta`, streamed after the input side.
+        let mut r = UsageReader::new(Family::Messages, true);
+        r.feed(format!("data: {{\"type\":\"message_start\",\"message\":{{\"usage\":{{\"input_tokens\":{big},\"cache_read_input_tokens\":{big}}}}}}}\n\ndata: {{\"type\":\"message_delta\",\"usage\":{{\"output_tokens\":{big}}}}}\n\n").as_bytes());
+        assert_eq!(
+            r.finish(),
+            Some(Usage {
+                prompt_tokens: max,
+                cached_tokens: max,
+                completion_tokens: max
+            })
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+        /// Any counts, any family, JSON or streamed, split anywhere: reading never panics,
+        /// and what it gives is within bounds.
+        #[test]
+        fn any_usage_reads_within_bounds(
+            counts in prop::collection::vec(
+                prop_oneof![
+                    any::<u64>().prop_map(|v| v.to_string()),
+                    any::<i64>().prop_map(|v| v.to_string()),
+                    any::<f64>().prop_map(|v| v.to_string()),
+                    "[-+0-9.eE]{1,30}",
+                ],
+                6,
+            ),
+            family in 0..4usize,
+            sse in any::<bool>(),
+            cut in 0..400usize,
+        ) {
+            let family = [Family::Chat, Family::Completions, Family::Responses, Family::Messages][family];
+            let c = &counts;
+            let usage = format!(
+                r#"{{"prompt_tokens":{},"completion_tokens":{},"prompt_tokens_details":{{"cached_tokens":{}}},"input_tokens":{},"input_tokens_details":{{"cached_tokens":{}}},"output_tokens":{},"cache_read_input_tokens":{},"cache_creation_input_tokens":{}}}"#,
+                c[0], c[1], c[2], c[3], c[4], c[5], c[0], c[2]
+            );
+            let body = if sse {
+                format!("data: {{\"usage\":{usage}}}\n\ndata: {{\"type\":\"message_delta\",\"usage\":{{\"output_tokens\":{}}}}}\n\n", c[1])
+            } else {
+                format!("{{\"usage\":{usage}}}")
+            };
+            let body = body.as_bytes();
+            let cut = cut.min(body.len());
+            let mut r = UsageReader::new(family, sse);
+            r.feed(&body[..cut]);
+            r.feed(&body[cut..]);
+            if let Some(u) = r.finish() {
+                prop_assert!(u.prompt_tokens <= MAX_TOKENS);
+                prop_assert!(u.cached_tokens <= u.prompt_tokens);
+                prop_assert!(u.completion_tokens <= MAX_TOKENS);
+            }
         }
     }
 }

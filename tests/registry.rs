@@ -57,3 +57,57 @@ fn two_replicas_on_one_address_are_both_readmitted() {
     }
     assert!(seen.contains("gpu0") && seen.contains("gpu0b"), "{seen:?}");
 }
+
+/// A replica removed through the admin API takes every series that names it off the scrape:
+/// before, it stayed `inferlb_replica_up 1` with its counters for as long as inferlb ran.
+#[test]
+fn a_removed_replica_leaves_no_series_on_the_scrape() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (a, b) = two_sims(dir.path(), &[]);
+    let lb = Lb::start(dir.path(), &[&a], test_conf());
+    let added = http()
+        .post(lb.admin_url("/admin/replicas"))
+        .json(&serde_json::json!({"id": "gpu1", "address": b.addr()}))
+        .send()
+        .expect("add");
+    assert_eq!(added.status(), 201);
+    assert!(
+        wait_until(Duration::from_secs(10), || lb.replica_state("gpu1")["live"]
+            == true),
+        "gpu1 joins after a passing check"
+    );
+    // Fresh conversations until gpu1 served one, so that its counters have series too.
+    let mut i = 0;
+    let served = wait_until(Duration::from_secs(10), || {
+        i += 1;
+        routed_chat(&lb, &[("user", &format!("conversation {i}"))]).0 == "gpu1"
+    });
+    assert!(served, "gpu1 served a request");
+    let label = r#"replica="gpu1""#;
+    let naming = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && l.contains(label))
+            .map(str::to_owned)
+            .collect()
+    };
+    let before = naming(&lb.metrics());
+    for family in ["inferlb_replica_up{", "inferlb_requests_total{"] {
+        assert!(
+            before.iter().any(|l| l.starts_with(family)),
+            "{family}: {before:?}"
+        );
+    }
+    assert_eq!(lb.metric(r#"inferlb_replica_up{replica="gpu1"}"#), 1.0);
+
+    let removed = http()
+        .delete(lb.admin_url("/admin/replicas/gpu1"))
+        .send()
+        .expect("delete");
+    assert_eq!(removed.status(), 200);
+    let text = lb.metrics();
+    assert_eq!(naming(&text), Vec::<String>::new(), "{text}");
+    assert_eq!(lb.metric(r#"inferlb_replica_up{replica="gpu0"}"#), 1.0);
+    // And it stays off while the balancer serves on.
+    routed_chat(&lb, &[("user", "after the removal")]);
+    assert_eq!(naming(&lb.metrics()), Vec::<String>::new());
+}

@@ -2,12 +2,20 @@
 //! replica reports it: requests in flight, prefill queued (requests without a first byte and
 //! their uncached tokens), decodes running. The guards count a request for as long as it holds
 //! its place, and tell the cluster each change.
+//!
+//! What the replica and the other instances report is clamped where it is read
+//! (`crate::load`, the cluster); the sums and products here saturate all the same, so no
+//! number can wrap a busy replica's load around to look idle.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::Replica;
 use crate::cluster::Cluster;
+
+/// The most requests waiting or running a replica's report counts for (`crate::load` reads
+/// its `/metrics` with this bound).
+pub const MAX_REPORTED_REQUESTS: u64 = 1_000_000;
 
 /// Prefill queued and decodes running, as this process sees them and as the replica reports.
 #[derive(Default)]
@@ -34,7 +42,9 @@ pub(super) struct Load {
 impl Replica {
     /// Requests in flight on it from this process and from the other instances of a cluster.
     pub fn in_flight_everywhere(&self) -> usize {
-        self.in_flight() + self.load.peer_in_flight.load(Ordering::Relaxed) as usize
+        let peers = self.load.peer_in_flight.load(Ordering::Relaxed);
+        self.in_flight()
+            .saturating_add(usize::try_from(peers).unwrap_or(usize::MAX))
     }
 
     /// Shares its load changes and what it prefilled with the other instances from now on.
@@ -52,8 +62,7 @@ impl Replica {
 
     /// Counts a request in flight until the guard drops.
     pub fn start(self: &Arc<Self>) -> InFlight {
-        let n = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-        self.in_flight_gauge.set(n as i64);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.changed();
         InFlight(self.clone())
     }
@@ -62,18 +71,20 @@ impl Replica {
     /// when the replica reports more requests waiting than that, the others at the mean size.
     pub fn queued_tokens(&self) -> u64 {
         let l = &self.load;
-        let seen =
-            l.queued_tokens.load(Ordering::Relaxed) + l.peer_queued_tokens.load(Ordering::Relaxed);
+        let seen = l
+            .queued_tokens
+            .load(Ordering::Relaxed)
+            .saturating_add(l.peer_queued_tokens.load(Ordering::Relaxed));
         if !l.reported.load(Ordering::Relaxed) {
             return seen;
         }
-        let known =
-            l.waiting.load(Ordering::Relaxed) as u64 + l.peer_waiting.load(Ordering::Relaxed);
+        let known = (l.waiting.load(Ordering::Relaxed) as u64)
+            .saturating_add(l.peer_waiting.load(Ordering::Relaxed));
         let others = l
             .reported_waiting
             .load(Ordering::Relaxed)
             .saturating_sub(known);
-        seen + others * l.mean_uncached.load(Ordering::Relaxed)
+        seen.saturating_add(others.saturating_mul(l.mean_uncached.load(Ordering::Relaxed)))
     }
 
     /// Requests it runs: past their first byte here or at a peer instance, or as it reports,
@@ -86,11 +97,13 @@ impl Replica {
         let peers = l
             .peer_in_flight
             .load(Ordering::Relaxed)
-            .saturating_sub(l.peer_waiting.load(Ordering::Relaxed)) as usize;
+            .saturating_sub(l.peer_waiting.load(Ordering::Relaxed));
+        let seen = local.saturating_add(usize::try_from(peers).unwrap_or(usize::MAX));
         if !l.reported.load(Ordering::Relaxed) {
-            return local + peers;
+            return seen;
         }
-        (local + peers).max(l.reported_running.load(Ordering::Relaxed) as usize)
+        let reported = l.reported_running.load(Ordering::Relaxed);
+        seen.max(usize::try_from(reported).unwrap_or(usize::MAX))
     }
 
     /// Whether its `/metrics` was read; true when that changed since the last read.
@@ -116,11 +129,15 @@ impl Replica {
     }
 
     /// What its `/metrics` says now; `None` when it could not be read (local counts only).
+    /// Each count is taken as at most [`MAX_REPORTED_REQUESTS`], as `crate::load::parse`
+    /// already bounds it: here too, so that no caller can hand in more.
     pub fn set_reported_load(&self, waiting_running: Option<(u64, u64)>) {
         let l = &self.load;
         if let Some((waiting, running)) = waiting_running {
-            l.reported_waiting.store(waiting, Ordering::Relaxed);
-            l.reported_running.store(running, Ordering::Relaxed);
+            l.reported_waiting
+                .store(waiting.min(MAX_REPORTED_REQUESTS), Ordering::Relaxed);
+            l.reported_running
+                .store(running.min(MAX_REPORTED_REQUESTS), Ordering::Relaxed);
         }
         l.reported
             .store(waiting_running.is_some(), Ordering::Relaxed);
@@ -136,7 +153,7 @@ impl Replica {
         let next = if mean == 0 {
             uncached
         } else {
-            (mean * 15 + uncached) / 16
+            mean.saturating_mul(15).saturating_add(uncached) / 16
         };
         l.mean_uncached.store(next, Ordering::Relaxed);
         self.changed();
@@ -183,8 +200,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let n = self.0.in_flight.fetch_sub(1, Ordering::Relaxed) - 1;
-        self.0.in_flight_gauge.set(n as i64);
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.0.changed();
     }
 }

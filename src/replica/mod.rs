@@ -16,12 +16,12 @@ use pingora_load_balancing::Backend;
 use crate::cluster::Cluster;
 use crate::config::{ReplicaConf, UpstreamConf};
 use crate::index::PrefixIndex;
-use crate::metrics::METRICS;
+use crate::metrics::ReplicaGauges;
 
 mod load;
 
 use load::Load;
-pub use load::{InFlight, QueuedPrefill};
+pub use load::{InFlight, QueuedPrefill, MAX_REPORTED_REQUESTS};
 
 /// The cache capacity assumed for a replica that neither the conf nor its `/metrics` sizes.
 pub const DEFAULT_CACHE_TOKENS: u64 = 1_000_000;
@@ -53,8 +53,6 @@ pub struct Replica {
     demotions: AtomicU64,
     draining: AtomicBool,
     in_flight: AtomicUsize,
-    /// `inferlb_replica_in_flight` for it, looked up once.
-    in_flight_gauge: pingora_prometheus::prometheus::IntGauge,
     /// The models it serves: from the conf, or learnt from its /v1/models (empty: unknown,
     /// so it is not excluded from any model's pool).
     models: RwLock<Arc<[String]>>,
@@ -141,13 +139,6 @@ impl Replica {
             weight: 1,
             ext: Default::default(),
         };
-        METRICS
-            .up
-            .with_label_values(&[&conf.id])
-            .set(healthy as i64);
-        let in_flight_gauge = METRICS.in_flight.with_label_values(&[&conf.id]);
-        in_flight_gauge.set(0);
-        METRICS.draining.with_label_values(&[&conf.id]).set(0);
         Replica {
             id: Arc::from(conf.id.as_str()),
             address: conf.address.clone(),
@@ -168,7 +159,6 @@ impl Replica {
             demotions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
-            in_flight_gauge,
             models: RwLock::new(Arc::from(conf.models.clone())),
             checks_passed: AtomicU64::new(0),
             index: PrefixIndex::new(conf.cache_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
@@ -226,7 +216,6 @@ impl Replica {
     pub fn demote(&self) {
         self.demotions.fetch_add(1, Ordering::Relaxed);
         self.demoted.store(true, Ordering::Relaxed);
-        METRICS.up.with_label_values(&[&self.id]).set(0);
     }
 
     /// The demotion count before a health check starts; pass it to [`Self::observe_check`].
@@ -261,8 +250,6 @@ impl Replica {
         } else {
             self.checks_passed.load(Ordering::Relaxed)
         };
-        let up = self.is_healthy() && !self.is_demoted();
-        METRICS.up.with_label_values(&[&self.id]).set(up as i64);
         (flipped, passed)
     }
 
@@ -280,10 +267,19 @@ impl Replica {
         } else if !was && draining {
             log::warn!("replica {} draining", self.id);
         }
-        METRICS
-            .draining
-            .with_label_values(&[&self.id])
-            .set(draining as i64);
+    }
+}
+
+/// Its gauges, read at each scrape from the state itself.
+impl ReplicaGauges for Replica {
+    fn up(&self) -> bool {
+        self.is_reachable()
+    }
+    fn in_flight(&self) -> usize {
+        Replica::in_flight(self)
+    }
+    fn draining(&self) -> bool {
+        self.is_draining()
     }
 }
 
@@ -415,6 +411,30 @@ mod tests {
             (r.queued_tokens(), r.running()),
             (0, 2),
             "stale: local counts only"
+        );
+    }
+
+    /// Sums and products of reported and shared counts saturate: the largest counts read as
+    /// the busiest replica, never wrap around to an idle one. Unchecked, a peer's `u64::MAX`
+    /// queued tokens plus this process's 1,000 wrapped to 999.
+    #[test]
+    fn absurd_counts_saturate_instead_of_wrapping() {
+        let r = Arc::new(replica("a", "127.0.0.1:1"));
+        let _queued = r.queue_prefill(1000);
+        let _flight = r.start();
+        r.set_peer_load(u64::MAX, 0, u64::MAX);
+        assert_eq!(r.queued_tokens(), u64::MAX);
+        assert_eq!(r.in_flight_everywhere(), usize::MAX);
+        assert_eq!(r.running(), usize::MAX);
+        r.set_peer_load(0, 0, 0);
+        // A report past the bound counts as the bound, times the mean request.
+        r.set_reported_load(Some((u64::MAX, u64::MAX)));
+        assert_eq!(
+            (r.queued_tokens(), r.running()),
+            (
+                1000 + (MAX_REPORTED_REQUESTS - 1) * 1000,
+                MAX_REPORTED_REQUESTS as usize
+            )
         );
     }
 }

@@ -22,7 +22,7 @@ pub fn decide<'c, 'a, H, S: AsRef<str>>(
     };
     let least = available.iter().map(|c| c.in_flight).min().unwrap_or(0);
     match spill_margin {
-        Some(margin) if home.in_flight >= least + margin.max(1) => {
+        Some(margin) if home.in_flight >= least.saturating_add(margin.max(1)) => {
             (least_busy(available, tick), Route::Spilled)
         }
         _ => (home, Route::Pinned),

@@ -22,9 +22,14 @@ pub const DECODE_TOKENS: u64 = 32;
 pub const MISS_WEIGHT: u64 = 3;
 
 /// A replica's cost for a prompt of `prompt_tokens`, of which it likely holds `cached`.
+/// Saturating: the queue and running counts come partly from the replica, and a sum that
+/// wrapped would make the busiest replica look the cheapest.
 pub fn cost<H>(c: &Candidate<'_, H>, prompt_tokens: u64, cached: u64) -> u64 {
     let miss = prompt_tokens.saturating_sub(cached);
-    miss * MISS_WEIGHT + c.queued_tokens + c.running as u64 * DECODE_TOKENS
+    let running = u64::try_from(c.running).unwrap_or(u64::MAX);
+    miss.saturating_mul(MISS_WEIGHT)
+        .saturating_add(c.queued_tokens)
+        .saturating_add(running.saturating_mul(DECODE_TOKENS))
 }
 
 /// `home`: the replica an exact continuation (or the session) names, and the tokens of the
@@ -242,5 +247,36 @@ mod tests {
             }
             assert_eq!(at_home, expect_home, "home queue {home_queue}");
         }
+    }
+
+    /// The cost saturates: the largest queue and running counts make the most expensive
+    /// replica, never one whose sum wrapped below an idle one's.
+    #[test]
+    fn the_cost_of_absurd_counts_saturates() {
+        let c = |queued_tokens: u64, running: usize| Candidate {
+            handle: (),
+            id: "x",
+            available: true,
+            reachable: true,
+            in_flight: 0,
+            cached_tokens: 0,
+            queued_tokens,
+            running,
+        };
+        let idle = super::cost(&c(0, 0), 1000, 0);
+        assert_eq!(idle, 3000);
+        for (queued, running) in [
+            (u64::MAX, 0),
+            (u64::MAX - 1, 1),
+            (0, usize::MAX),
+            (u64::MAX, usize::MAX),
+        ] {
+            assert_eq!(
+                super::cost(&c(queued, running), 1000, 0),
+                u64::MAX,
+                "{queued} {running}"
+            );
+        }
+        assert_eq!(super::cost(&c(0, 0), u64::MAX, 0), u64::MAX);
     }
 }
