@@ -73,7 +73,13 @@ impl Saturated {
         let mut fut = Box::pin(async move {
             let mut pass = Pass::default();
             overload
-                .admit(&mut pass, who, 100, None, async move { left.notified().await })
+                .admit(
+                    &mut pass,
+                    who,
+                    100,
+                    None,
+                    async move { left.notified().await },
+                )
                 .await
         });
         let mut cx = Context::from_waker(Waker::noop());

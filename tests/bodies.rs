@@ -77,7 +77,17 @@ impl Answer {
 /// the balancer at `base` with `args` (the protocol, and TLS trust), in session `session`.
 fn curl_upload(base: &str, args: &[&str], session: &str, body: &[u8]) -> Answer {
     let mut child = Command::new("curl")
-        .args(["-sS", "--max-time", "15", "-X", "POST", "-T", "-", "-o", "/dev/null"])
+        .args([
+            "-sS",
+            "--max-time",
+            "15",
+            "-X",
+            "POST",
+            "-T",
+            "-",
+            "-o",
+            "/dev/null",
+        ])
         .args(["-D", "-", "-w", "%{http_version} %{http_code}"])
         .args(["-H", "content-type: application/json"])
         .args(["-H", &format!("x-session-id: {session}")])
@@ -168,7 +178,11 @@ fn http2_uploads_without_a_length_arrive_whole_over_h2c_and_tls_and_on_a_retry()
         }
     }
     let refused = r#"inferlb_failovers_total{reason="connect_refused",replica="gpu0"}"#;
-    assert_eq!(lb.metric(refused), 6.0, "each retry was a refused connection");
+    assert_eq!(
+        lb.metric(refused),
+        6.0,
+        "each retry was a refused connection"
+    );
 }
 
 fn chunked(pieces: &[&[u8]]) -> Vec<u8> {
@@ -186,7 +200,8 @@ fn chunked(pieces: &[&[u8]]) -> Vec<u8> {
 fn bytes_after_a_chunked_json_document_reach_the_replica_as_sent() {
     let dir = tempfile::tempdir().unwrap();
     let (_a, _b, lb) = cluster(dir.path(), &["--speed", "50"], test_conf());
-    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+    let head =
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
                 transfer-encoding: chunked\r\nconnection: close\r\n\r\n";
     // Under and over the 64 KiB retry buffer; what follows the document comes in chunks of
     // its own, as a streaming encoder writes a final newline.
@@ -213,7 +228,10 @@ fn bytes_after_a_chunked_json_document_reach_the_replica_as_sent() {
                 .unwrap_or("?"),
             sent.len()
         );
-        let hash = format!("x-sim-body-hash: {:016x}", xxhash_rust::xxh3::xxh3_64(&sent));
+        let hash = format!(
+            "x-sim-body-hash: {:016x}",
+            xxhash_rust::xxh3::xxh3_64(&sent)
+        );
         assert!(lower.contains(&hash), "{kb} KB: {resp}");
     }
 }

@@ -450,7 +450,8 @@ fn a_queued_chunked_upload_whose_terminator_comes_late_is_served_whole() {
         body.extend_from_slice(c);
         body.extend_from_slice(b"\r\n");
     }
-    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+    let head =
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
                 transfer-encoding: chunked\r\nconnection: close\r\n\r\n";
     let mut second = TcpStream::connect(("127.0.0.1", lb.port)).expect("connect");
     second.write_all(head.as_bytes()).expect("write head");
@@ -471,7 +472,10 @@ fn a_queued_chunked_upload_whose_terminator_comes_late_is_served_whole() {
         "{resp}"
     );
     let hash = xxhash_rust::xxh3::xxh3_64(json.as_bytes());
-    assert!(resp.contains(&format!("x-sim-body-hash: {hash:016x}")), "{resp}");
+    assert!(
+        resp.contains(&format!("x-sim-body-hash: {hash:016x}")),
+        "{resp}"
+    );
     assert_eq!(
         lb.metric("inferlb_overload_abandoned_total{class=\"default\"}"),
         0.0

@@ -306,7 +306,10 @@ mod tests {
         let some = |b: &[u8]| Some(b.to_vec());
         // A buffered tail, then the end: the whole body, then nothing, on each attempt.
         assert_eq!(
-            handed(replay(b"{\"a\":1}", false), &[&[Some(b"1}"), None], &[Some(b"1}")]]),
+            handed(
+                replay(b"{\"a\":1}", false),
+                &[&[Some(b"1}"), None], &[Some(b"1}")]]
+            ),
             vec![some(b"{\"a\":1}"), None, some(b"{\"a\":1}")]
         );
         // A chunked body read to its JSON end: what Pingora reads after it follows it.
@@ -315,12 +318,14 @@ mod tests {
                 replay(b"{\"a\":1}", true),
                 &[&[Some(b"\n "), Some(b"x"), None], &[None]]
             ),
-            vec![some(b"{\"a\":1}\n "), some(b"x"), None, some(b"{\"a\":1}\n x")]
+            vec![
+                some(b"{\"a\":1}\n "),
+                some(b"x"),
+                None,
+                some(b"{\"a\":1}\n x")
+            ]
         );
-        assert_eq!(
-            handed(replay(b"{}", true), &[&[None]]),
-            vec![some(b"{}")]
-        );
+        assert_eq!(handed(replay(b"{}", true), &[&[None]]), vec![some(b"{}")]);
         assert_eq!(handed(replay(b"", false), &[&[None]]), vec![None]);
     }
 }

@@ -191,14 +191,14 @@ impl Budgets {
     /// A request of `key` starts: counted as concurrent, its `tokens` charged.
     pub fn start(&mut self, key: u64, tokens: u64, now: Instant) {
         let (key, u) = self.entry(key, now);
-        if u.concurrent == 0 && key != OVERFLOW {
-            // In flight: never forgotten until it ends.
-            let stamp = u.stamp;
-            self.idle.remove(&stamp);
-        }
+        let newly = (u.concurrent == 0 && key != OVERFLOW).then_some(u.stamp);
         u.concurrent += 1;
         let at = (u.epoch % SLICES as u64) as usize;
         u.slices[at] = u.slices[at].saturating_add(tokens);
+        if let Some(stamp) = newly {
+            // In flight: never forgotten until it ends.
+            self.idle.remove(&stamp);
+        }
         *self.pending.entry(key).or_default() += tokens as i64;
     }
 
@@ -392,7 +392,10 @@ mod tests {
         }
         assert!(b.keys.contains_key(&busy), "in flight: kept");
         assert!(b.keys.contains_key(&1), "recently used: kept");
-        assert!(!b.keys.contains_key(&2), "the least recently used: forgotten");
+        assert!(
+            !b.keys.contains_key(&2),
+            "the least recently used: forgotten"
+        );
         assert!(!b.pending.contains_key(&2));
         b.end(busy);
         assert_eq!(b.keys[&busy].concurrent, 0);
