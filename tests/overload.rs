@@ -422,6 +422,71 @@ fn a_waiting_request_whose_client_pipelines_the_next_one_keeps_its_place() {
 }
 
 #[test]
+fn a_queued_chunked_upload_whose_terminator_comes_late_is_served_whole() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 20k tokens a second: the first request's 40k-token prompt holds the replica about 2 s.
+    let sim = Sim::start(dir.path(), "gpu0", &["--prefill-tokens-per-s", "20000"]);
+    let conf = LbConf {
+        overload: Some(
+            "max_queued_prefill_tokens: 1\nqueue_length: 100\nqueue_timeout_seconds: 60\n".into(),
+        ),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[&sim], conf);
+    let mut first = TcpStream::connect(("127.0.0.1", lb.port)).expect("connect");
+    let long = chat_body(&[("user", &text_of("long", 40_000))], false, 1).to_string();
+    first
+        .write_all(raw_post("/v1/chat/completions", &long).as_bytes())
+        .expect("write");
+    assert!(wait_until(Duration::from_secs(5), || {
+        lb.metric("inferlb_replica_in_flight{replica=\"gpu0\"}") == 1.0
+    }));
+    // Past the 64 KiB retry buffer, its JSON is read whole and it queues while its chunked
+    // terminator is still on the way.
+    let json = chat_body(&[("user", &text_of("late end", 25_000))], false, 1).to_string();
+    let mut body = Vec::new();
+    for c in json.as_bytes().chunks(8000) {
+        body.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+        body.extend_from_slice(c);
+        body.extend_from_slice(b"\r\n");
+    }
+    let head =
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                transfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let mut second = TcpStream::connect(("127.0.0.1", lb.port)).expect("connect");
+    second.write_all(head.as_bytes()).expect("write head");
+    second.write_all(&body).expect("write body");
+    let queue = "inferlb_overload_queue_length{class=\"default\"}";
+    assert!(wait_until(Duration::from_secs(5), || lb.metric(queue) == 1.0));
+    std::thread::sleep(Duration::from_millis(200));
+    second.write_all(b"0\r\n\r\n").expect("write terminator");
+    second
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let mut resp = Vec::new();
+    let _ = second.read_to_end(&mut resp);
+    let resp = String::from_utf8_lossy(&resp).to_ascii_lowercase();
+    assert!(resp.starts_with("http/1.1 200"), "{resp}");
+    assert!(
+        resp.contains(&format!("x-sim-body-bytes: {}\r\n", json.len())),
+        "{resp}"
+    );
+    let hash = xxhash_rust::xxh3::xxh3_64(json.as_bytes());
+    assert!(
+        resp.contains(&format!("x-sim-body-hash: {hash:016x}")),
+        "{resp}"
+    );
+    assert_eq!(
+        lb.metric("inferlb_overload_abandoned_total{class=\"default\"}"),
+        0.0
+    );
+    assert_eq!(
+        read_responses(&mut first, 1, Duration::from_secs(10)).len(),
+        1
+    );
+}
+
+#[test]
 fn bad_overload_limits_are_refused_at_start_with_the_key_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     for (section, key) in [

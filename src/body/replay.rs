@@ -2,13 +2,17 @@
 //!
 //! Pingora forwards a body it has already read only from its retry buffer, which holds at most
 //! 64 KiB (`BODY_BUF_LIMIT` in pingora-core) and is dropped whole past that, while an agent's
-//! prompt is often several hundred KB. So:
-//! - with `Content-Length`, buffering is switched on only when at most 64 KiB remain: the
-//!   buffer then holds just the tail, is never truncated, and its presence makes Pingora call
-//!   `request_body_filter`, where [`BodyReplay::substitute`] puts the whole body in its place;
-//! - with chunked encoding, reading stops as soon as the JSON value is complete ([`JsonEnd`]),
-//!   leaving the chunked terminator on the wire: Pingora reads it and calls
-//!   `request_body_filter`, where the whole body is sent.
+//! prompt is often several hundred KB. The buffer's presence is what makes Pingora call
+//! `request_body_filter`, where [`BodyReplay::substitute`] puts the whole body in its place, so
+//! each way of reading makes sure it holds something, untruncated, or leaves bytes on the wire:
+//! - HTTP/2: the first chunk is read into the buffer, the rest past it (no length is needed,
+//!   and HTTP/2 has no chunked encoding);
+//! - HTTP/1.1 with `Content-Length`: buffering is switched on only when at most 64 KiB remain,
+//!   so the buffer holds just the tail;
+//! - HTTP/1.1 chunked: read to its end while the buffer holds it all; past 64 KiB, reading
+//!   stops as soon as the JSON value is complete ([`JsonEnd`]), leaving the rest (at least the
+//!   terminator) to Pingora, whose read calls `request_body_filter`; whatever it still reads is
+//!   forwarded after the body, so the replica gets exactly the client's bytes.
 
 use std::time::Duration;
 
@@ -87,15 +91,52 @@ fn header<'s>(session: &'s Session, name: &str) -> Option<&'s str> {
     session.req_header().headers.get(name)?.to_str().ok()
 }
 
+/// The body's length from its `Content-Length` headers: `None` when there is none. A value
+/// that is not plain digits, or several that differ, is refused, never taken as absent: the
+/// body would then be read by another rule than the one the client framed it by.
+pub fn content_length(headers: &http::HeaderMap) -> Result<Option<usize>, BodyError> {
+    let mut length = None;
+    for v in headers.get_all(http::header::CONTENT_LENGTH) {
+        let bytes = v.as_bytes();
+        let n = (!bytes.is_empty() && bytes.iter().all(u8::is_ascii_digit))
+            .then(|| std::str::from_utf8(bytes).ok()?.parse::<usize>().ok())
+            .flatten();
+        match (n, length) {
+            (None, _) => return Err(BodyError::Read("invalid content-length".into())),
+            (Some(n), Some(seen)) if n != seen => {
+                return Err(BodyError::Read("conflicting content-length headers".into()))
+            }
+            (Some(n), _) => length = Some(n),
+        }
+    }
+    Ok(length)
+}
+
+/// The next chunk of an HTTP/2 body, read past Pingora's retry buffer.
+async fn read_h2_unbuffered(session: &mut Session) -> Result<Option<Bytes>, BodyError> {
+    use pingora_core::protocols::http::server::Session as Downstream;
+    let Downstream::H2(h2) = session.as_downstream_mut() else {
+        return session
+            .read_request_body()
+            .await
+            .map_err(|e| BodyError::Read(e.to_string()));
+    };
+    std::future::poll_fn(|cx| h2.poll_read_body_bytes(cx))
+        .await
+        .transpose()
+        .map_err(|e| BodyError::Read(e.to_string()))
+}
+
 impl BodyReplay {
     /// Reads the whole body, bounded in size and total time. Answers `Expect: 100-continue`
     /// itself (the replica must not see it: the client waits for inferlb's answer).
     pub async fn read(session: &mut Session, limits: BodyLimits) -> Result<BodyReplay, BodyError> {
-        let length = header(session, "content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        let length = content_length(&session.req_header().headers)?;
         let chunked = header(session, "transfer-encoding")
             .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
         let expects_continue =
             header(session, "expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+        let h2 = session.as_downstream().is_http2();
         let limit = limits.max_bytes;
         if length.is_some_and(|n| n > limit) {
             return Err(BodyError::TooLarge { limit });
@@ -117,13 +158,13 @@ impl BodyReplay {
         let mut first: Option<Bytes> = None;
         let mut body = BytesMut::new();
         let mut json_end = JsonEnd::default();
-        if chunked {
-            // Covers chunked bodies up to 64 KiB on every retry; larger ones are replayed by
-            // leaving their terminator to Pingora.
+        if chunked || h2 {
+            // Chunked: holds bodies up to 64 KiB for every retry. HTTP/2: holds its first
+            // chunk (one frame, at most 16 KiB), all Pingora needs to call the body filter.
             session.enable_retry_buffering();
         }
         loop {
-            if chunked && json_end.complete() {
+            if chunked && json_end.complete() && session.as_ref().retry_buffer_truncated() {
                 replay.chunked_tail_pending = true;
                 break;
             }
@@ -131,10 +172,17 @@ impl BodyReplay {
             if length.is_some_and(|n| n.saturating_sub(read) <= RETRY_BUFFER_LIMIT) {
                 session.enable_retry_buffering();
             }
-            let chunk = tokio::time::timeout_at(deadline, session.read_request_body())
+            let next = async {
+                if h2 && read > 0 {
+                    read_h2_unbuffered(session).await
+                } else {
+                    let r = session.read_request_body().await;
+                    r.map_err(|e| BodyError::Read(e.to_string()))
+                }
+            };
+            let chunk = tokio::time::timeout_at(deadline, next)
                 .await
-                .map_err(|_| BodyError::Timeout(limits.read_timeout))?
-                .map_err(|e| BodyError::Read(e.to_string()))?;
+                .map_err(|_| BodyError::Timeout(limits.read_timeout))??;
             let Some(chunk) = chunk else { break };
             if read + chunk.len() > limit {
                 return Err(BodyError::TooLarge { limit });
@@ -164,17 +212,34 @@ impl BodyReplay {
     }
 
     /// In `request_body_filter`: Pingora hands over only the retry buffer's tail; send the
-    /// whole body instead, once for each attempt.
+    /// whole body instead, once for each attempt. After a chunked body's JSON end, what
+    /// Pingora still reads from the client follows the body as it came, and is kept for the
+    /// next attempt.
     pub fn substitute(&mut self, attempt: u32, chunk: &mut Option<Bytes>) {
         if self.body.is_empty() {
             return;
         }
+        let more = chunk
+            .take()
+            .filter(|c| self.chunked_tail_pending && !c.is_empty());
+        if let Some(more) = &more {
+            let mut whole = BytesMut::with_capacity(self.body.len() + more.len());
+            whole.extend_from_slice(&self.body);
+            whole.extend_from_slice(more);
+            self.body = whole.freeze();
+        }
         if self.sent_for == attempt {
-            *chunk = None;
+            *chunk = more;
         } else {
             self.sent_for = attempt;
             *chunk = Some(self.body.clone());
         }
+    }
+
+    /// Whether the client's body has bytes Pingora has not read yet: then nothing may read
+    /// the client's connection but Pingora's proxy loop.
+    pub fn tail_pending(&self, session: &mut Session) -> bool {
+        self.chunked_tail_pending && !session.as_downstream_mut().is_body_done()
     }
 
     /// Whether another attempt can still be given the body: not a large chunked body whose
@@ -183,5 +248,84 @@ impl BodyReplay {
         !(self.chunked_tail_pending
             && session.as_ref().retry_buffer_truncated()
             && session.as_downstream_mut().is_body_done())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_content_length_that_does_not_parse_is_refused_never_taken_as_absent() {
+        let cases: [(&[&str], Result<Option<usize>, ()>); 11] = [
+            (&[], Ok(None)),
+            (&["0"], Ok(Some(0))),
+            (&["100"], Ok(Some(100))),
+            (&["100", "100"], Ok(Some(100))),
+            (&["100, 100"], Err(())),
+            (&["100", "101"], Err(())),
+            (&["+100"], Err(())),
+            (&[" 100"], Err(())),
+            (&["1e3"], Err(())),
+            (&[""], Err(())),
+            (&["99999999999999999999999999"], Err(())),
+        ];
+        for (values, want) in cases {
+            let mut headers = http::HeaderMap::new();
+            for v in values {
+                headers.append("content-length", http::HeaderValue::from_str(v).unwrap());
+            }
+            let got = content_length(&headers).map_err(|e| assert_eq!(e.status(), 400));
+            assert_eq!(got, want, "{values:?}");
+        }
+    }
+
+    fn replay(body: &'static [u8], tail: bool) -> BodyReplay {
+        BodyReplay {
+            body: Bytes::from_static(body),
+            chunked_tail_pending: tail,
+            sent_for: 0,
+        }
+    }
+
+    /// What `substitute` hands on for each chunk Pingora gives, over two attempts.
+    fn handed(mut r: BodyReplay, attempts: &[&[Option<&'static [u8]>]]) -> Vec<Option<Vec<u8>>> {
+        let mut out = vec![];
+        for (n, chunks) in attempts.iter().enumerate() {
+            for c in *chunks {
+                let mut chunk = c.map(Bytes::from_static);
+                r.substitute(n as u32 + 1, &mut chunk);
+                out.push(chunk.map(|b| b.to_vec()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn each_attempt_gets_the_whole_body_once_and_what_follows_a_json_end_is_kept() {
+        let some = |b: &[u8]| Some(b.to_vec());
+        // A buffered tail, then the end: the whole body, then nothing, on each attempt.
+        assert_eq!(
+            handed(
+                replay(b"{\"a\":1}", false),
+                &[&[Some(b"1}"), None], &[Some(b"1}")]]
+            ),
+            vec![some(b"{\"a\":1}"), None, some(b"{\"a\":1}")]
+        );
+        // A chunked body read to its JSON end: what Pingora reads after it follows it.
+        assert_eq!(
+            handed(
+                replay(b"{\"a\":1}", true),
+                &[&[Some(b"\n "), Some(b"x"), None], &[None]]
+            ),
+            vec![
+                some(b"{\"a\":1}\n "),
+                some(b"x"),
+                None,
+                some(b"{\"a\":1}\n x")
+            ]
+        );
+        assert_eq!(handed(replay(b"{}", true), &[&[None]]), vec![some(b"{}")]);
+        assert_eq!(handed(replay(b"", false), &[&[None]]), vec![None]);
     }
 }

@@ -33,6 +33,8 @@ pub struct RawOverload {
     budget: Option<RawBudget>,
     #[serde(default)]
     keys: Vec<RawKey>,
+    #[serde(default = "default_max_keys")]
+    max_keys: i64,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -66,6 +68,9 @@ fn default_queue_timeout() -> f64 {
 }
 fn default_window() -> f64 {
     60.0
+}
+fn default_max_keys() -> i64 {
+    100_000
 }
 
 /// Limits of one key (or of every key not listed).
@@ -111,6 +116,8 @@ pub struct OverloadConf {
     pub budget: Budget,
     /// Listed keys, by [`key_id`] of the key.
     pub keys: HashMap<u64, KeyConf>,
+    /// Keys whose budgets are tracked at once (clients may choose keys).
+    pub max_keys: usize,
 }
 
 impl OverloadConf {
@@ -259,6 +266,7 @@ pub fn validate(raw: RawOverload) -> Result<OverloadConf, String> {
             raw_budget.tokens_per_minute,
         )?,
         keys,
+        max_keys: whole("max_keys", raw.max_keys, 100_000_000)? as usize,
     })
 }
 
@@ -299,6 +307,7 @@ mod tests {
         let c = parse("{}").expect("valid");
         assert_eq!(c.queue_length, 1000);
         assert_eq!(c.classes, vec!["default"]);
+        assert_eq!(c.max_keys, 100_000);
         assert!(!c.limits_load());
     }
 
@@ -306,6 +315,7 @@ mod tests {
     fn zero_negative_absurd_and_unknown_values_are_refused_with_the_key_named() {
         let cases = [
             ("queue_length: 0", "overload.queue_length"),
+            ("max_keys: 0", "overload.max_keys"),
             ("queue_length: -5", "overload.queue_length"),
             ("queue_length: 100000000000", "overload.queue_length"),
             ("max_running: 0", "overload.max_running"),

@@ -150,7 +150,7 @@ impl Overload {
             },
             state: Mutex::new(State {
                 queue: Queue::new(conf.queue_length, classes),
-                budgets: budget::Budgets::new(conf.window, now),
+                budgets: budget::Budgets::new(conf.window, now, conf.max_keys),
                 drain: Drain::new(now),
                 transit: HashMap::new(),
                 next_ticket: 1,

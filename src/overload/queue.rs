@@ -4,7 +4,10 @@
 //! a higher class, or for a key under its share, by pushing out the newest request of the
 //! lowest class's largest holder. Pure: no clock, no I/O; `T` is what a waiter is told by.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+// Every step of admission costs O(log n) at most: a key's requests, the keys' turn and the
+// holders by size are ordered maps, so nothing scans the queue under the overload lock.
 
 /// One waiting request.
 #[derive(Debug)]
@@ -34,22 +37,44 @@ pub enum Pushed<T> {
     Refused(Full, T),
 }
 
+/// One key's requests in one class, oldest first (ids only grow), and its place in the turn.
+#[derive(Debug)]
+struct KeyQueue<T> {
+    entries: BTreeMap<u64, Entry<T>>,
+    turn_at: u64,
+}
+
 #[derive(Debug)]
 struct Class<T> {
-    by_key: HashMap<u64, VecDeque<Entry<T>>>,
-    /// Keys with entries, in turn.
-    turn: VecDeque<u64>,
+    by_key: HashMap<u64, KeyQueue<T>>,
+    /// Keys with entries, in turn: place → key.
+    turn: BTreeMap<u64, u64>,
+    next_turn: u64,
+    /// Keys with entries here by what they hold in all classes: (held, key).
+    holders: BTreeSet<(usize, u64)>,
+    len: usize,
 }
 
 impl<T> Class<T> {
     fn new() -> Self {
         Class {
             by_key: HashMap::new(),
-            turn: VecDeque::new(),
+            turn: BTreeMap::new(),
+            next_turn: 0,
+            holders: BTreeSet::new(),
+            len: 0,
         }
     }
-    fn len(&self) -> usize {
-        self.by_key.values().map(VecDeque::len).sum()
+
+    /// `key` goes to the back of the turn.
+    fn to_back(&mut self, key: u64) {
+        let at = self.next_turn;
+        self.next_turn += 1;
+        if let Some(q) = self.by_key.get_mut(&key) {
+            self.turn.remove(&q.turn_at);
+            q.turn_at = at;
+            self.turn.insert(at, key);
+        }
     }
 }
 
@@ -88,7 +113,7 @@ impl<T> Queue<T> {
 
     /// Entries waiting in each class.
     pub fn len_by_class(&self) -> Vec<usize> {
-        self.classes.iter().map(Class::len).collect()
+        self.classes.iter().map(|c| c.len).collect()
     }
 
     /// The slots `key` may hold: the length shared by the keys waiting, itself included.
@@ -100,6 +125,22 @@ impl<T> Queue<T> {
     /// Requests of `key` waiting now.
     pub fn held(&self, key: u64) -> usize {
         self.per_key.get(&key).copied().unwrap_or(0)
+    }
+
+    /// `key` now holds `held` entries: its count, and its place among each class's holders.
+    fn set_held(&mut self, key: u64, held: usize) {
+        let was = self.held(key);
+        for c in &mut self.classes {
+            if c.by_key.contains_key(&key) {
+                c.holders.remove(&(was, key));
+                c.holders.insert((held, key));
+            }
+        }
+        if held == 0 {
+            self.per_key.remove(&key);
+        } else {
+            self.per_key.insert(key, held);
+        }
     }
 
     pub fn push(&mut self, key: u64, class: usize, tokens: u64, item: T) -> Pushed<T> {
@@ -123,20 +164,32 @@ impl<T> Queue<T> {
         };
         let id = self.next_id;
         self.next_id += 1;
+        let held = self.held(key);
         let c = &mut self.classes[class];
-        let q = c.by_key.entry(key).or_default();
-        if q.is_empty() {
-            c.turn.push_back(key);
+        if !c.by_key.contains_key(&key) {
+            let at = c.next_turn;
+            c.next_turn += 1;
+            c.turn.insert(at, key);
+            c.holders.insert((held, key));
+            let q = KeyQueue {
+                entries: BTreeMap::new(),
+                turn_at: at,
+            };
+            c.by_key.insert(key, q);
         }
-        q.push_back(Entry {
+        let entry = Entry {
             id,
             key,
             class,
             tokens,
             item,
-        });
+        };
+        if let Some(q) = c.by_key.get_mut(&key) {
+            q.entries.insert(id, entry);
+        }
+        c.len += 1;
         self.len += 1;
-        *self.per_key.entry(key).or_default() += 1;
+        self.set_held(key, held + 1);
         self.index.insert(id, (class, key));
         match evicted {
             Some(e) => Pushed::Evicted(id, e),
@@ -148,13 +201,8 @@ impl<T> Queue<T> {
     /// that has any, the largest holder; in its own class, the largest holder if over `share`.
     fn victim(&self, class: usize, share: usize) -> Option<(usize, u64)> {
         for c in (class..self.classes.len()).rev() {
-            let largest = self.classes[c]
-                .by_key
-                .keys()
-                .max_by_key(|k| (self.held(**k), **k))
-                .copied();
-            if let Some(k) = largest {
-                if c > class || self.held(k) > share {
+            if let Some(&(held, k)) = self.classes[c].holders.last() {
+                if c > class || held > share {
                     return Some((c, k));
                 }
             }
@@ -163,7 +211,8 @@ impl<T> Queue<T> {
     }
 
     fn take_newest(&mut self, class: usize, key: u64) -> Option<Entry<T>> {
-        let e = self.classes[class].by_key.get_mut(&key)?.pop_back()?;
+        let q = self.classes[class].by_key.get_mut(&key)?;
+        let (_, e) = q.entries.pop_last()?;
         self.forget(&e);
         Some(e)
     }
@@ -172,34 +221,42 @@ impl<T> Queue<T> {
     fn forget(&mut self, e: &Entry<T>) {
         self.len -= 1;
         self.index.remove(&e.id);
-        if let Some(n) = self.per_key.get_mut(&e.key) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_key.remove(&e.key);
-            }
-        }
+        let held = self.held(e.key);
         let c = &mut self.classes[e.class];
-        if c.by_key.get(&e.key).is_some_and(VecDeque::is_empty) {
-            c.by_key.remove(&e.key);
-            c.turn.retain(|k| *k != e.key);
+        c.len -= 1;
+        if c.by_key.get(&e.key).is_some_and(|q| q.entries.is_empty()) {
+            if let Some(q) = c.by_key.remove(&e.key) {
+                c.turn.remove(&q.turn_at);
+            }
+            c.holders.remove(&(held, e.key));
         }
+        self.set_held(e.key, held.saturating_sub(1));
     }
 
     /// The entry [`Self::pop`] would give.
     pub fn peek(&self) -> Option<&Entry<T>> {
         let c = self.classes.iter().find(|c| !c.turn.is_empty())?;
-        c.by_key.get(c.turn.front()?)?.front()
+        let (_, key) = c.turn.first_key_value()?;
+        c.by_key.get(key)?.entries.first_key_value().map(|(_, e)| e)
     }
 
     /// The next entry: the highest class's key whose turn it is, its oldest request.
     pub fn pop(&mut self) -> Option<Entry<T>> {
         let class = self.classes.iter().position(|c| !c.turn.is_empty())?;
+        let key = *self.classes[class].turn.first_key_value()?.1;
+        self.take(class, key, None)
+    }
+
+    /// Takes `key`'s entry `id` (its oldest when `None`) from `class`; the key goes to the
+    /// back of its turn.
+    fn take(&mut self, class: usize, key: u64, id: Option<u64>) -> Option<Entry<T>> {
         let c = &mut self.classes[class];
-        let key = c.turn.pop_front()?;
-        let e = c.by_key.get_mut(&key)?.pop_front()?;
-        if c.by_key.get(&key).is_some_and(|q| !q.is_empty()) {
-            c.turn.push_back(key);
-        }
+        let q = c.by_key.get_mut(&key)?;
+        let e = match id {
+            Some(id) => q.entries.remove(&id)?,
+            None => q.entries.pop_first()?.1,
+        };
+        c.to_back(key);
         self.forget(&e);
         Some(e)
     }
@@ -210,23 +267,15 @@ impl<T> Queue<T> {
     /// back of its turn.
     pub fn pop_where(&mut self, mut fits: impl FnMut(&Entry<T>) -> bool) -> Option<Entry<T>> {
         for class in 0..self.classes.len() {
-            let c = &mut self.classes[class];
-            let mut found = None;
-            for (turn_at, k) in c.turn.iter().enumerate() {
-                let q = c.by_key.get(k);
-                if let Some(at) = q.and_then(|q| q.iter().position(&mut fits)) {
-                    found = Some((turn_at, at));
-                    break;
-                }
+            let c = &self.classes[class];
+            let found = c.turn.values().find_map(|k| {
+                let q = c.by_key.get(k)?;
+                let e = q.entries.values().find(|e| fits(e))?;
+                Some((*k, e.id))
+            });
+            if let Some((key, id)) = found {
+                return self.take(class, key, Some(id));
             }
-            let Some((turn_at, at)) = found else { continue };
-            let key = c.turn.remove(turn_at)?;
-            let e = c.by_key.get_mut(&key)?.remove(at)?;
-            if c.by_key.get(&key).is_some_and(|q| !q.is_empty()) {
-                c.turn.push_back(key);
-            }
-            self.forget(&e);
-            return Some(e);
         }
         None
     }
@@ -235,31 +284,31 @@ impl<T> Queue<T> {
     /// no longer queued.
     pub fn remove(&mut self, id: u64) -> Option<Entry<T>> {
         let (class, key) = *self.index.get(&id)?;
-        let q = self.classes[class].by_key.get_mut(&key)?;
-        let at = q.iter().position(|e| e.id == id)?;
-        let e = q.remove(at)?;
+        let e = self.classes[class]
+            .by_key
+            .get_mut(&key)?
+            .entries
+            .remove(&id)?;
         self.forget(&e);
         Some(e)
     }
 
     /// The memory the queue holds now, in bytes (its tables' allocations, not the items'
-    /// own heap data).
+    /// own heap data). An ordered map's node holds up to 11 entries, about two thirds full.
     pub fn approx_bytes(&self) -> usize {
         use std::mem::size_of;
-        let entry = size_of::<Entry<T>>();
-        let deques: usize = self
+        let tree = |n: usize, each: usize| n * each * 3 / 2;
+        let classes: usize = self
             .classes
             .iter()
             .map(|c| {
-                c.by_key
-                    .values()
-                    .map(|q| q.capacity() * entry)
-                    .sum::<usize>()
-                    + c.by_key.capacity() * (size_of::<(u64, VecDeque<Entry<T>>)>() + 1)
-                    + c.turn.capacity() * 8
+                tree(c.len, size_of::<(u64, Entry<T>)>())
+                    + c.by_key.capacity() * (size_of::<(u64, KeyQueue<T>)>() + 1)
+                    + tree(c.turn.len(), 16)
+                    + tree(c.holders.len(), 16)
             })
             .sum();
-        deques
+        classes
             + self.per_key.capacity() * (size_of::<(u64, usize)>() + 1)
             + self.index.capacity() * (size_of::<(u64, (usize, u64))>() + 1)
     }

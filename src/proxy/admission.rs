@@ -123,10 +123,14 @@ impl Balancer {
         };
         let who = overload.identify(&session.req_header().headers);
         let tokens = info.shape.prompt_tokens();
+        // The rest of a large chunked body still on the wire is Pingora's to read: a read
+        // here would take its terminator (as a pipelined request's first byte, or as data).
+        // Its hang-up then goes unwatched; the queue's wait bound still holds it.
+        let tail_pending = ctx.body.tail_pending(session);
         let downstream = session.as_downstream_mut();
         // The whole body is read: the next read ends only when the client hangs up.
         let gone = async {
-            if downstream.read_body_or_idle(true).await.is_ok() {
+            if tail_pending || downstream.read_body_or_idle(true).await.is_ok() {
                 std::future::pending::<()>().await;
             }
         };
