@@ -428,7 +428,7 @@ mod tests {
         };
         let changes = (0..flood)
             .map(pin)
-            .chain(std::iter::once(prefilled.clone()));
+            .chain(std::iter::once(prefilled));
         let mut pending = Vec::new();
         let before = METRICS.cluster_dropped.get();
         let dropped = keep(&mut pending, changes);
