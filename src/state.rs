@@ -310,7 +310,11 @@ mod tests {
         let saved: Snapshot =
             serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
         assert_eq!(saved.writer, Some(process_nonce()));
-        assert_eq!(saved.pid, std::process::id(), "older binaries still read it");
+        assert_eq!(
+            saved.pid,
+            std::process::id(),
+            "older binaries still read it"
+        );
         // Another keeper of this process (its table empty) takes the file for its own.
         let again = keeper(path.clone());
         assert_eq!(again.load(), 0);

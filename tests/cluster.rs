@@ -192,7 +192,8 @@ fn two_processes_given_one_instance_id_each_say_so() {
 fn redis_says(redis: &Redis, command: &str) -> String {
     let mut s = TcpStream::connect(("127.0.0.1", redis.port)).expect("connect to redis");
     s.set_read_timeout(Some(Duration::from_secs(2))).ok();
-    s.write_all(format!("{command}\r\n").as_bytes()).expect("send");
+    s.write_all(format!("{command}\r\n").as_bytes())
+        .expect("send");
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line).expect("reply");
     line.trim_end().to_string()
@@ -269,8 +270,15 @@ fn a_drain_is_answered_once_redis_has_it_or_said_local_and_written_when_redis_is
     // Redis holds every write for half a second: the 200 comes after the drain is written.
     assert_eq!(redis_says(&redis, "CLIENT PAUSE 500 WRITE"), "+OK");
     let (status, state) = admin_call(http().post(one.admin_url("/admin/replicas/gpu0/drain")));
-    assert_eq!((status, &state["applied"]), (200, &"cluster".into()), "{state}");
-    assert!(redis.exists("inferlb:drain:gpu0"), "answered 200 before Redis had it");
+    assert_eq!(
+        (status, &state["applied"]),
+        (200, &"cluster".into()),
+        "{state}"
+    );
+    assert!(
+        redis.exists("inferlb:drain:gpu0"),
+        "answered 200 before Redis had it"
+    );
     assert!(wait_until(Duration::from_secs(5), || two
         .replica_state("gpu0")["draining"]
         == true));
@@ -280,7 +288,11 @@ fn a_drain_is_answered_once_redis_has_it_or_said_local_and_written_when_redis_is
     assert!(wait_until(Duration::from_secs(10), || !connected(&one)
         && !connected(&two)));
     let (status, state) = admin_call(http().post(one.admin_url("/admin/replicas/gpu1/drain")));
-    assert_eq!((status, &state["applied"]), (202, &"local".into()), "{state}");
+    assert_eq!(
+        (status, &state["applied"]),
+        (202, &"local".into()),
+        "{state}"
+    );
     assert_eq!(one.replica_state("gpu1")["draining"], true);
     assert_eq!(two.replica_state("gpu1")["draining"], false);
     redis.restart();
@@ -329,7 +341,11 @@ fn a_replica_removed_while_an_instance_was_cut_off_is_gone_there_when_it_is_back
     relay.cut();
     assert!(wait_until(Duration::from_secs(10), || !connected(&two)));
     let (status, state) = admin_call(http().delete(one.admin_url("/admin/replicas/gpu2")));
-    assert_eq!((status, &state["applied"]), (200, &"cluster".into()), "{state}");
+    assert_eq!(
+        (status, &state["applied"]),
+        (200, &"cluster".into()),
+        "{state}"
+    );
     assert!(listed(&two), "two was cut off: it could not know yet");
 
     relay.reopen();

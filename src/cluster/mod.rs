@@ -297,9 +297,10 @@ impl Cluster {
 
     /// Whether a change of `subject` made here is held, not yet written.
     pub(crate) fn holds(&self, subject: &Subject) -> bool {
-        self.held
-            .lock()
-            .is_ok_and(|h| h.iter().any(|h| h.change.subject().as_ref() == Some(subject)))
+        self.held.lock().is_ok_and(|h| {
+            h.iter()
+                .any(|h| h.change.subject().as_ref() == Some(subject))
+        })
     }
 
     /// Records a replica added at runtime that this instance has (`conf`), or its removal.
@@ -704,7 +705,9 @@ mod tests {
                         }
                     }
                 };
-                tokio::time::timeout(Duration::from_secs(5), write).await.is_ok()
+                tokio::time::timeout(Duration::from_secs(5), write)
+                    .await
+                    .is_ok()
             })
         };
         assert_eq!(c.drain(&gpu1, false).await, Applied::Cluster);

@@ -426,9 +426,7 @@ mod tests {
             replica: r.clone(),
             links: vec![],
         };
-        let changes = (0..flood)
-            .map(pin)
-            .chain(std::iter::once(prefilled));
+        let changes = (0..flood).map(pin).chain(std::iter::once(prefilled));
         let mut pending = Vec::new();
         let before = METRICS.cluster_dropped.get();
         let dropped = keep(&mut pending, changes);
