@@ -9,6 +9,11 @@
 //! - `POST /admin/replicas` with `{"id", "address", "api_key"?, "models"?, "cache_tokens"?}`:
 //!   adds a replica at runtime (it joins after a passing health check);
 //!   `DELETE /admin/replicas/{id}` removes one (in-flight requests finish).
+//!
+//! With a cluster, a drain, add or remove is answered once it is written to Redis (200, or 201
+//! for an add, with `"applied": "cluster"`). When Redis cannot take it within a second, the
+//! answer is 202 with `"applied": "local"`: the change holds here and is written when Redis is
+//! back.
 
 use std::sync::Arc;
 
@@ -17,6 +22,7 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 
+use crate::cluster::Applied;
 use crate::config::{check_replica, ReplicaConf};
 use crate::registry::Registry;
 
@@ -52,8 +58,9 @@ async fn read_body(session: &mut ServerSession) -> Vec<u8> {
 }
 
 impl Admin {
-    /// Adds the replica described by `body`, checked as a conf entry is.
-    async fn add(&self, body: &[u8]) -> Result<(), String> {
+    /// Adds the replica described by `body`, checked as a conf entry is; with a cluster, where
+    /// the addition stands.
+    async fn add(&self, body: &[u8]) -> Result<Option<Applied>, String> {
         let mut conf: ReplicaConf = serde_json::from_slice(body)
             .map_err(|e| format!("expected {{\"id\", \"address\", ...}}: {e}"))?;
         if conf.discover.is_some() {
@@ -64,10 +71,28 @@ impl Admin {
                 .await
                 .map_err(|e| e.to_string())??;
         self.registry.add(&checked, None)?;
-        if let Some(c) = &self.cluster {
-            c.replica(&checked.id, Some(&checked));
-        }
-        Ok(())
+        Ok(match &self.cluster {
+            Some(c) => Some(c.replica(&checked.id, Some(&checked)).await),
+            None => None,
+        })
+    }
+
+    /// The state after a change: `ok` when the change is everyone's (or there is no cluster),
+    /// 202 when it is applied here only, for now.
+    fn changed(&self, ok: StatusCode, applied: Option<Applied>) -> Response<Vec<u8>> {
+        let mut state = self.state();
+        let status = match applied {
+            None => ok,
+            Some(Applied::Cluster) => {
+                state["applied"] = "cluster".into();
+                ok
+            }
+            Some(Applied::Local) => {
+                state["applied"] = "local".into();
+                StatusCode::ACCEPTED
+            }
+        };
+        json(status, state)
     }
 
     fn state(&self) -> serde_json::Value {
@@ -120,16 +145,17 @@ impl ServeHttp for Admin {
             ("POST", ["admin", "replicas"]) => {
                 let body = read_body(session).await;
                 match self.add(&body).await {
-                    Ok(()) => json(StatusCode::CREATED, self.state()),
+                    Ok(applied) => self.changed(StatusCode::CREATED, applied),
                     Err(e) => json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e})),
                 }
             }
             ("DELETE", ["admin", "replicas", id]) => match self.registry.remove(id) {
                 Some(_) => {
-                    if let Some(c) = &self.cluster {
-                        c.replica(id, None);
-                    }
-                    json(StatusCode::OK, self.state())
+                    let applied = match &self.cluster {
+                        Some(c) => Some(c.replica(id, None).await),
+                        None => None,
+                    };
+                    self.changed(StatusCode::OK, applied)
                 }
                 None => json(
                     StatusCode::NOT_FOUND,
@@ -141,10 +167,11 @@ impl ServeHttp for Admin {
                     Some(r) => {
                         let draining = *action == "drain";
                         r.set_draining(draining);
-                        if let Some(c) = &self.cluster {
-                            c.drain(&r.id, draining);
-                        }
-                        json(StatusCode::OK, self.state())
+                        let applied = match &self.cluster {
+                            Some(c) => Some(c.drain(&r.id, draining).await),
+                            None => None,
+                        };
+                        self.changed(StatusCode::OK, applied)
                     }
                     None => json(
                         StatusCode::NOT_FOUND,

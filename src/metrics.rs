@@ -218,7 +218,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?,
         cluster_dropped: register_int_counter!(
             "inferlb_cluster_dropped_total",
-            "Changes not shared because the queue to Redis was full."
+            "Changes not shared: the queue to Redis was full, or too many were made while Redis was away."
         )?,
         ttfb: register_histogram_vec!(
             "inferlb_time_to_first_byte_seconds",

@@ -7,6 +7,11 @@
 //! old one's pins, including those the old one made in its last seconds, and conversations stay
 //! on their warm replicas. A merge never overrides a pin the reading process made itself.
 //!
+//! A process skips the file it wrote itself (its table holds all of it already; merging it
+//! back would only bring back pins it since let go). The writer is named by a nonce drawn
+//! once per process, not by its pid: in a container inferlb is PID 1 at every start, and a
+//! restarted pod must load what the pod before it left.
+//!
 //! Not a database: losing the file costs each conversation one cold prefill, nothing more.
 
 use std::path::{Path, PathBuf};
@@ -28,8 +33,13 @@ struct Snapshot {
     /// The prompt hash version of `entries`; files from before versions were written are 1.
     #[serde(default = "first_version")]
     version: u32,
-    /// The writer, so a process does not merge its own snapshot.
+    /// The writer's pid: kept for the older binaries that read it (a downgrade).
+    #[serde(default)]
     pid: u32,
+    /// The writer's [`process_nonce`], so a process does not merge its own snapshot; absent
+    /// in files of older binaries, which are always another process's.
+    #[serde(default)]
+    writer: Option<u64>,
     /// (hash of a served prompt, replica id), least recently used first.
     entries: Vec<(u64, String)>,
     /// (hash of a stored response id, replica id): ids do not depend on the prompt hash.
@@ -39,6 +49,30 @@ struct Snapshot {
 
 fn first_version() -> u32 {
     1
+}
+
+/// This process's nonce: random (from the kernel), drawn once. Differs between two processes
+/// even when they get the same pid, as a container's PID 1 does at every start.
+pub fn process_nonce() -> u64 {
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| {
+        let mut bytes = [0u8; 8];
+        let random = std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+        match random {
+            Ok(()) => u64::from_le_bytes(bytes),
+            // No /dev/urandom (not Linux): the clock in nanoseconds, the pid and an address
+            // of this process's (randomised) stack, hashed.
+            Err(_) => {
+                let mut h = xxhash_rust::xxh3::Xxh3::new();
+                let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
+                h.update(&now.map_or(0, |d| d.as_nanos()).to_le_bytes());
+                h.update(&std::process::id().to_le_bytes());
+                h.update(&(&bytes as *const _ as usize).to_le_bytes());
+                h.digest()
+            }
+        }
+    })
 }
 
 pub struct StateKeeper {
@@ -74,7 +108,7 @@ impl StateKeeper {
                 return 0;
             }
         };
-        if snapshot.pid == std::process::id() {
+        if snapshot.writer == Some(process_nonce()) {
             return 0;
         }
         let resolve = |id: &str| self.registry.get(id).map(|r| r.id.clone());
@@ -105,12 +139,13 @@ impl StateKeeper {
         let snapshot = Snapshot {
             version: HASH_VERSION,
             pid: std::process::id(),
+            writer: Some(process_nonce()),
             entries: owned(self.affinity.snapshot()),
             stored: owned(self.stored.snapshot()),
         };
         let tmp = self
             .path
-            .with_extension(format!("tmp.{}", std::process::id()));
+            .with_extension(format!("tmp.{:016x}", process_nonce()));
         std::fs::write(&tmp, serde_json::to_vec(&snapshot)?)?;
         std::fs::rename(&tmp, &self.path)
     }
@@ -239,5 +274,53 @@ mod tests {
         let saved: Snapshot = serde_json::from_str(&text).expect("json");
         assert_eq!(saved.version, HASH_VERSION);
         assert_eq!(saved.entries, vec![(5, "gpu0".to_string())]);
+    }
+
+    /// A restarted container: the process before had the same pid (PID 1) and left its pins.
+    #[test]
+    fn a_file_of_another_process_with_this_pid_is_loaded() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        let entries = serde_json::json!([[7, "gpu0"]]);
+        let files = [
+            // This binary, in the container before.
+            serde_json::json!({"version": HASH_VERSION, "pid": std::process::id(),
+                "writer": process_nonce().wrapping_add(1), "entries": entries}),
+            // An older binary (no nonce written), in the container before.
+            serde_json::json!({"version": HASH_VERSION, "pid": std::process::id(),
+                "entries": entries}),
+        ];
+        for file in files {
+            std::fs::write(&path, file.to_string()).expect("write");
+            let k = keeper(path.clone());
+            assert_eq!(k.load(), 1, "{file}");
+            assert_eq!(k.affinity.served_by(7).as_deref(), Some("gpu0"));
+        }
+    }
+
+    /// During an upgrade both processes write the file and read each other's: each skips its
+    /// own, which holds nothing its table does not (and pins it let go since).
+    #[test]
+    fn a_file_this_process_wrote_is_not_merged_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        let k = keeper(path.clone());
+        k.affinity.record(5, &Arc::from("gpu0"));
+        k.save().expect("save");
+        let saved: Snapshot =
+            serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+        assert_eq!(saved.writer, Some(process_nonce()));
+        assert_eq!(
+            saved.pid,
+            std::process::id(),
+            "older binaries still read it"
+        );
+        // Another keeper of this process (its table empty) takes the file for its own.
+        let again = keeper(path.clone());
+        assert_eq!(again.load(), 0);
+        assert!(again.affinity.is_empty());
+        // Nothing left behind but the file.
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
+        assert_eq!(left.len(), 1);
     }
 }

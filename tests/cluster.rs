@@ -1,10 +1,16 @@
 //! Two inferlb instances sharing one view through a real Redis: a conversation's turns go to
 //! the same replica whichever instance they reach, drains are everyone's, and Redis going away
-//! costs no request; when it is back, what was pinned meanwhile is shared.
+//! costs no request; when it is back, what was pinned meanwhile is shared. An operator's change
+//! is answered once Redis has it, or said to be applied here only and written later; a replica
+//! removed while an instance was cut off is gone there when it is back.
 
 mod common;
 
+use std::io::{BufRead, BufReader, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
@@ -180,4 +186,176 @@ fn two_processes_given_one_instance_id_each_say_so() {
         one.proc.log_text(),
         two.proc.log_text()
     );
+}
+
+/// One inline command to `redis` (no spaces in its arguments), and its first reply line.
+fn redis_says(redis: &Redis, command: &str) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", redis.port)).expect("connect to redis");
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok();
+    s.write_all(format!("{command}\r\n").as_bytes())
+        .expect("send");
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).expect("reply");
+    line.trim_end().to_string()
+}
+
+/// A TCP relay to a port that can be cut: its connections closed, new ones closed at once,
+/// until it is opened again. Cuts one instance from Redis while the others stay connected.
+struct Relay {
+    port: u16,
+    open: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Relay {
+    fn start(to: u16) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let open = Arc::new(AtomicBool::new(true));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (o, c) = (open.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                if !o.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(("127.0.0.1", to)) else {
+                    continue;
+                };
+                let pairs = [(&client, &server), (&server, &client)];
+                for (from, to) in pairs {
+                    let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
+                        continue;
+                    };
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+                c.lock().unwrap().extend([client, server]);
+            }
+        });
+        Relay { port, open, conns }
+    }
+
+    fn cut(&self) {
+        self.open.store(false, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn reopen(&self) {
+        self.open.store(true, Ordering::SeqCst);
+    }
+}
+
+/// An admin call's status and JSON answer.
+fn admin_call(req: reqwest::blocking::RequestBuilder) -> (u16, serde_json::Value) {
+    let r = req.send().expect("admin call");
+    let status = r.status().as_u16();
+    (status, r.json().expect("json"))
+}
+
+#[test]
+fn a_drain_is_answered_once_redis_has_it_or_said_local_and_written_when_redis_is_back() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut redis = Redis::start(root.path());
+    let (a, b) = two_sims(root.path(), &[]);
+    let one = instance(root.path(), "one", &[&a, &b], &redis);
+    let two = instance(root.path(), "two", &[&a, &b], &redis);
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)
+        && connected(&two)));
+
+    // Redis holds every write for half a second: the 200 comes after the drain is written.
+    assert_eq!(redis_says(&redis, "CLIENT PAUSE 500 WRITE"), "+OK");
+    let (status, state) = admin_call(http().post(one.admin_url("/admin/replicas/gpu0/drain")));
+    assert_eq!(
+        (status, &state["applied"]),
+        (200, &"cluster".into()),
+        "{state}"
+    );
+    assert!(
+        redis.exists("inferlb:drain:gpu0"),
+        "answered 200 before Redis had it"
+    );
+    assert!(wait_until(Duration::from_secs(5), || two
+        .replica_state("gpu0")["draining"]
+        == true));
+
+    // Redis away: applied here, said so, and written once Redis is back (empty: it kept nothing).
+    redis.stop();
+    assert!(wait_until(Duration::from_secs(10), || !connected(&one)
+        && !connected(&two)));
+    let (status, state) = admin_call(http().post(one.admin_url("/admin/replicas/gpu1/drain")));
+    assert_eq!(
+        (status, &state["applied"]),
+        (202, &"local".into()),
+        "{state}"
+    );
+    assert_eq!(one.replica_state("gpu1")["draining"], true);
+    assert_eq!(two.replica_state("gpu1")["draining"], false);
+    redis.restart();
+    assert!(wait_until(Duration::from_secs(15), || connected(&one)
+        && connected(&two)));
+    let landed = wait_until(Duration::from_secs(5), || {
+        redis.exists("inferlb:drain:gpu1") && two.replica_state("gpu1")["draining"] == true
+    });
+    assert!(landed, "{}", two.admin("GET", "/admin/replicas"));
+}
+
+#[test]
+fn a_replica_removed_while_an_instance_was_cut_off_is_gone_there_when_it_is_back() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis = Redis::start(root.path());
+    let relay = Relay::start(redis.port);
+    let (a, b) = two_sims(root.path(), &[]);
+    let one = instance(root.path(), "one", &[&a, &b], &redis);
+    let dir = root.path().join("two");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let through_relay = LbConf {
+        extra: format!(
+            "  cluster: {{redis_url: \"redis://127.0.0.1:{}\", instance_id: \"two\"}}\n",
+            relay.port
+        ),
+        ..test_conf()
+    };
+    let two = Lb::start(&dir, &[&a, &b], through_relay);
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)
+        && connected(&two)));
+
+    let third = Sim::start(root.path(), "gpu2", &[]);
+    let (status, _) = admin_call(
+        http()
+            .post(one.admin_url("/admin/replicas"))
+            .json(&serde_json::json!({"id": "gpu2", "address": third.addr()})),
+    );
+    assert_eq!(status, 201);
+    let listed = |lb: &Lb| {
+        lb.admin("GET", "/admin/replicas")["replicas"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|r| r["id"] == "gpu2"))
+    };
+    assert!(wait_until(Duration::from_secs(10), || listed(&two)));
+
+    relay.cut();
+    assert!(wait_until(Duration::from_secs(10), || !connected(&two)));
+    let (status, state) = admin_call(http().delete(one.admin_url("/admin/replicas/gpu2")));
+    assert_eq!(
+        (status, &state["applied"]),
+        (200, &"cluster".into()),
+        "{state}"
+    );
+    assert!(listed(&two), "two was cut off: it could not know yet");
+
+    relay.reopen();
+    assert!(wait_until(Duration::from_secs(15), || connected(&two)));
+    assert!(
+        wait_until(Duration::from_secs(5), || !listed(&two)),
+        "{}",
+        two.proc.log_text()
+    );
+    // And two did not write its stale copy back for the others.
+    assert!(!redis.exists("inferlb:replica:gpu2"));
+    assert!(!listed(&one));
 }

@@ -14,8 +14,15 @@ impl ClusterSync {
         }
     }
 
-    /// Applies another instance's change (or what Redis holds) to the local state.
+    /// Applies another instance's change (or what Redis holds) to the local state; not while
+    /// a change of this instance to the same replica waits to be written (it will be the
+    /// newer write, and the others will follow it).
     pub(super) async fn apply(&self, change: Change) {
+        if let Some(subject) = change.subject() {
+            if self.cluster.holds(&subject) {
+                return;
+            }
+        }
         match change {
             Change::Pin {
                 table,
@@ -44,6 +51,7 @@ impl ClusterSync {
             }
             Change::Replica { id, conf: None } => {
                 self.registry.remove(&id);
+                self.cluster.set_runtime(&id, None);
             }
             Change::Replica {
                 id,
@@ -55,6 +63,7 @@ impl ClusterSync {
                 let Ok(mut conf) = serde_json::from_str::<ReplicaConf>(&json) else {
                     return;
                 };
+                let shared = json;
                 // Resolving an address may block: not on this task.
                 let checked = tokio::task::spawn_blocking(move || {
                     check_replica(&mut conf, "shared replica").map(|()| conf)
@@ -62,7 +71,9 @@ impl ClusterSync {
                 .await;
                 match checked {
                     Ok(Ok(conf)) => {
-                        let _ = self.registry.add(&conf, None);
+                        if self.registry.add(&conf, None).is_ok() {
+                            self.cluster.set_runtime(&id, Some(&shared));
+                        }
                     }
                     Ok(Err(e)) => log::warn!("cluster: replica {id} from another instance: {e}"),
                     Err(_) => {}

@@ -11,9 +11,33 @@
 //! flapping: each instance goes on alone, logs each transition once, shows it in
 //! `inferlb_cluster_connected`, and resyncs when Redis is back.
 //!
+//! Pins may be lost (a full queue, or more than [`QUEUE`] changes during an outage: counted in
+//! `inferlb_cluster_dropped_total`, and logged once per outage); a lost pin costs one cold
+//! prefill. What an operator asked for is never lost: drains and replica adds and removes are
+//! held apart ([`Cluster::drain`], [`Cluster::replica`]), written to Redis before the admin
+//! call is answered (or answered "applied here only" after [`ACK_WAIT`]), and held and retried
+//! until written; a later change to the same replica replaces an earlier one not yet written.
+//!
 //! Conflicts after an outage are settled by one rule, **the first writer wins**: pins made
 //! while Redis was away are written with `SET NX` when it returns, so a pin another instance
 //! already put there stands, and each instance then adopts what Redis holds.
+//!
+//! Replicas added at runtime and drains follow another rule, **the last change written to
+//! Redis wins**, Redis's order of writes being the one order every instance agrees on:
+//! - An instance writes the changes it holds first when it (re)connects, then adopts what Redis
+//!   holds, so a change made here while Redis was away is the newest write: a drain, add or
+//!   remove made on B while B was cut off stands over what A did to that replica meanwhile.
+//! - Every write is announced, and each instance applies the announcements in the order Redis
+//!   sends them, its own included, so its view of a replica ends at the last write.
+//! - Until its own change to a replica is written, an instance ignores what the others say of
+//!   that replica (it will overwrite it, and they will then follow it).
+//! - A removal leaves a tombstone (`inferlb:removed:<id>`, the time of the removal) in the same
+//!   atomic write that deletes the replica's conf; an add deletes the tombstone.
+//! - A replica an instance merely holds (added at runtime, here or by another, and not changed
+//!   here since) is reconciled at each bootstrap: a tombstone removes it here, a different conf
+//!   in Redis replaces it, and it is written back (re-published) only when Redis holds neither
+//!   (Redis lost its data), and then only if neither appeared meanwhile.
+//! - Replicas of the conf file are the operator's: a bootstrap never removes them.
 //!
 //! Keys carry the prompt hash version (`inferlb:v2:...`), so instances of two versions during
 //! a rolling upgrade never read each other's hashes as their own.
@@ -23,10 +47,12 @@ mod peers;
 mod stored;
 mod sync;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::api::prompt::Link;
 use crate::metrics::METRICS;
@@ -95,6 +121,44 @@ pub enum Message {
     },
 }
 
+/// Where an operator's change stands when the admin call is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Written to Redis: the other instances have it or adopt it when they reconnect.
+    Cluster,
+    /// Applied here only (Redis away or slow): held, and written when Redis answers.
+    Local,
+}
+
+/// How long an admin call waits for its change to be written to Redis.
+pub const ACK_WAIT: Duration = Duration::from_secs(1);
+
+/// An operator's change not yet written to Redis, with the admin calls waiting for it.
+struct Held {
+    seq: u64,
+    change: Change,
+    acks: Vec<oneshot::Sender<()>>,
+}
+
+/// What a held change is about: a later change with the same subject replaces it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Subject {
+    Drain(String),
+    Replica(String),
+}
+
+impl Change {
+    /// The subject of a change that is held until written (drains, replicas); None for pins
+    /// and prefilled prompts, which may be dropped.
+    pub(crate) fn subject(&self) -> Option<Subject> {
+        match self {
+            Change::Drain { replica, .. } => Some(Subject::Drain(replica.to_string())),
+            Change::Replica { id, .. } => Some(Subject::Replica(id.clone())),
+            Change::Pin { .. } | Change::Prefilled { .. } => None,
+        }
+    }
+}
+
 /// The request path's handle: queue changes, never wait.
 pub struct Cluster {
     pub instance: String,
@@ -107,6 +171,16 @@ pub struct Cluster {
     connected: AtomicBool,
     /// What Redis held was adopted at least once since the start.
     bootstrapped: AtomicBool,
+    /// Drains and replica changes not yet written, oldest first; never dropped.
+    held: Mutex<Vec<Held>>,
+    held_seq: AtomicU64,
+    /// Signalled when a change is held: the sync task writes it at once.
+    held_wake: tokio::sync::Notify,
+    /// Replicas added at runtime (here or by another instance) that this instance has, with
+    /// their conf as shared: what a bootstrap reconciles with Redis.
+    runtime: Mutex<HashMap<String, String>>,
+    /// Changes were dropped during this outage, and that was logged.
+    drops_logged: AtomicBool,
 }
 
 /// Changes queued while Redis is slow or away; past this they are dropped (and counted).
@@ -133,6 +207,11 @@ impl Cluster {
             load: tokio::sync::Notify::new(),
             connected: AtomicBool::new(false),
             bootstrapped: AtomicBool::new(false),
+            held: Mutex::new(Vec::new()),
+            held_seq: AtomicU64::new(0),
+            held_wake: tokio::sync::Notify::new(),
+            runtime: Mutex::new(HashMap::new()),
+            drops_logged: AtomicBool::new(false),
         };
         (Arc::new(c), rx)
     }
@@ -145,20 +224,101 @@ impl Cluster {
         });
     }
 
-    pub fn drain(&self, replica: &Arc<str>, draining: bool) {
-        self.send(Change::Drain {
+    /// A replica drained or undrained through this instance's admin API (already applied
+    /// here): shared, and never lost.
+    pub async fn drain(&self, replica: &Arc<str>, draining: bool) -> Applied {
+        self.hold(Change::Drain {
             replica: replica.clone(),
             draining,
-        });
+        })
+        .await
     }
 
-    /// A replica added (its checked conf entry) or removed through this instance's admin API.
-    pub fn replica(&self, id: &str, conf: Option<&crate::config::ReplicaConf>) {
+    /// A replica added (its checked conf entry) or removed through this instance's admin API
+    /// (already applied here): shared, and never lost.
+    pub async fn replica(&self, id: &str, conf: Option<&crate::config::ReplicaConf>) -> Applied {
         let conf = conf.and_then(|c| serde_json::to_string(c).ok());
-        self.send(Change::Replica {
+        self.set_runtime(id, conf.as_deref());
+        self.hold(Change::Replica {
             id: id.to_string(),
             conf,
-        });
+        })
+        .await
+    }
+
+    /// Holds `change` until it is written (replacing a held one of the same subject), and
+    /// waits up to [`ACK_WAIT`] for that while Redis is connected.
+    async fn hold(&self, change: Change) -> Applied {
+        let (ack, written) = oneshot::channel();
+        let subject = change.subject();
+        if let Ok(mut held) = self.held.lock() {
+            // A replaced change's waiter hears it was not written (its own change never will be).
+            held.retain(|h| h.change.subject() != subject);
+            held.push(Held {
+                seq: self.held_seq.fetch_add(1, Ordering::Relaxed),
+                change,
+                acks: vec![ack],
+            });
+        }
+        self.held_wake.notify_one();
+        if !self.is_connected() {
+            return Applied::Local;
+        }
+        match tokio::time::timeout(ACK_WAIT, written).await {
+            Ok(Ok(())) => Applied::Cluster,
+            _ => Applied::Local,
+        }
+    }
+
+    /// The changes held, oldest first, each with its sequence number.
+    pub(crate) fn held(&self) -> Vec<(u64, Change)> {
+        self.held.lock().map_or_else(
+            |_| Vec::new(),
+            |h| h.iter().map(|h| (h.seq, h.change.clone())).collect(),
+        )
+    }
+
+    /// These held changes were written: they are let go, and their admin calls told.
+    pub(crate) fn written(&self, seqs: &[u64]) {
+        let mut acks = Vec::new();
+        if let Ok(mut held) = self.held.lock() {
+            held.retain_mut(|h| {
+                let done = seqs.contains(&h.seq);
+                if done {
+                    acks.append(&mut h.acks);
+                }
+                !done
+            });
+        }
+        for a in acks {
+            let _ = a.send(());
+        }
+    }
+
+    /// Whether a change of `subject` made here is held, not yet written.
+    pub(crate) fn holds(&self, subject: &Subject) -> bool {
+        self.held.lock().is_ok_and(|h| {
+            h.iter()
+                .any(|h| h.change.subject().as_ref() == Some(subject))
+        })
+    }
+
+    /// Records a replica added at runtime that this instance has (`conf`), or its removal.
+    pub(crate) fn set_runtime(&self, id: &str, conf: Option<&str>) {
+        if let Ok(mut r) = self.runtime.lock() {
+            match conf {
+                Some(c) => r.insert(id.to_string(), c.to_string()),
+                None => r.remove(id),
+            };
+        }
+    }
+
+    /// The replicas added at runtime that this instance has, with their shared conf.
+    pub(crate) fn runtime(&self) -> Vec<(String, String)> {
+        self.runtime.lock().map_or_else(
+            |_| Vec::new(),
+            |r| r.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        )
     }
 
     /// This instance's load on some replica changed: the sync task publishes the loads that
@@ -182,7 +342,7 @@ impl Cluster {
 
     fn send(&self, change: Change) {
         if self.tx.try_send(change).is_err() {
-            METRICS.cluster_dropped.inc();
+            self.dropped(1);
         }
     }
 
@@ -207,7 +367,27 @@ impl Cluster {
     /// Records a transition; true when it is one (to log it once).
     fn set_connected(&self, up: bool) -> bool {
         METRICS.cluster_connected.set(up as i64);
-        self.connected.swap(up, Ordering::Relaxed) != up
+        let changed = self.connected.swap(up, Ordering::Relaxed) != up;
+        if changed && !up {
+            // A new outage: its first dropped change is logged again.
+            self.drops_logged.store(false, Ordering::Relaxed);
+        }
+        changed
+    }
+
+    /// Counts `n` changes dropped (not shared) and logs the first of each outage.
+    fn dropped(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        METRICS.cluster_dropped.inc_by(n);
+        if !self.drops_logged.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "cluster: more than {QUEUE} changes wait for redis (away or slow): pins are \
+                 dropped, not shared (counted in inferlb_cluster_dropped_total); drains and \
+                 replica changes are kept"
+            );
+        }
     }
 }
 
@@ -467,5 +647,86 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, QUEUE);
+    }
+
+    /// Drains and replica changes are held apart from the pins, never dropped: a later change
+    /// of a replica replaces an earlier one not yet written, and an admin call hears whether
+    /// its change was written.
+    #[tokio::test]
+    async fn operator_changes_are_held_until_written_and_the_latest_per_replica_wins() {
+        let (c, mut rx) = Cluster::new("i".into());
+        let (gpu0, gpu1): (Arc<str>, Arc<str>) = (Arc::from("gpu0"), Arc::from("gpu1"));
+        // Pins fill the queue: the operator's changes do not go there.
+        for k in 0..QUEUE as u64 {
+            c.pin(Table::Affinity, k, &gpu0);
+        }
+        // Not connected: applied here only, at once.
+        assert_eq!(c.drain(&gpu0, true).await, Applied::Local);
+        assert_eq!(c.replica("gpu2", None).await, Applied::Local);
+        assert_eq!(c.drain(&gpu1, true).await, Applied::Local);
+        assert_eq!(c.drain(&gpu0, false).await, Applied::Local);
+        let changes: Vec<Change> = c.held().into_iter().map(|(_, c)| c).collect();
+        let drain = |r: &Arc<str>, draining| Change::Drain {
+            replica: r.clone(),
+            draining,
+        };
+        let removal = Change::Replica {
+            id: "gpu2".into(),
+            conf: None,
+        };
+        assert_eq!(
+            changes,
+            vec![removal.clone(), drain(&gpu1, true), drain(&gpu0, false)]
+        );
+        assert!(c.holds(&Subject::Drain("gpu0".into())));
+        assert!(!c.holds(&Subject::Drain("gpu2".into())));
+        let mut pins = 0;
+        while rx.try_recv().is_ok() {
+            pins += 1;
+        }
+        assert_eq!(pins, QUEUE);
+
+        // Connected: the call waits for the write.
+        c.set_connected(true);
+        let writer = {
+            let c = c.clone();
+            let undrained = drain(&gpu1, false);
+            tokio::spawn(async move {
+                let write = async {
+                    loop {
+                        c.held_wake.notified().await;
+                        let held = c.held();
+                        if held.iter().any(|(_, h)| *h == undrained) {
+                            // The earlier drain of gpu1 was replaced.
+                            assert_eq!(held.len(), 3);
+                            let seqs: Vec<u64> = held.iter().map(|(s, _)| *s).collect();
+                            c.written(&seqs);
+                            return;
+                        }
+                    }
+                };
+                tokio::time::timeout(Duration::from_secs(5), write)
+                    .await
+                    .is_ok()
+            })
+        };
+        assert_eq!(c.drain(&gpu1, false).await, Applied::Cluster);
+        assert!(writer.await.unwrap_or(false));
+        assert!(c.held().is_empty());
+        // Not written within the wait: applied here only, and still held.
+        assert_eq!(c.drain(&gpu1, true).await, Applied::Local);
+        assert_eq!(c.held().len(), 1);
+    }
+
+    #[test]
+    fn drops_are_logged_once_per_outage() {
+        let (c, _rx) = Cluster::new("i".into());
+        c.set_connected(true);
+        c.dropped(0);
+        assert!(!c.drops_logged.load(Ordering::Relaxed));
+        c.dropped(3);
+        assert!(c.drops_logged.load(Ordering::Relaxed));
+        c.set_connected(false);
+        assert!(!c.drops_logged.load(Ordering::Relaxed), "a new outage");
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use redis::aio::MultiplexedConnection;
 
 use super::sync::{bounded, ClusterSync, Failed};
-use super::{Change, Table};
+use super::{encode, Change, Subject, Table};
 use crate::api::prompt::HASH_VERSION;
 use crate::registry::Registry;
 use crate::replica::Replica;
@@ -39,6 +39,18 @@ fn index_key(replica: &str) -> String {
 pub(super) fn replica_key(id: &str) -> String {
     format!("inferlb:replica:{id}")
 }
+/// A replica removed at runtime: its tombstone, the time of the removal (Unix ms). Kept
+/// without expiry (one per id removed, deleted when the id is added again), so an instance
+/// away for any time learns of the removal.
+pub(super) fn removed_key(id: &str) -> String {
+    format!("inferlb:removed:{id}")
+}
+
+/// Writes a replica's conf back when Redis holds neither it nor its tombstone (Redis lost
+/// its data); a conf or tombstone another instance wrote meanwhile stands.
+const REPUBLISH_REPLICA: &str = "if redis.call('EXISTS', KEYS[2]) == 0 \
+     and redis.call('SET', KEYS[1], ARGV[1], 'NX') then redis.call('PUBLISH', ARGV[2], ARGV[3]) \
+     end return 1";
 
 /// A saved index: each link's hash and tokens, little-endian, 12 bytes a link.
 fn links_to(links: &[(u64, u32)]) -> Vec<u8> {
@@ -126,15 +138,26 @@ impl ClusterSync {
         }
         // Replicas added at runtime, before their pins and drains.
         let added = Self::scan(conn, "inferlb:replica:*", 100_000).await?;
+        let mut shared: HashMap<String, String> = HashMap::new();
         for chunk in added.chunks(500) {
             let values: Vec<Option<String>> =
                 bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
             for (k, conf) in chunk.iter().zip(values) {
-                let id = k.trim_start_matches("inferlb:replica:").to_string();
-                if conf.is_some() {
-                    self.apply(Change::Replica { id, conf }).await;
+                if let Some(conf) = conf {
+                    let id = k.trim_start_matches("inferlb:replica:").to_string();
+                    shared.insert(id, conf);
                 }
             }
+        }
+        let removed = Self::scan(conn, "inferlb:removed:*", 100_000).await?;
+        self.reconcile(conn, &shared, |id| removed.contains(&removed_key(id)))
+            .await?;
+        for (id, conf) in shared {
+            self.apply(Change::Replica {
+                id,
+                conf: Some(conf),
+            })
+            .await;
         }
         let drained = Self::scan(conn, "inferlb:drain:*", 100_000).await?;
         for r in self.registry.all().iter() {
@@ -142,6 +165,55 @@ impl ClusterSync {
                 .await?;
         }
         Ok(adopted)
+    }
+
+    /// The replicas added at runtime that this instance has, against what Redis holds (`shared`
+    /// confs, tombstones): removed here when removed meanwhile, dropped here when Redis holds
+    /// another conf (adopted next), written back when Redis holds nothing of them. The rule
+    /// is in the module's comment; replicas of the conf file are never touched.
+    async fn reconcile(
+        &self,
+        conn: &mut MultiplexedConnection,
+        shared: &HashMap<String, String>,
+        removed: impl Fn(&str) -> bool,
+    ) -> Result<(), Failed> {
+        for (id, ours) in self.cluster.runtime() {
+            if self.cluster.holds(&Subject::Replica(id.clone())) {
+                continue;
+            }
+            match shared.get(&id) {
+                Some(theirs) if *theirs == ours => {}
+                Some(_) => {
+                    log::warn!("cluster: replica {id} was changed meanwhile: adopting the new one");
+                    self.registry.remove(&id);
+                    self.cluster.set_runtime(&id, None);
+                }
+                None if removed(&id) => {
+                    log::warn!("cluster: replica {id} was removed meanwhile: removing it here");
+                    self.registry.remove(&id);
+                    self.cluster.set_runtime(&id, None);
+                }
+                None => {
+                    let message = encode(
+                        self.cluster.sender(),
+                        &Change::Replica {
+                            id: id.clone(),
+                            conf: Some(ours.clone()),
+                        },
+                    );
+                    let mut eval = redis::cmd("EVAL");
+                    eval.arg(REPUBLISH_REPLICA)
+                        .arg(2)
+                        .arg(replica_key(&id))
+                        .arg(removed_key(&id))
+                        .arg(&ours)
+                        .arg(DRAINS)
+                        .arg(message);
+                    bounded(eval.query_async::<()>(conn)).await?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Adopts what Redis holds for one replica: whether it is drained (`drained`, or asked

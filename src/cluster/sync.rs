@@ -13,7 +13,9 @@ use pingora_core::services::background::BackgroundService;
 use redis::aio::MultiplexedConnection;
 use tokio::sync::mpsc;
 
-use super::stored::{drain_key, pin_key, pins_channel, replica_key, save_indexes_every, DRAINS};
+use super::stored::{
+    drain_key, pin_key, pins_channel, removed_key, replica_key, save_indexes_every, DRAINS,
+};
 use super::{decode, encode, encode_load, sender, Change, Cluster, Load, Message, Peers};
 use crate::affinity::AffinityTable;
 use crate::registry::Registry;
@@ -43,6 +45,13 @@ pub struct ClusterSync {
 /// Writes a pin unless one is there, and announces it only then: the first writer wins.
 const SET_NX_AND_PUBLISH: &str = "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) \
      then redis.call('PUBLISH', ARGV[3], ARGV[4]) end return 1";
+
+/// A replica added: its conf, no tombstone; one atomic write.
+const ADD_REPLICA: &str = "redis.call('SET', KEYS[1], ARGV[1]) redis.call('DEL', KEYS[2]) \
+     redis.call('PUBLISH', ARGV[2], ARGV[3]) return 1";
+/// A replica removed: no conf, a tombstone with the time of the removal; one atomic write.
+const REMOVE_REPLICA: &str = "redis.call('DEL', KEYS[1]) redis.call('SET', KEYS[2], ARGV[1]) \
+     redis.call('PUBLISH', ARGV[2], ARGV[3]) return 1";
 
 pub(super) type Failed = redis::RedisError;
 
@@ -112,11 +121,24 @@ impl ClusterSync {
                     pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
                 }
                 Change::Replica { id, conf } => {
-                    match conf {
-                        Some(c) => pipe.cmd("SET").arg(replica_key(id)).arg(c).ignore(),
-                        None => pipe.cmd("DEL").arg(replica_key(id)).ignore(),
+                    let (script, value) = match conf {
+                        Some(c) => (ADD_REPLICA, c.clone()),
+                        None => {
+                            let now = std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0, |d| d.as_millis());
+                            (REMOVE_REPLICA, now.to_string())
+                        }
                     };
-                    pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
+                    pipe.cmd("EVAL")
+                        .arg(script)
+                        .arg(2)
+                        .arg(replica_key(id))
+                        .arg(removed_key(id))
+                        .arg(value)
+                        .arg(DRAINS)
+                        .arg(message)
+                        .ignore();
                 }
                 Change::Prefilled { .. } => {
                     pipe.cmd("PUBLISH")
@@ -192,6 +214,9 @@ impl ClusterSync {
             }
             written = end;
         }
+        // The drains and replica changes made here meanwhile: the newest writes (see the rule
+        // in the module above), before what Redis holds is adopted.
+        self.write_held(&mut conn).await?;
         let adopted = self.bootstrap(&mut conn).await?;
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
@@ -234,8 +259,16 @@ impl ClusterSync {
                                  cluster.instance_id (or leave it unset)"
                             );
                         }
-                        // This process's own messages.
-                        Some((_, id, _)) if id == self.cluster.instance => {}
+                        // This process's own messages: its drains and replica changes are
+                        // applied again, in Redis's order, so that another instance's older
+                        // change of that replica, received before, does not stand over them.
+                        Some((_, id, m)) if id == self.cluster.instance => {
+                            if let Message::Change(c) = m {
+                                if c.subject().is_some() {
+                                    self.apply(c).await;
+                                }
+                            }
+                        }
                         Some((_, _, Message::Change(change))) => self.apply(change).await,
                         Some((_, from, Message::Load { snapshot, replicas })) => {
                             if snapshot {
@@ -247,6 +280,9 @@ impl ClusterSync {
                         }
                         None => {}
                     }
+                }
+                _ = self.cluster.held_wake.notified() => {
+                    self.write_held(&mut conn).await?;
                 }
                 n = rx.recv_many(&mut batch, BATCH) => {
                     if n == 0 {
@@ -278,6 +314,19 @@ impl ClusterSync {
         }
     }
 
+    /// Writes the drains and replica changes held, and lets go of those written; on an error
+    /// they stay held, for the next session.
+    async fn write_held(&self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+        let held = self.cluster.held();
+        for chunk in held.chunks(BATCH) {
+            let changes: Vec<Change> = chunk.iter().map(|(_, c)| c.clone()).collect();
+            self.write(conn, &changes, false).await?;
+            let seqs: Vec<u64> = chunk.iter().map(|(s, _)| *s).collect();
+            self.cluster.written(&seqs);
+        }
+        Ok(())
+    }
+
     /// Writes `batch` and empties it; when Redis fails, keeps what must outlive the outage.
     async fn write_or_keep(
         &self,
@@ -287,22 +336,30 @@ impl ClusterSync {
     ) -> Result<(), Failed> {
         let written = self.write(conn, batch, false).await;
         if written.is_err() {
-            keep(pending, batch.drain(..));
+            self.cluster.dropped(keep(pending, batch.drain(..)));
         }
         batch.clear();
         written
     }
 }
 
-/// Keeps changes made while Redis is away, bounded, to write when it is back. Prompts
-/// prefilled meanwhile are not kept (each may be large): the others learn what the replicas
-/// hold again as requests flow.
-fn keep(pending: &mut Vec<Change>, changes: impl Iterator<Item = Change>) {
+/// Keeps pins made while Redis is away, at most [`super::QUEUE`], to write when it is back;
+/// returns how many were dropped past that. Prompts prefilled meanwhile are not kept (each may
+/// be large), nor counted: the others learn what the replicas hold again as requests flow.
+/// (Drains and replica changes are not queued here: they are held apart, never dropped.)
+fn keep(pending: &mut Vec<Change>, changes: impl Iterator<Item = Change>) -> u64 {
+    let mut dropped = 0;
     for c in changes {
-        if pending.len() < super::QUEUE && !matches!(c, Change::Prefilled { .. }) {
+        if matches!(c, Change::Prefilled { .. }) {
+            continue;
+        }
+        if pending.len() < super::QUEUE {
             pending.push(c);
+        } else {
+            dropped += 1;
         }
     }
+    dropped
 }
 
 /// A task that is stopped when its session ends, however it ends.
@@ -336,12 +393,49 @@ impl BackgroundService for ClusterSync {
                 }
             }
             // Keep what is changed meanwhile, bounded, to write when Redis is back.
-            keep(&mut pending, std::iter::from_fn(|| rx.try_recv().ok()));
+            let dropped = keep(&mut pending, std::iter::from_fn(|| rx.try_recv().ok()));
+            self.cluster.dropped(dropped);
             tokio::select! {
                 _ = shutdown.changed() => return,
                 _ = tokio::time::sleep(backoff) => {}
             }
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::Table;
+    use crate::metrics::METRICS;
+
+    /// A flood of pins during an outage: the first [`super::super::QUEUE`] are kept, the rest
+    /// dropped and counted (prefilled prompts are neither).
+    #[test]
+    fn pins_past_the_outage_bound_are_dropped_and_counted() {
+        let (cluster, _rx) = Cluster::new("i".into());
+        let r: Arc<str> = Arc::from("gpu0");
+        let pin = |key| Change::Pin {
+            table: Table::Affinity,
+            key,
+            replica: r.clone(),
+        };
+        let flood = super::super::QUEUE as u64 + 1000;
+        let prefilled = Change::Prefilled {
+            replica: r.clone(),
+            links: vec![],
+        };
+        let changes = (0..flood).map(pin).chain(std::iter::once(prefilled));
+        let mut pending = Vec::new();
+        let before = METRICS.cluster_dropped.get();
+        let dropped = keep(&mut pending, changes);
+        cluster.dropped(dropped);
+        assert_eq!((pending.len(), dropped), (super::super::QUEUE, 1000));
+        assert_eq!(pending.last(), Some(&pin(super::super::QUEUE as u64 - 1)));
+        // Other tests may count drops at the same time: at least these.
+        assert!(METRICS.cluster_dropped.get() - before >= 1000);
+        // Later ones, in the same outage, are counted too.
+        assert_eq!(keep(&mut pending, (0..5).map(pin)), 5);
     }
 }
