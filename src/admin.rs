@@ -62,10 +62,12 @@ impl Admin {
         }
         // A key sent here would travel in requests and, in a cluster, to every instance.
         if conf.api_key.is_some() {
-            return Err("api_key: a key is never sent to the admin API; name where each \
+            return Err(
+                "api_key: a key is never sent to the admin API; name where each \
                         instance reads it: api_key_env (an environment variable) or \
                         api_key_file (a file)"
-                .into());
+                    .into(),
+            );
         }
         let checked =
             tokio::task::spawn_blocking(move || check_replica(&mut conf, "replica").map(|()| conf))

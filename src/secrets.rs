@@ -105,7 +105,8 @@ impl Secret {
 
 impl PartialEq for Secret {
     fn eq(&self, other: &Secret) -> bool {
-        self.source == other.source && (self.source != Source::Conf || self.current() == other.current())
+        self.source == other.source
+            && (self.source != Source::Conf || self.current() == other.current())
     }
 }
 impl Eq for Secret {}
@@ -166,7 +167,9 @@ pub fn check_key(key: &str, at: &str) -> Result<(), String> {
         ));
     }
     if key.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!("{at}: a key may not contain spaces or control characters"));
+        return Err(format!(
+            "{at}: a key may not contain spaces or control characters"
+        ));
     }
     Ok(())
 }
@@ -292,7 +295,8 @@ impl KeyList {
 
 /// The keys of a key file's bytes; none at all is an error.
 fn file_keys(bytes: &[u8], path: &Path) -> Result<Vec<String>, String> {
-    let text = std::str::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
+    let text =
+        std::str::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
     let keys = parse_key_file(text).map_err(|e| format!("{}: {e}", path.display()))?;
     if keys.is_empty() {
         return Err(format!(
@@ -305,7 +309,12 @@ fn file_keys(bytes: &[u8], path: &Path) -> Result<Vec<String>, String> {
 
 impl std::fmt::Debug for KeyList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "KeyList({} keys from {:?})", self.current.load().len(), self.sources)
+        write!(
+            f,
+            "KeyList({} keys from {:?})",
+            self.current.load().len(),
+            self.sources
+        )
     }
 }
 
@@ -413,7 +422,10 @@ mod tests {
     #[test]
     fn key_files_and_variables_parse_and_never_quote_a_key() {
         let ok: [(&str, &[&str]); 4] = [
-            ("k1-abcdefgh\n\n  # a comment\nk2-abcdefgh  \n", &["k1-abcdefgh", "k2-abcdefgh"]),
+            (
+                "k1-abcdefgh\n\n  # a comment\nk2-abcdefgh  \n",
+                &["k1-abcdefgh", "k2-abcdefgh"],
+            ),
             ("", &[]),
             ("# only a comment\n\n", &[]),
             ("\r\nk3-abcdefgh\r\n", &["k3-abcdefgh"]),
@@ -471,13 +483,20 @@ mod tests {
         for bad in ["", "# all commented out\n", "client-key-2\nshort\n"] {
             std::fs::write(&keys, bad).unwrap();
             assert!(list.reload().is_err(), "{bad:?}");
-            assert_eq!(**list.current(), ["conf-key-123", "client-key-1"], "{bad:?}");
+            assert_eq!(
+                **list.current(),
+                ["conf-key-123", "client-key-1"],
+                "{bad:?}"
+            );
         }
         std::fs::write(&keys, "client-key-2\n").unwrap();
         assert_eq!(list.reload(), Ok(true));
         assert_eq!(**list.current(), ["conf-key-123", "client-key-2"]);
         let shown = format!("{list:?}");
-        assert!(!shown.contains("client-key") && !shown.contains("conf-key"), "{shown}");
+        assert!(
+            !shown.contains("client-key") && !shown.contains("conf-key"),
+            "{shown}"
+        );
         // An empty file at start is refused too.
         std::fs::write(&keys, "\n").unwrap();
         assert!(KeyList::new(&[], None, Some(&keys), "inferlb").is_err());

@@ -138,7 +138,10 @@ fn check_conf(text: &str) -> std::process::Output {
     let dir = tempfile::tempdir().expect("tempdir");
     let secrets = dir.path().join("secrets");
     std::fs::create_dir(&secrets).expect("secrets dir");
-    for (file, value) in [("client-keys", "a-client-key-0001\n"), ("vllm-api-key", "a-vllm-key-0001\n")] {
+    for (file, value) in [
+        ("client-keys", "a-client-key-0001\n"),
+        ("vllm-api-key", "a-vllm-key-0001\n"),
+    ] {
         std::fs::write(secrets.join(file), value).expect("write secret");
     }
     let text = text
@@ -316,7 +319,10 @@ fn deployment_agrees_with_the_conf() {
         at(keys_mount, "subPath").is_none(),
         "a subPath mount is never updated: a rotated key would not be seen"
     );
-    assert!(at(&conf, "inferlb.api_keys").is_none(), "keys in the ConfigMap");
+    assert!(
+        at(&conf, "inferlb.api_keys").is_none(),
+        "keys in the ConfigMap"
+    );
 
     // A read-only root: every file inferlb writes is under a writable emptyDir.
     assert_eq!(

@@ -23,9 +23,10 @@ fn replace(path: &Path, text: &str) {
 }
 
 fn chat_status(lb: &Lb, key: Option<&str>) -> u16 {
-    let mut req = http()
-        .post(lb.url("/v1/chat/completions"))
-        .json(&chat_body(&[("user", "x")], false, 1));
+    let mut req =
+        http()
+            .post(lb.url("/v1/chat/completions"))
+            .json(&chat_body(&[("user", "x")], false, 1));
     if let Some(k) = key {
         req = req.bearer_auth(k);
     }
@@ -79,10 +80,12 @@ fn client_keys_come_from_a_file_and_the_environment_and_a_changed_file_is_reload
     for bad in ["", "# nothing\n", "file-key-0003\nshort\n"] {
         let before = reloads(&lb, "failed");
         replace(&keys, bad);
-        let read = wait_until(Duration::from_secs(10), || {
-            reloads(&lb, "failed") > before
-        });
-        assert!(read, "the reloader never read {bad:?}: {}", lb.proc.log_text());
+        let read = wait_until(Duration::from_secs(10), || reloads(&lb, "failed") > before);
+        assert!(
+            read,
+            "the reloader never read {bad:?}: {}",
+            lb.proc.log_text()
+        );
         assert_eq!(chat_status(&lb, None), 401, "{bad:?}");
         assert_eq!(chat_status(&lb, Some("file-key-0002")), 200, "{bad:?}");
         assert_eq!(chat_status(&lb, Some("file-key-0003")), 401, "{bad:?}");
@@ -225,9 +228,22 @@ fn a_replica_added_at_runtime_names_its_key_and_redis_never_holds_it() {
     });
     assert!(started, "MONITOR did not start");
     // Each instance holds gpu1's key in its own environment, under the same name.
-    let one = instance(root.path(), "one", &[&a], &redis.cluster_conf("one"), &[("GPU1_KEY", "key-of-one-0001")]);
-    let two = instance(root.path(), "two", &[&a], &redis.cluster_conf("two"), &[("GPU1_KEY", "key-of-two-0002")]);
-    assert!(wait_until(Duration::from_secs(10), || connected(&one) && connected(&two)));
+    let one = instance(
+        root.path(),
+        "one",
+        &[&a],
+        &redis.cluster_conf("one"),
+        &[("GPU1_KEY", "key-of-one-0001")],
+    );
+    let two = instance(
+        root.path(),
+        "two",
+        &[&a],
+        &redis.cluster_conf("two"),
+        &[("GPU1_KEY", "key-of-two-0002")],
+    );
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)
+        && connected(&two)));
 
     // A key itself is refused, with what to send instead.
     let (status, v) = add_replica(
@@ -236,11 +252,17 @@ fn a_replica_added_at_runtime_names_its_key_and_redis_never_holds_it() {
     );
     assert_eq!(status, 400, "{v}");
     let message = v["error"].as_str().unwrap_or_default();
-    assert!(message.contains("api_key_env") && message.contains("api_key_file"), "{v}");
+    assert!(
+        message.contains("api_key_env") && message.contains("api_key_file"),
+        "{v}"
+    );
     assert!(!message.contains("literal-secret"), "{v}");
     assert!(listed(&one, "gpu1").is_none());
 
-    let (status, v) = add_replica(&one, json!({"id": "gpu1", "address": b.addr(), "api_key_env": "GPU1_KEY"}));
+    let (status, v) = add_replica(
+        &one,
+        json!({"id": "gpu1", "address": b.addr(), "api_key_env": "GPU1_KEY"}),
+    );
     assert_eq!(status, 201, "{v}");
     let shared = wait_until(Duration::from_secs(10), || {
         [&one, &two]
@@ -253,14 +275,22 @@ fn a_replica_added_at_runtime_names_its_key_and_redis_never_holds_it() {
     assert_eq!(keys_sent(&two, &["gpu1"]), ["Bearer key-of-two-0002"]);
 
     // Redis holds where the key is read, never the key; nothing sent to it carried one.
-    let stored = redis.cli(&["GET", "inferlb:replica:gpu1"]).unwrap_or_default();
-    assert!(stored.contains("\"api_key_env\":\"GPU1_KEY\""), "{stored:?}");
+    let stored = redis
+        .cli(&["GET", "inferlb:replica:gpu1"])
+        .unwrap_or_default();
+    assert!(
+        stored.contains("\"api_key_env\":\"GPU1_KEY\""),
+        "{stored:?}"
+    );
     let _ = monitor.kill();
     let _ = monitor.wait();
     let commands = std::fs::read_to_string(&seen).unwrap_or_default();
     assert!(commands.contains("inferlb:replica:gpu1"), "{commands}");
     for secret in ["key-of-one", "key-of-two", "literal-secret"] {
-        assert!(!commands.contains(secret), "{secret} sent to Redis:\n{commands}");
+        assert!(
+            !commands.contains(secret),
+            "{secret} sent to Redis:\n{commands}"
+        );
     }
 }
 
@@ -276,7 +306,11 @@ fn redis_certificates(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, st
     let key = KeyPair::generate().expect("key");
     let params = CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("params");
     let cert = params.signed_by(&key, &ca, &ca_key).expect("sign");
-    let files = (dir.join("redis-ca.pem"), dir.join("redis.crt"), dir.join("redis.key"));
+    let files = (
+        dir.join("redis-ca.pem"),
+        dir.join("redis.crt"),
+        dir.join("redis.key"),
+    );
     std::fs::write(&files.0, ca.pem()).expect("write");
     std::fs::write(&files.1, cert.pem()).expect("write");
     std::fs::write(&files.2, key.serialize_pem()).expect("write");
@@ -322,7 +356,9 @@ fn two_instances_share_a_drain_through_redis_over_tls_with_a_password() {
         &cluster("two", "redis_password_env: REDIS_PASSWORD"),
         &[("REDIS_PASSWORD", password)],
     );
-    let up = wait_until(Duration::from_secs(10), || connected(&one) && connected(&two));
+    let up = wait_until(Duration::from_secs(10), || {
+        connected(&one) && connected(&two)
+    });
     assert!(up, "{}\n{}", one.proc.log_text(), two.proc.log_text());
 
     one.admin("POST", "/admin/replicas/gpu0/drain");

@@ -64,7 +64,11 @@ impl Redis {
 
     /// `redis://127.0.0.1:<port>`, or `rediss://` with TLS (never with the password).
     pub fn url(&self) -> String {
-        let scheme = if self.secure.is_some() { "rediss" } else { "redis" };
+        let scheme = if self.secure.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
@@ -78,7 +82,11 @@ impl Redis {
             // From the environment, not the command line (which other users can read).
             cmd.env("REDISCLI_AUTH", &t.password);
         }
-        let out = cmd.args(args).stdin(std::process::Stdio::null()).output().ok()?;
+        let out = cmd
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .ok()?;
         out.status
             .success()
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
@@ -102,7 +110,14 @@ impl Redis {
         match &self.secure {
             None => cmd.args(["--port", &port]),
             Some(t) => cmd
-                .args(["--port", "0", "--tls-port", &port, "--tls-auth-clients", "no"])
+                .args([
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port,
+                    "--tls-auth-clients",
+                    "no",
+                ])
                 .arg("--tls-cert-file")
                 .arg(&t.cert_file)
                 .arg("--tls-key-file")

@@ -88,7 +88,10 @@ impl ClusterConf {
         use redis::IntoConnectionInfo;
         let mut info = self.redis_url.as_str().into_connection_info()?;
         if let Some(p) = &self.redis_password {
-            let settings = info.redis_settings().clone().set_password(p.current().as_str());
+            let settings = info
+                .redis_settings()
+                .clone()
+                .set_password(p.current().as_str());
             info = info.set_redis_settings(settings);
         }
         if !matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }) {
@@ -447,22 +450,34 @@ inferlb:
             GOOD.replace("8002}", "8002, api_key: replica-hunter2}")
         );
         let c = parse(&text, None).expect("valid").inferlb;
-        assert_eq!(**c.api_keys.current(), ["conf-key-hunter2", "from-a-file-1"]);
+        assert_eq!(
+            **c.api_keys.current(),
+            ["conf-key-hunter2", "from-a-file-1"]
+        );
         let key = c.replicas[1].key.as_ref().expect("a key");
         assert_eq!(*key.current(), "replica-hunter2");
         let pass = c.cluster.as_ref().and_then(|c| c.redis_password.as_ref());
-        assert_eq!(pass.map(|p| p.current().to_string()).as_deref(), Some("from-a-file-1"));
+        assert_eq!(
+            pass.map(|p| p.current().to_string()).as_deref(),
+            Some("from-a-file-1")
+        );
         let shown = format!("{c:?}");
         for secret in ["hunter2", "from-a-file-1"] {
             assert!(!shown.contains(secret), "{secret} in {shown}");
         }
         let w = c.warnings();
         assert!(w.iter().any(|w| w.contains("inferlb.api_keys:")), "{w:?}");
-        assert!(w.iter().any(|w| w.contains("replicas[1].api_key:")), "{w:?}");
+        assert!(
+            w.iter().any(|w| w.contains("replicas[1].api_key:")),
+            "{w:?}"
+        );
         // What a cluster shares of a replica: where its key is read, never the key.
         let mut r = c.replicas[1].clone();
         let shared = serde_json::to_string(&r).expect("json");
-        assert!(!shared.contains("hunter2") && !shared.contains("api_key"), "{shared}");
+        assert!(
+            !shared.contains("hunter2") && !shared.contains("api_key"),
+            "{shared}"
+        );
         r.api_key = None;
         r.api_key_env = Some("GPU1_KEY".into());
         let shared = serde_json::to_string(&r).expect("json");

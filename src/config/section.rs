@@ -197,9 +197,9 @@ fn redis_secrets(c: &RawCluster) -> Result<(Option<Arc<Secret>>, Option<Arc<Vec<
     };
     let password = match (&c.redis_password_file, &c.redis_password_env) {
         (None, None) => None,
-        (Some(p), None) => Some(
-            Secret::from_file(p).map_err(|e| format!("{key}.redis_password_file: {e}"))?,
-        ),
+        (Some(p), None) => {
+            Some(Secret::from_file(p).map_err(|e| format!("{key}.redis_password_file: {e}"))?)
+        }
         (None, Some(n)) => {
             Some(Secret::from_env(n).map_err(|e| format!("{key}.redis_password_env: {e}"))?)
         }
@@ -212,7 +212,9 @@ fn redis_secrets(c: &RawCluster) -> Result<(Option<Arc<Secret>>, Option<Arc<Vec<
     let ca = match &c.redis_ca_file {
         None => None,
         Some(_) if !tls => {
-            return Err(format!("{key}.redis_ca_file: only with a rediss:// (TLS) URL"))
+            return Err(format!(
+                "{key}.redis_ca_file: only with a rediss:// (TLS) URL"
+            ))
         }
         Some(p) => {
             use rustls_pki_types::pem::PemObject;
@@ -220,9 +222,17 @@ fn redis_secrets(c: &RawCluster) -> Result<(Option<Arc<Secret>>, Option<Arc<Vec<
                 .map_err(|e| format!("{key}.redis_ca_file: cannot read {}: {e}", p.display()))?;
             let certs = rustls_pki_types::CertificateDer::pem_slice_iter(&pem)
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| format!("{key}.redis_ca_file: {}: not PEM certificates: {e}", p.display()))?;
+                .map_err(|e| {
+                    format!(
+                        "{key}.redis_ca_file: {}: not PEM certificates: {e}",
+                        p.display()
+                    )
+                })?;
             if certs.is_empty() {
-                return Err(format!("{key}.redis_ca_file: {}: no certificate in it", p.display()));
+                return Err(format!(
+                    "{key}.redis_ca_file: {}: no certificate in it",
+                    p.display()
+                ));
             }
             Some(Arc::new(pem))
         }
