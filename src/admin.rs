@@ -6,8 +6,9 @@
 //!   was adopted; 503 otherwise (for load balancers and Kubernetes readiness probes).
 //! - `POST /admin/replicas/{id}/drain` and `.../undrain`: take a replica out of rotation
 //!   (in-flight requests finish, pinned conversations move on their next turn) and back.
-//! - `POST /admin/replicas` with `{"id", "address", "api_key"?, "models"?, "cache_tokens"?}`:
-//!   adds a replica at runtime (it joins after a passing health check);
+//! - `POST /admin/replicas` with `{"id", "address", "api_key_env"? or "api_key_file"?,
+//!   "models"?, "cache_tokens"?}`: adds a replica at runtime (it joins after a passing health
+//!   check); each instance reads its key from its own environment or file;
 //!   `DELETE /admin/replicas/{id}` removes one (in-flight requests finish).
 //!
 //! With a cluster, a drain, add or remove is answered once it is written to Redis (200, or 201
@@ -65,6 +66,15 @@ impl Admin {
             .map_err(|e| format!("expected {{\"id\", \"address\", ...}}: {e}"))?;
         if conf.discover.is_some() {
             return Err("discover: dns belongs in the conf file".into());
+        }
+        // A key sent here would travel in requests and, in a cluster, to every instance.
+        if conf.api_key.is_some() {
+            return Err(
+                "api_key: a key is never sent to the admin API; name where each \
+                        instance reads it: api_key_env (an environment variable) or \
+                        api_key_file (a file)"
+                    .into(),
+            );
         }
         let checked =
             tokio::task::spawn_blocking(move || check_replica(&mut conf, "replica").map(|()| conf))

@@ -146,6 +146,7 @@ mod tests {
             discover: None,
             sni: Some(sni.into()),
             tls: true,
+            ..ReplicaConf::default()
         };
         Arc::new(Replica::new(&conf, &upstream()))
     }

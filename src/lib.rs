@@ -21,6 +21,7 @@ pub mod proxy;
 pub mod registry;
 pub mod replica;
 pub mod routing;
+pub mod secrets;
 pub mod shape;
 pub mod state;
 pub mod tls;

@@ -95,7 +95,7 @@ fn main() {
         let sync = inferlb::cluster::ClusterSync {
             cluster: handle.clone(),
             changes: std::sync::Mutex::new(Some(changes)),
-            url: c.redis_url.clone(),
+            redis: c.clone(),
             registry: registry.clone(),
             affinity: affinity.clone(),
             stored: stored.clone(),
@@ -228,6 +228,13 @@ fn main() {
     if let Some(s) = reloader {
         server.add_service(s);
     }
+    // Every secret read from a file (client keys, replica keys, tokens, the Redis password).
+    server.add_service(background_service(
+        "secrets reload",
+        inferlb::secrets::SecretsReloader {
+            interval: conf.secrets_reload_interval,
+        },
+    ));
     if let Some(s) = cluster_service {
         server.add_service(s);
     }

@@ -189,6 +189,8 @@ pub struct Metrics {
     pub prompt_tokens: ReplicaCounters,
     pub cached_tokens: ReplicaCounters,
     pub tls_reloads: IntCounter,
+    /// Secret files read again: `changed` (swapped in) or `failed` (the old one kept).
+    pub secret_reloads: IntCounterVec,
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
@@ -248,6 +250,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
         tls_reloads: register_int_counter!(
             "inferlb_tls_certificate_reloads_total",
             "Times the listener's certificate was replaced from its changed files."
+        )?,
+        secret_reloads: register_int_counter_vec!(
+            "inferlb_secret_reloads_total",
+            "Secret files (client keys, replica keys, tokens) read again after a change, by result: changed (in use now) or failed (the old value kept).",
+            &["result"]
         )?,
         rejected: register_int_counter_vec!(
             "inferlb_rejected_total",

@@ -36,7 +36,7 @@ async fn exchange(r: &Replica, path: &str) -> Option<(u16, Vec<u8>)> {
     let mut req = RequestHeader::build("GET", path.as_bytes(), None).ok()?;
     req.insert_header("host", &r.host).ok()?;
     if let Some(k) = &r.api_key {
-        req.insert_header("authorization", format!("Bearer {k}"))
+        req.insert_header("authorization", format!("Bearer {}", k.current()))
             .ok()?;
     }
     let (mut session, _reused) = CONNECTOR.get_http_session(&r.peer).await.ok()?;

@@ -212,6 +212,7 @@ mod tests {
             discover: None,
             sni: None,
             tls: false,
+            ..ReplicaConf::default()
         };
         let t = Duration::from_secs(1);
         let upstream = UpstreamConf {

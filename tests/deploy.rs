@@ -129,10 +129,24 @@ fn resolve_port(container: &Value, port: &Value) -> u64 {
         .unwrap_or_else(|| panic!("no container port named {name:?}"))
 }
 
-/// Runs the real binary with `-t -c` on `text`, its /tmp paths moved into a temporary dir.
+/// Where the Deployment mounts the Secret `inferlb-secrets`.
+const SECRETS_DIR: &str = "/etc/inferlb-secrets/";
+
+/// Runs the real binary with `-t -c` on `text`, its /tmp paths moved into a temporary dir and
+/// the Secret's files (as an operator creates them) into another.
 fn check_conf(text: &str) -> std::process::Output {
     let dir = tempfile::tempdir().expect("tempdir");
-    let text = text.replace("/tmp/", &format!("{}/", dir.path().display()));
+    let secrets = dir.path().join("secrets");
+    std::fs::create_dir(&secrets).expect("secrets dir");
+    for (file, value) in [
+        ("client-keys", "a-client-key-0001\n"),
+        ("vllm-api-key", "a-vllm-key-0001\n"),
+    ] {
+        std::fs::write(secrets.join(file), value).expect("write secret");
+    }
+    let text = text
+        .replace(SECRETS_DIR, &format!("{}/", secrets.display()))
+        .replace("/tmp/", &format!("{}/", dir.path().display()));
     let file = dir.path().join("inferlb.yaml");
     std::fs::write(&file, text).expect("write conf");
     Command::new(env!("CARGO_BIN_EXE_inferlb"))
@@ -288,6 +302,27 @@ fn deployment_agrees_with_the_conf() {
     let (conf_dir, conf_file) = conf_path.rsplit_once('/').expect("an absolute path");
     assert_eq!(conf_file, "inferlb.yaml");
     assert_eq!(str_at(volume_of(conf_dir), "configMap.name"), "inferlb");
+
+    // Client keys from the Secret, mounted where the conf reads them; none in the conf.
+    let keys = str_at(&conf, "inferlb.api_keys_file");
+    let (keys_dir, _) = keys.rsplit_once('/').expect("an absolute path");
+    assert_eq!(format!("{keys_dir}/"), SECRETS_DIR);
+    assert_eq!(
+        str_at(volume_of(keys_dir), "secret.secretName"),
+        "inferlb-secrets"
+    );
+    let keys_mount = mounts
+        .iter()
+        .find(|m| str_at(m, "mountPath") == keys_dir)
+        .expect("the Secret's mount");
+    assert!(
+        at(keys_mount, "subPath").is_none(),
+        "a subPath mount is never updated: a rotated key would not be seen"
+    );
+    assert!(
+        at(&conf, "inferlb.api_keys").is_none(),
+        "keys in the ConfigMap"
+    );
 
     // A read-only root: every file inferlb writes is under a writable emptyDir.
     assert_eq!(

@@ -97,6 +97,9 @@ pub struct LbConf {
     pub replicas: Vec<Replica>,
     /// Further lines at the end of the `inferlb:` section, indented by two spaces, for rare keys.
     pub extra: String,
+    /// Not written to the file: variables set in inferlb's environment (secrets the conf
+    /// names by `*_env`).
+    pub env: Vec<(String, String)>,
 }
 
 impl LbConf {
@@ -299,7 +302,8 @@ impl Lb {
         cmd.arg("-c")
             .arg(&path)
             .env("RUST_LOG", rust_log)
-            .env_remove("ROUTING");
+            .env_remove("ROUTING")
+            .envs(conf.env.iter().map(|(k, v)| (k, v)));
         let proc = Proc::spawn("inferlb", cmd, log, LB_STOP)
             .unwrap_or_else(|e| panic!("spawn inferlb: {e}"));
         let mut lb = Lb {
@@ -412,6 +416,8 @@ mod tests {
                 },
             ],
             extra: "  future_key: 1\n".into(),
+            // Not in the file.
+            env: vec![("KEY".into(), "value".into())],
         };
         let want = "threads: 2\n\
             pid_file: \"/d/inferlb.pid\"\n\

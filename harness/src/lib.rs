@@ -30,7 +30,7 @@ pub use nix::sys::signal::Signal;
 pub use peer::{Peer, PeerConf, PeerKind};
 pub use ports::free_port;
 pub use proc::Proc;
-pub use redis::Redis;
+pub use redis::{Redis, RedisTls};
 pub use sim::Sim;
 
 /// Resident memory of process `pid` (`VmRSS` of /proc/<pid>/status), in bytes.

@@ -18,6 +18,17 @@ pub struct Redis {
     pub port: u16,
     dir: PathBuf,
     proc: Option<Proc>,
+    secure: Option<RedisTls>,
+}
+
+/// TLS only (`--port 0`, `--tls-port`) and a password (`--requirepass`): the server's PEM
+/// certificate and key, and the CA that issued it (also what `redis-cli` trusts).
+#[derive(Debug, Clone)]
+pub struct RedisTls {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    pub ca_file: PathBuf,
+    pub password: String,
 }
 
 impl Redis {
@@ -32,18 +43,53 @@ impl Redis {
     /// Starts one on a free port, its log in `<dir>/redis.log`, and waits (at most 10 s) until
     /// it answers PING; panics, with its log, if it does not or is not installed.
     pub fn start(dir: &Path) -> Redis {
+        Redis::start_with(dir, None)
+    }
+
+    /// [`Redis::start`], with TLS only and a password (see [`RedisTls`]).
+    pub fn start_tls(dir: &Path, tls: RedisTls) -> Redis {
+        Redis::start_with(dir, Some(tls))
+    }
+
+    fn start_with(dir: &Path, secure: Option<RedisTls>) -> Redis {
         let mut r = Redis {
             port: free_port(),
             dir: dir.to_path_buf(),
             proc: None,
+            secure,
         };
         r.restart();
         r
     }
 
-    /// `redis://127.0.0.1:<port>`
+    /// `redis://127.0.0.1:<port>`, or `rediss://` with TLS (never with the password).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.secure.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// `redis-cli` run against it with `args` (TLS and password included): its stdout, or
+    /// None when it could not run or failed. Inline arguments: no shell is involved.
+    pub fn cli(&self, args: &[&str]) -> Option<String> {
+        let mut cmd = Command::new("redis-cli");
+        cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
+        if let Some(t) = &self.secure {
+            cmd.arg("--tls").arg("--cacert").arg(&t.ca_file);
+            // From the environment, not the command line (which other users can read).
+            cmd.env("REDISCLI_AUTH", &t.password);
+        }
+        let out = cmd
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// The lines of inferlb's conf (for [`crate::LbConf::extra`]) that make an instance named
@@ -60,7 +106,27 @@ impl Redis {
         self.stop();
         let bin = Redis::find().expect("redis-server is not installed (`make deps` installs it)");
         let mut cmd = Command::new(bin);
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+        let port = self.port.to_string();
+        match &self.secure {
+            None => cmd.args(["--port", &port]),
+            Some(t) => cmd
+                .args([
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port,
+                    "--tls-auth-clients",
+                    "no",
+                ])
+                .arg("--tls-cert-file")
+                .arg(&t.cert_file)
+                .arg("--tls-key-file")
+                .arg(&t.key_file)
+                .arg("--tls-ca-cert-file")
+                .arg(&t.ca_file)
+                .args(["--requirepass", &t.password]),
+        };
+        cmd.args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--dir"])
             .arg(&self.dir);
         let log = self.dir.join("redis.log");
@@ -97,6 +163,9 @@ impl Redis {
 
     /// Whether it answers `PING` with `+PONG` within a second.
     pub fn ping(&self) -> bool {
+        if self.secure.is_some() {
+            return self.cli(&["PING"]).is_some_and(|o| o.trim() == "PONG");
+        }
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
             return false;
         };
@@ -110,6 +179,9 @@ impl Redis {
 
     /// Whether `key` exists (`EXISTS`, as an inline command: `key` has no spaces).
     pub fn exists(&self, key: &str) -> bool {
+        if self.secure.is_some() {
+            return self.cli(&["EXISTS", key]).is_some_and(|o| o.trim() == "1");
+        }
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
             return false;
         };

@@ -35,7 +35,8 @@ pub struct ClusterSync {
     pub cluster: Arc<Cluster>,
     /// Taken once, when the service starts.
     pub changes: Mutex<Option<mpsc::Receiver<Change>>>,
-    pub url: String,
+    /// The cluster's Redis (see `ClusterConf::client`).
+    pub redis: crate::config::ClusterConf,
     pub registry: Arc<Registry>,
     pub affinity: Arc<AffinityTable>,
     pub stored: Arc<AffinityTable>,
@@ -195,7 +196,7 @@ impl ClusterSync {
         pending: &mut Vec<Change>,
         shutdown: &mut ShutdownWatch,
     ) -> Result<(), Failed> {
-        let client = redis::Client::open(self.url.as_str())?;
+        let client = self.redis.client()?;
         let mut conn = bounded(client.get_multiplexed_async_connection()).await?;
         let mut pubsub = bounded(client.get_async_pubsub()).await?;
         bounded(pubsub.subscribe(&[pins_channel().as_str(), DRAINS])).await?;

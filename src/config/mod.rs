@@ -11,6 +11,7 @@
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use pingora_core::server::configuration::ServerConf;
@@ -46,7 +47,10 @@ pub struct Config {
     /// Where the affinity table is kept across upgrades and restarts.
     pub state_file: PathBuf,
     /// Client keys accepted on /v1/ paths (`Authorization: Bearer ...`); empty: no check.
-    pub api_keys: Vec<String>,
+    /// From the conf, `api_keys_env` and `api_keys_file` (read again when it changes).
+    pub api_keys: Arc<crate::secrets::KeyList>,
+    /// How often secret files (keys, tokens, passwords) are read again.
+    pub secrets_reload_interval: Duration,
     /// Request headers larger than this in total get 431.
     pub max_header_bytes: usize,
     pub access_log: crate::access::Format,
@@ -67,10 +71,42 @@ pub struct Config {
 
 #[derive(Debug, Clone)]
 pub struct ClusterConf {
+    /// Without a password: that comes from `redis_password`.
     pub redis_url: String,
+    pub redis_password: Option<Arc<crate::secrets::Secret>>,
+    /// PEM: the CA a `rediss://` server's certificate is checked against (else the system's).
+    pub redis_ca: Option<Arc<Vec<u8>>>,
     pub instance_id: String,
     /// How long a shared pin lives in Redis without being renewed.
     pub pin_ttl: Duration,
+}
+
+impl ClusterConf {
+    /// The Redis client, for every user of the cluster's Redis (shared state, shared budgets):
+    /// the URL, the password as it is now, and TLS trusting `redis_ca` for `rediss://`.
+    pub fn client(&self) -> redis::RedisResult<redis::Client> {
+        use redis::IntoConnectionInfo;
+        let mut info = self.redis_url.as_str().into_connection_info()?;
+        if let Some(p) = &self.redis_password {
+            let settings = info
+                .redis_settings()
+                .clone()
+                .set_password(p.current().as_str());
+            info = info.set_redis_settings(settings);
+        }
+        if !matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }) {
+            return redis::Client::open(info);
+        }
+        // rustls needs its process-wide provider (ring, as Pingora's) before a handshake.
+        pingora_core::tls::install_default_crypto_provider();
+        redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: self.redis_ca.as_ref().map(|c| c.to_vec()),
+            },
+        )
+    }
 }
 
 /// Where discovered replicas come from: how often, and which DNS server (None: the system's).
@@ -112,6 +148,21 @@ impl Config {
     /// What is valid but probably not meant, for `-t` and the start-up log.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = vec![];
+        if self.api_keys.in_conf() {
+            out.push(
+                "inferlb.api_keys: keys written in the conf; secrets belong in a file \
+                 (api_keys_file) or the environment (api_keys_env)"
+                    .into(),
+            );
+        }
+        for (i, r) in self.replicas.iter().enumerate() {
+            if r.api_key.is_some() {
+                out.push(format!(
+                    "inferlb.replicas[{i}].api_key: a key written in the conf; secrets belong \
+                     in a file (api_key_file) or the environment (api_key_env)"
+                ));
+            }
+        }
         for (i, r) in self.replicas.iter().enumerate() {
             let earlier = self.replicas[..i]
                 .iter()
@@ -341,6 +392,96 @@ inferlb:
             .inferlb
             .warnings()
             .is_empty());
+    }
+
+    #[test]
+    fn secrets_in_the_conf_are_refused_or_warned_about_and_never_printed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let keys = dir.path().join("keys");
+        std::fs::write(&keys, "from-a-file-1\n").expect("write");
+        let refused = [
+            (
+                format!("{GOOD}  cluster: {{redis_url: \"redis://:hunter2hunter2@127.0.0.1\"}}\n"),
+                "redis_password_file",
+            ),
+            (
+                format!("{GOOD}  cluster: {{redis_url: \"redis://user:hunter2hunter2@127.0.0.1:6379/0\"}}\n"),
+                "a password in the URL",
+            ),
+            (
+                format!("{GOOD}  cluster: {{redis_url: \"rediss://127.0.0.1/#insecure\"}}\n"),
+                "redis_ca_file",
+            ),
+            (
+                format!("{GOOD}  cluster: {{redis_url: \"redis://127.0.0.1\", redis_ca_file: {keys:?}}}\n"),
+                "only with a rediss://",
+            ),
+            (
+                format!("{GOOD}  cluster: {{redis_url: \"rediss://127.0.0.1\", redis_ca_file: {keys:?}}}\n"),
+                "no certificate",
+            ),
+            (
+                format!("{GOOD}  cluster: {{redis_url: \"redis://127.0.0.1\", redis_password_env: INFERLB_TEST_UNSET_VAR}}\n"),
+                "redis_password_env",
+            ),
+            (format!("{GOOD}  api_keys: [hunter2]\n"), "api_keys[0]"),
+            (format!("{GOOD}  api_keys_file: /nonexistent/keys\n"), "api_keys_file"),
+            (format!("{GOOD}  api_keys_env: INFERLB_TEST_UNSET_VAR\n"), "api_keys_env"),
+            (
+                GOOD.replace("8002}", "8002, api_key_file: /nonexistent/key}"),
+                "replicas[1].api_key_file",
+            ),
+            (
+                GOOD.replace("8002}", "8002, api_key: hunter2hunter2, api_key_env: X}"),
+                "not several",
+            ),
+            (format!("{GOOD}  secrets_reload_interval_seconds: 0\n"), "secrets_reload"),
+        ];
+        for (text, needle) in refused {
+            let e = parse(&text, None)
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {text}"));
+            assert!(e.contains(needle), "{needle:?} not in {e:?}");
+            assert!(!e.contains("hunter2"), "a secret in {e:?}");
+        }
+        let text = format!(
+            "{}  api_keys: [conf-key-hunter2]\n  api_keys_file: {keys:?}\n  \
+             cluster: {{redis_url: \"redis://127.0.0.1\", redis_password_file: {keys:?}}}\n",
+            GOOD.replace("8002}", "8002, api_key: replica-hunter2}")
+        );
+        let c = parse(&text, None).expect("valid").inferlb;
+        assert_eq!(
+            **c.api_keys.current(),
+            ["conf-key-hunter2", "from-a-file-1"]
+        );
+        let key = c.replicas[1].key.as_ref().expect("a key");
+        assert_eq!(*key.current(), "replica-hunter2");
+        let pass = c.cluster.as_ref().and_then(|c| c.redis_password.as_ref());
+        assert_eq!(
+            pass.map(|p| p.current().to_string()).as_deref(),
+            Some("from-a-file-1")
+        );
+        let shown = format!("{c:?}");
+        for secret in ["hunter2", "from-a-file-1"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        let w = c.warnings();
+        assert!(w.iter().any(|w| w.contains("inferlb.api_keys:")), "{w:?}");
+        assert!(
+            w.iter().any(|w| w.contains("replicas[1].api_key:")),
+            "{w:?}"
+        );
+        // What a cluster shares of a replica: where its key is read, never the key.
+        let mut r = c.replicas[1].clone();
+        let shared = serde_json::to_string(&r).expect("json");
+        assert!(
+            !shared.contains("hunter2") && !shared.contains("api_key"),
+            "{shared}"
+        );
+        r.api_key = None;
+        r.api_key_env = Some("GPU1_KEY".into());
+        let shared = serde_json::to_string(&r).expect("json");
+        assert!(shared.contains(r#""api_key_env":"GPU1_KEY""#), "{shared}");
     }
 
     #[test]

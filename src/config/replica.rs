@@ -2,10 +2,16 @@
 //! instance) and its checks: id, address and scheme, SNI, cache size, discovery.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
-#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq, Eq)]
+use crate::secrets::{Redacted, Secret};
+
+/// Serialised (for the other instances of a cluster, through Redis) without its key: only
+/// where each instance reads it (`api_key_env`, `api_key_file`).
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicaConf {
     /// A stable name: metrics, logs, headers and the affinity table use it.
@@ -20,9 +26,20 @@ pub struct ReplicaConf {
     /// Connections to it are TLS (`address` is `https://`); set by validation.
     #[serde(skip)]
     pub tls: bool,
-    /// Sent to this replica as `Authorization: Bearer ...` in place of the client's.
-    #[serde(default)]
-    pub api_key: Option<String>,
+    /// Its key written in the conf: accepted, with a warning (it belongs in a file or the
+    /// environment); refused by the admin API. Never serialised.
+    #[serde(default, skip_serializing)]
+    pub api_key: Option<Redacted>,
+    /// The environment variable holding its key (read by each instance from its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+    /// The file holding its key, read again when it changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_file: Option<PathBuf>,
+    /// Sent to this replica as `Authorization: Bearer ...` in place of the client's: read by
+    /// validation from whichever of the three is set.
+    #[serde(skip)]
+    pub key: Option<Arc<Secret>>,
     /// The models it serves; when omitted, learnt from its `/v1/models` by the health checks.
     #[serde(default)]
     pub models: Vec<String>,
@@ -66,6 +83,21 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
             ));
         }
     }
+    r.key = match (&r.api_key, &r.api_key_env, &r.api_key_file) {
+        (None, None, None) => None,
+        (Some(k), None, None) => Some(Secret::literal(&k.0)),
+        (None, Some(name), None) => {
+            Some(Secret::from_env(name).map_err(|e| format!("{key}.api_key_env: {e}"))?)
+        }
+        (None, None, Some(path)) => {
+            Some(Secret::from_file(path).map_err(|e| format!("{key}.api_key_file: {e}"))?)
+        }
+        _ => {
+            return Err(format!(
+                "{key}: one of api_key, api_key_env and api_key_file, not several"
+            ))
+        }
+    };
     let (tls, host_port) = split_address(&r.address).map_err(|e| format!("{key}.address: {e}"))?;
     r.tls = tls;
     if tls && r.sni.is_none() {

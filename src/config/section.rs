@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -14,6 +15,7 @@ use super::{
     check_replica, ClusterConf, Config, DiscoveryConf, HealthConf, ReplicaConf, UpstreamConf,
 };
 use crate::routing::Mode;
+use crate::secrets::Secret;
 
 /// The `inferlb:` section as written; see the README for each key.
 #[derive(Debug, Deserialize)]
@@ -34,6 +36,9 @@ pub(super) struct RawSection {
     spill_margin: usize,
     state_file: Option<PathBuf>,
     api_keys: Vec<String>,
+    api_keys_file: Option<PathBuf>,
+    api_keys_env: Option<String>,
+    secrets_reload_interval_seconds: f64,
     max_header_bytes: usize,
     access_log: crate::access::Format,
     session_header: Option<String>,
@@ -64,6 +69,9 @@ impl Default for RawSection {
             spill_margin: 4,
             state_file: None,
             api_keys: vec![],
+            api_keys_file: None,
+            api_keys_env: None,
+            secrets_reload_interval_seconds: 5.0,
             max_header_bytes: 64 * 1024,
             access_log: crate::access::Format::Kv,
             session_header: None,
@@ -134,10 +142,102 @@ struct RawCluster {
     instance_id: Option<String>,
     #[serde(default = "default_pin_ttl")]
     pin_ttl_seconds: f64,
+    #[serde(default)]
+    redis_password_file: Option<PathBuf>,
+    #[serde(default)]
+    redis_password_env: Option<String>,
+    #[serde(default)]
+    redis_ca_file: Option<PathBuf>,
 }
 
 fn default_pin_ttl() -> f64 {
     86_400.0
+}
+
+/// How often secret files are read again: as the TLS certificate's, 0.1 s to a day.
+fn reload_interval(r: f64) -> Result<Duration, String> {
+    if !(r.is_finite() && (0.1..=86_400.0).contains(&r)) {
+        return Err(format!(
+            "inferlb.secrets_reload_interval_seconds: {r} must be between 0.1 and 86400"
+        ));
+    }
+    Ok(Duration::from_secs_f64(r))
+}
+
+/// The Redis URL checked (no password in it: the conf is not where a secret goes), its
+/// password from a file or the environment, and the CA a `rediss://` server is checked
+/// against. A message never quotes a URL that may hold a password.
+fn redis_secrets(c: &RawCluster) -> Result<(Option<Arc<Secret>>, Option<Arc<Vec<u8>>>), String> {
+    use redis::IntoConnectionInfo;
+    let key = "inferlb.cluster";
+    let shown = if c.redis_url.contains('@') {
+        "(not shown: it has an '@')".to_string()
+    } else {
+        format!("{:?}", c.redis_url)
+    };
+    let info = c
+        .redis_url
+        .as_str()
+        .into_connection_info()
+        .map_err(|e| format!("{key}.redis_url: {shown}: {e}"))?;
+    if info.redis_settings().password().is_some() {
+        return Err(format!(
+            "{key}.redis_url: a password in the URL; put it in {key}.redis_password_file or \
+             {key}.redis_password_env instead"
+        ));
+    }
+    let tls = match info.addr() {
+        redis::ConnectionAddr::TcpTls { insecure: true, .. } => {
+            return Err(format!(
+                "{key}.redis_url: #insecure skips the server's certificate check; trust its CA \
+                 with {key}.redis_ca_file instead"
+            ))
+        }
+        a => matches!(a, redis::ConnectionAddr::TcpTls { .. }),
+    };
+    let password = match (&c.redis_password_file, &c.redis_password_env) {
+        (None, None) => None,
+        (Some(p), None) => {
+            Some(Secret::from_file(p).map_err(|e| format!("{key}.redis_password_file: {e}"))?)
+        }
+        (None, Some(n)) => {
+            Some(Secret::from_env(n).map_err(|e| format!("{key}.redis_password_env: {e}"))?)
+        }
+        (Some(_), Some(_)) => {
+            return Err(format!(
+                "{key}: redis_password_file or redis_password_env, not both"
+            ))
+        }
+    };
+    let ca = match &c.redis_ca_file {
+        None => None,
+        Some(_) if !tls => {
+            return Err(format!(
+                "{key}.redis_ca_file: only with a rediss:// (TLS) URL"
+            ))
+        }
+        Some(p) => {
+            use rustls_pki_types::pem::PemObject;
+            let pem = std::fs::read(p)
+                .map_err(|e| format!("{key}.redis_ca_file: cannot read {}: {e}", p.display()))?;
+            let certs = rustls_pki_types::CertificateDer::pem_slice_iter(&pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| {
+                    format!(
+                        "{key}.redis_ca_file: {}: not PEM certificates: {e}",
+                        p.display()
+                    )
+                })?;
+            if certs.is_empty() {
+                return Err(format!(
+                    "{key}.redis_ca_file: {}: no certificate in it",
+                    p.display()
+                ));
+            }
+            Some(Arc::new(pem))
+        }
+    };
+    Ok((password, ca))
 }
 
 fn seconds(key: &str, v: f64) -> Result<Duration, String> {
@@ -233,9 +333,12 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
         idle_timeout: seconds("upstream.idle_timeout_seconds", u.idle_timeout_seconds)?,
         tls: upstream_tls(u)?,
     };
-    if raw.api_keys.iter().any(|k| k.len() < 8) {
-        return Err("inferlb.api_keys: each key must be at least 8 characters".into());
-    }
+    let api_keys = crate::secrets::KeyList::new(
+        &raw.api_keys,
+        raw.api_keys_env.as_deref(),
+        raw.api_keys_file.as_deref(),
+        "inferlb",
+    )?;
     if raw.max_body_bytes == 0 {
         return Err("inferlb.max_body_bytes must be positive".into());
     }
@@ -248,9 +351,7 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
     let cluster = match &raw.cluster {
         None => None,
         Some(c) => {
-            if let Err(e) = redis::Client::open(c.redis_url.as_str()) {
-                return Err(format!("inferlb.cluster.redis_url: {:?}: {e}", c.redis_url));
-            }
+            let (redis_password, redis_ca) = redis_secrets(c)?;
             let instance_id = match c.instance_id.as_deref().map(str::trim) {
                 None | Some("") => crate::cluster::default_instance_id(),
                 Some(id) if id.contains(['|', '#']) || id.contains(char::is_whitespace) => {
@@ -262,6 +363,8 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
             };
             Some(ClusterConf {
                 redis_url: c.redis_url.clone(),
+                redis_password,
+                redis_ca,
                 instance_id,
                 pin_ttl: seconds("cluster.pin_ttl_seconds", c.pin_ttl_seconds)?,
             })
@@ -303,7 +406,8 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
         affinity_capacity: raw.affinity_capacity,
         spill_margin: (raw.spill_margin > 0).then_some(raw.spill_margin),
         state_file: raw.state_file.unwrap_or_default(),
-        api_keys: raw.api_keys,
+        api_keys,
+        secrets_reload_interval: reload_interval(raw.secrets_reload_interval_seconds)?,
         max_header_bytes: raw.max_header_bytes.max(1024),
         access_log: raw.access_log,
         session_header,

@@ -51,7 +51,8 @@ async fn bounded<T>(f: impl std::future::Future<Output = redis::RedisResult<T>>)
 /// Where to share, and this instance's name there.
 #[derive(Debug, Clone)]
 pub struct Sharing {
-    pub redis_url: String,
+    /// The cluster's Redis, opened as the shared state opens it.
+    pub redis: crate::config::ClusterConf,
     pub instance: String,
 }
 
@@ -72,7 +73,7 @@ pub(super) async fn run(overload: Arc<Overload>, sharing: Sharing) {
     loop {
         tokio::time::sleep(EVERY).await;
         if conn.is_none() {
-            conn = match redis::Client::open(sharing.redis_url.as_str()) {
+            conn = match sharing.redis.client() {
                 Ok(c) => bounded(c.get_multiplexed_async_connection()).await.ok(),
                 Err(_) => None,
             };

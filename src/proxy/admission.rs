@@ -23,7 +23,7 @@ impl Balancer {
                 close: true,
             });
         }
-        if !request::authorized(&self.conf.api_keys, req) {
+        if !request::authorized(&self.conf.api_keys.current(), req) {
             return Some(Refusal {
                 status: 401,
                 reason: "unauthorized",

@@ -72,7 +72,7 @@ impl Balancer {
                 conf.cluster
                     .as_ref()
                     .map(|c| crate::overload::shared::Sharing {
-                        redis_url: c.redis_url.clone(),
+                        redis: c.clone(),
                         instance: c.instance_id.clone(),
                     }),
                 registry.clone(),
@@ -236,7 +236,7 @@ impl ProxyHttp for Balancer {
         if let Some(r) = ctx.current() {
             upstream.insert_header("host", &r.host)?;
             if let Some(key) = &r.api_key {
-                upstream.insert_header("authorization", format!("Bearer {key}"))?;
+                upstream.insert_header("authorization", format!("Bearer {}", key.current()))?;
             }
         }
         Ok(())

@@ -39,8 +39,9 @@ pub struct Replica {
     pub peer: HttpPeer,
     /// What the health check probes.
     pub backend: Backend,
-    /// Sent to it in place of the client's key.
-    pub api_key: Option<String>,
+    /// Sent to it in place of the client's key (read from its secret at each use, so a
+    /// rotated file takes effect).
+    pub api_key: Option<Arc<crate::secrets::Secret>>,
     /// The conf fixed `models`: never replaced by what the replica says.
     pub models_configured: bool,
     health: Mutex<Health>,
@@ -147,7 +148,7 @@ impl Replica {
             socket,
             peer,
             backend,
-            api_key: conf.api_key.clone(),
+            api_key: conf.key.clone(),
             models_configured: !conf.models.is_empty(),
             // Healthy until the checks say otherwise, as Pingora's checker starts.
             health: Mutex::new(Health {
@@ -358,6 +359,7 @@ mod tests {
             discover: None,
             sni: None,
             tls: false,
+            ..ReplicaConf::default()
         };
         let upstream = crate::config::UpstreamConf {
             connect_timeout: std::time::Duration::from_secs(1),
