@@ -9,6 +9,10 @@
 //! - `POST /admin/replicas` with `{"id", "address", "api_key"?, "models"?, "cache_tokens"?}`:
 //!   adds a replica at runtime (it joins after a passing health check);
 //!   `DELETE /admin/replicas/{id}` removes one (in-flight requests finish).
+//!
+//! With `admin.token_file` or `token_env` set, every path needs `Authorization: Bearer <token>`
+//! (401 otherwise), except `/metrics` and `/ready`, which need `admin.metrics_token_file`'s
+//! when it is set. Every change is logged with the caller's address; so is every refusal.
 
 use std::sync::Arc;
 
@@ -17,13 +21,19 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 
+use crate::admin_auth::Auth;
 use crate::config::{check_replica, ReplicaConf};
+use crate::netpolicy::Networks;
 use crate::registry::Registry;
 
 pub struct Admin {
     pub registry: Arc<Registry>,
     /// Drains are shared with the other instances of a cluster.
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// Who may call.
+    pub auth: Arc<Auth>,
+    /// Where an added replica may be.
+    pub networks: Networks,
 }
 
 fn reply(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -39,6 +49,18 @@ fn json(status: StatusCode, v: serde_json::Value) -> Response<Vec<u8>> {
     reply(status, "application/json", v.to_string().into_bytes())
 }
 
+fn unauthorized() -> Response<Vec<u8>> {
+    let mut r = json(
+        StatusCode::UNAUTHORIZED,
+        serde_json::json!({"error": "this needs `Authorization: Bearer <token>` with the admin token (inferlb.admin)"}),
+    );
+    r.headers_mut().insert(
+        http::header::WWW_AUTHENTICATE,
+        http::HeaderValue::from_static("Bearer"),
+    );
+    r
+}
+
 /// The request body, up to 64 KiB (an admin call is small).
 async fn read_body(session: &mut ServerSession) -> Vec<u8> {
     let mut body = Vec::new();
@@ -52,8 +74,8 @@ async fn read_body(session: &mut ServerSession) -> Vec<u8> {
 }
 
 impl Admin {
-    /// Adds the replica described by `body`, checked as a conf entry is.
-    async fn add(&self, body: &[u8]) -> Result<(), String> {
+    /// Adds the replica described by `body`, checked as a conf entry is; `Ok` tells what was added.
+    async fn add(&self, body: &[u8]) -> Result<ReplicaConf, String> {
         let mut conf: ReplicaConf = serde_json::from_slice(body)
             .map_err(|e| format!("expected {{\"id\", \"address\", ...}}: {e}"))?;
         if conf.discover.is_some() {
@@ -63,11 +85,16 @@ impl Admin {
             tokio::task::spawn_blocking(move || check_replica(&mut conf, "replica").map(|()| conf))
                 .await
                 .map_err(|e| e.to_string())??;
+        if let Some(socket) = checked.socket {
+            self.networks
+                .check(socket.ip())
+                .map_err(|e| format!("replica.address: {:?}: {e}", checked.address))?;
+        }
         self.registry.add(&checked, None)?;
         if let Some(c) = &self.cluster {
             c.replica(&checked.id, Some(&checked));
         }
-        Ok(())
+        Ok(checked)
     }
 
     fn state(&self) -> serde_json::Value {
@@ -96,6 +123,16 @@ impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
+        // The peer's address: who made a change, or was refused.
+        let caller = session
+            .client_addr()
+            .map_or_else(|| "-".to_string(), |a| a.to_string());
+        let authorization = session.req_header().headers.get(http::header::AUTHORIZATION);
+        if !self.auth.admits(&path, authorization.map(|v| v.as_bytes())) {
+            let why = if authorization.is_some() { "wrong" } else { "no" };
+            log::warn!("admin: {method} {path} from {caller} refused: {why} bearer token");
+            return unauthorized();
+        }
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (method.as_str(), parts.as_slice()) {
             ("GET", ["metrics"]) => reply(
@@ -120,12 +157,19 @@ impl ServeHttp for Admin {
             ("POST", ["admin", "replicas"]) => {
                 let body = read_body(session).await;
                 match self.add(&body).await {
-                    Ok(()) => json(StatusCode::CREATED, self.state()),
-                    Err(e) => json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e})),
+                    Ok(r) => {
+                        log::info!("admin: {caller} added replica {} at {}", r.id, r.address);
+                        json(StatusCode::CREATED, self.state())
+                    }
+                    Err(e) => {
+                        log::warn!("admin: {caller} could not add a replica: {e}");
+                        json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e}))
+                    }
                 }
             }
             ("DELETE", ["admin", "replicas", id]) => match self.registry.remove(id) {
-                Some(_) => {
+                Some(gone) => {
+                    log::info!("admin: {caller} removed replica {} at {}", gone.id, gone.address);
                     if let Some(c) = &self.cluster {
                         c.replica(id, None);
                     }
@@ -140,6 +184,7 @@ impl ServeHttp for Admin {
                 match self.registry.get(id) {
                     Some(r) => {
                         let draining = *action == "drain";
+                        log::info!("admin: {caller} {action}ed replica {} at {}", r.id, r.address);
                         r.set_draining(draining);
                         if let Some(c) = &self.cluster {
                             c.drain(&r.id, draining);

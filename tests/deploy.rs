@@ -133,6 +133,11 @@ fn resolve_port(container: &Value, port: &Value) -> u64 {
 fn check_conf(text: &str) -> std::process::Output {
     let dir = tempfile::tempdir().expect("tempdir");
     let text = text.replace("/tmp/", &format!("{}/", dir.path().display()));
+    // The admin token comes from a mounted Secret: a stand-in file here.
+    let secret = dir.path().join("inferlb-admin");
+    std::fs::create_dir_all(&secret).expect("secret dir");
+    std::fs::write(secret.join("token"), "a-stand-in-admin-token-for-the-test").expect("token");
+    let text = text.replace("/etc/inferlb-admin/", &format!("{}/", secret.display()));
     let file = dir.path().join("inferlb.yaml");
     std::fs::write(&file, text).expect("write conf");
     Command::new(env!("CARGO_BIN_EXE_inferlb"))
@@ -213,6 +218,13 @@ fn configmap_conf_passes_inferlb_t() {
     let out = check_conf(&broken);
     assert!(!out.status.success(), "a broken admin_listen passed -t");
     assert!(String::from_utf8_lossy(&out.stderr).contains("admin_listen"));
+
+    // Its admin listener is not loopback: without the token it would not start.
+    let open = text.replace("token_file: /etc/inferlb-admin/token", "");
+    assert_ne!(open, text);
+    let out = check_conf(&open);
+    assert!(!out.status.success(), "an open admin API on 0.0.0.0 passed -t");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("inferlb.admin.token_file"));
 }
 
 #[test]
@@ -288,6 +300,14 @@ fn deployment_agrees_with_the_conf() {
     let (conf_dir, conf_file) = conf_path.rsplit_once('/').expect("an absolute path");
     assert_eq!(conf_file, "inferlb.yaml");
     assert_eq!(str_at(volume_of(conf_dir), "configMap.name"), "inferlb");
+    // The admin token is a file of a Secret, not a line of the ConfigMap.
+    let token = str_at(&conf, "inferlb.admin.token_file");
+    let (token_dir, token_key) = token.rsplit_once('/').expect("an absolute path");
+    let secret = volume_of(token_dir);
+    assert!(at(secret, "secret.secretName").is_some(), "{token} is not from a Secret");
+    if let Some(items) = at(secret, "secret.items").and_then(Value::as_sequence) {
+        assert!(items.iter().any(|i| str_at(i, "path") == token_key));
+    }
 
     // A read-only root: every file inferlb writes is under a writable emptyDir.
     assert_eq!(
