@@ -127,9 +127,16 @@ impl ServeHttp for Admin {
         let caller = session
             .client_addr()
             .map_or_else(|| "-".to_string(), |a| a.to_string());
-        let authorization = session.req_header().headers.get(http::header::AUTHORIZATION);
+        let authorization = session
+            .req_header()
+            .headers
+            .get(http::header::AUTHORIZATION);
         if !self.auth.admits(&path, authorization.map(|v| v.as_bytes())) {
-            let why = if authorization.is_some() { "wrong" } else { "no" };
+            let why = if authorization.is_some() {
+                "wrong"
+            } else {
+                "no"
+            };
             log::warn!("admin: {method} {path} from {caller} refused: {why} bearer token");
             return unauthorized();
         }
@@ -169,7 +176,11 @@ impl ServeHttp for Admin {
             }
             ("DELETE", ["admin", "replicas", id]) => match self.registry.remove(id) {
                 Some(gone) => {
-                    log::info!("admin: {caller} removed replica {} at {}", gone.id, gone.address);
+                    log::info!(
+                        "admin: {caller} removed replica {} at {}",
+                        gone.id,
+                        gone.address
+                    );
                     if let Some(c) = &self.cluster {
                         c.replica(id, None);
                     }
@@ -184,7 +195,11 @@ impl ServeHttp for Admin {
                 match self.registry.get(id) {
                     Some(r) => {
                         let draining = *action == "drain";
-                        log::info!("admin: {caller} {action}ed replica {} at {}", r.id, r.address);
+                        log::info!(
+                            "admin: {caller} {action}ed replica {} at {}",
+                            r.id,
+                            r.address
+                        );
                         r.set_draining(draining);
                         if let Some(c) = &self.cluster {
                             c.drain(&r.id, draining);

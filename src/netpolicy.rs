@@ -29,8 +29,14 @@ pub const DEFAULT_ALLOWED: &[&str] = &[
 
 /// Refused inside any allowed network less specific than the entry itself.
 const REFUSED: &[(&str, &str)] = &[
-    ("0.0.0.0/8", "the unspecified address (a connection to it reaches this host)"),
-    ("::/128", "the unspecified address (a connection to it reaches this host)"),
+    (
+        "0.0.0.0/8",
+        "the unspecified address (a connection to it reaches this host)",
+    ),
+    (
+        "::/128",
+        "the unspecified address (a connection to it reaches this host)",
+    ),
     ("169.254.0.0/16", "link-local"),
     ("fe80::/10", "link-local"),
     ("169.254.169.254/32", "a cloud metadata address"),
@@ -69,7 +75,11 @@ fn parse_net(entry: &str) -> Result<IpNet, String> {
         Ok(net) => net,
         Err(_) => match entry.parse::<IpAddr>() {
             Ok(ip) => IpNet::from(ip),
-            Err(_) => return Err(format!("{entry:?} is not a CIDR network (10.0.0.0/8) or an address")),
+            Err(_) => {
+                return Err(format!(
+                    "{entry:?} is not a CIDR network (10.0.0.0/8) or an address"
+                ))
+            }
         },
     };
     if net.trunc() != net {
@@ -148,7 +158,10 @@ impl Networks {
     }
 
     /// The same for a peer about to be connected to; anything but an IP socket is refused.
-    pub fn check_peer(&self, addr: &pingora_core::protocols::l4::socket::SocketAddr) -> Result<(), String> {
+    pub fn check_peer(
+        &self,
+        addr: &pingora_core::protocols::l4::socket::SocketAddr,
+    ) -> Result<(), String> {
         match addr.as_inet() {
             Some(inet) => self.check(inet.ip()),
             None => Err(format!("{addr} is not an IP address")),
@@ -218,7 +231,11 @@ mod tests {
             (&["::/0"], "fd00:ec2::254", Err("AWS")),
             (&["::/0"], "::", Err("unspecified")),
             (&["::/0"], "::ffff:169.254.169.254", Err("outside")),
-            (&["::/0", "0.0.0.0/0"], "::ffff:169.254.169.254", Err("metadata")),
+            (
+                &["::/0", "0.0.0.0/0"],
+                "::ffff:169.254.169.254",
+                Err("metadata"),
+            ),
             (&["100.64.0.0/10"], "100.64.0.1", Ok(())),
             (&["100.64.0.0/10"], "100.100.100.200", Err("Alibaba")),
             // Listing link-local opens link-local, not the metadata address inside it.

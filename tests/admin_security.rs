@@ -60,11 +60,18 @@ fn listed(lb: &Lb, auth: Option<&str>, id: &str) -> bool {
         .is_some_and(|a| a.iter().any(|r| r["id"] == id))
 }
 
-/// Replicas an attacker would point inferlb at: each refused with 400, never listed.
+/// Replicas an attacker would point inferlb at: each refused with 400, never listed. The first
+/// is one no packet leaves this host for (link-local without a scope cannot be connected to),
+/// so a build without the check fails here before anything reaches 169.254.169.254.
 fn refused_adds(lb: &Lb, auth: Option<&str>) {
     for (id, address, needle) in [
+        ("linklocal6", "[fe80::1]:80", "fe80::1"),
         ("evil", "169.254.169.254:80", "169.254.169.254"),
-        ("evil6", "[::ffff:169.254.169.254]:80", "that is 169.254.169.254"),
+        (
+            "evil6",
+            "[::ffff:169.254.169.254]:80",
+            "that is 169.254.169.254",
+        ),
         ("linklocal", "169.254.10.1:80", "169.254.10.1"),
         ("public", "8.8.8.8:80", "outside admin.allowed_networks"),
         ("aws6", "[fd00:ec2::254]:80", "metadata"),
@@ -85,7 +92,8 @@ fn without_a_token_the_admin_api_works_on_loopback_and_refuses_metadata_addresse
     let lb = Lb::start(root.path(), &[&a], test_conf());
     refused_adds(&lb, None);
 
-    let body = serde_json::json!({"id": "gpu1", "address": b.addr(), "api_key": "replica-secret-key"});
+    let body =
+        serde_json::json!({"id": "gpu1", "address": b.addr(), "api_key": "replica-secret-key"});
     let (status, _, answer) = call(&lb, "POST", "/admin/replicas", None, Some(body));
     assert_eq!(status, 201, "{answer}");
     let (status, _, _) = call(&lb, "POST", "/admin/replicas/gpu1/drain", None, None);
@@ -104,7 +112,10 @@ fn without_a_token_the_admin_api_works_on_loopback_and_refuses_metadata_addresse
             .lines()
             .find(|l| l.contains(&change))
             .unwrap_or_else(|| panic!("no {change:?} in\n{log}"));
-        assert!(line.contains("INFO") && line.contains("admin: 127.0.0.1:"), "{line}");
+        assert!(
+            line.contains("INFO") && line.contains("admin: 127.0.0.1:"),
+            "{line}"
+        );
     }
     assert!(!log.contains("replica-secret-key"), "{log}");
 }
@@ -145,12 +156,27 @@ fn the_admin_token_guards_every_admin_path_and_follows_its_file() {
     assert_eq!(lb.replica_state_with(&right, "gpu0")["draining"], false);
     assert!(listed(&lb, Some(&right), "gpu0"), "nothing was removed");
     refused_adds(&lb, Some(&right));
-    let (status, _, _) = call(&lb, "POST", "/admin/replicas/gpu0/drain", Some(&right), None);
+    let (status, _, _) = call(
+        &lb,
+        "POST",
+        "/admin/replicas/gpu0/drain",
+        Some(&right),
+        None,
+    );
     assert_eq!(status, 200);
-    let (status, _, _) = call(&lb, "POST", "/admin/replicas/gpu0/undrain", Some(&right), None);
+    let (status, _, _) = call(
+        &lb,
+        "POST",
+        "/admin/replicas/gpu0/undrain",
+        Some(&right),
+        None,
+    );
     assert_eq!(status, 200);
     // Scrapers and probes need nothing by default.
-    assert_eq!(http_status(lb.admin_port, "/metrics", Duration::from_secs(2)), Some(200));
+    assert_eq!(
+        http_status(lb.admin_port, "/metrics", Duration::from_secs(2)),
+        Some(200)
+    );
     assert!(lb.metrics().contains("inferlb_"));
 
     // A rewritten file: the new token opens, the old one no longer does.
@@ -160,21 +186,30 @@ fn the_admin_token_guards_every_admin_path_and_follows_its_file() {
         call(&lb, "GET", "/admin/replicas", Some(&bearer(next)), None).0 == 200
     });
     assert!(moved, "{}", lb.proc.log_text());
-    assert_eq!(call(&lb, "GET", "/admin/replicas", Some(&right), None).0, 401);
+    assert_eq!(
+        call(&lb, "GET", "/admin/replicas", Some(&right), None).0,
+        401
+    );
     // An emptied file keeps the token in use, and says so.
     std::fs::write(&token_file, "").expect("empty");
     let said = wait_until(Duration::from_secs(5), || {
         lb.proc.log_text().contains("token not reloaded")
     });
     assert!(said, "{}", lb.proc.log_text());
-    assert_eq!(call(&lb, "GET", "/admin/replicas", Some(&bearer(next)), None).0, 200);
+    assert_eq!(
+        call(&lb, "GET", "/admin/replicas", Some(&bearer(next)), None).0,
+        200
+    );
 
     let log = lb.proc.log_text();
     let refusal = log
         .lines()
         .find(|l| l.contains("refused: wrong bearer token"))
         .unwrap_or_else(|| panic!("no refusal logged:\n{log}"));
-    assert!(refusal.contains("WARN") && refusal.contains("from 127.0.0.1:"), "{refusal}");
+    assert!(
+        refusal.contains("WARN") && refusal.contains("from 127.0.0.1:"),
+        "{refusal}"
+    );
     assert!(log.contains("drained replica gpu0"), "{log}");
     for secret in [TOKEN, next] {
         assert!(!log.contains(secret), "a token in the log:\n{log}");
@@ -235,7 +270,11 @@ fn a_metrics_token_closes_metrics_and_ready() {
     let up = wait_until(Duration::from_secs(10), || {
         http_status(port, "/metrics", Duration::from_secs(1)) == Some(401)
     });
-    assert!(up, "{}", std::fs::read_to_string(dir.join("inferlb.log")).unwrap_or_default());
+    assert!(
+        up,
+        "{}",
+        std::fs::read_to_string(dir.join("inferlb.log")).unwrap_or_default()
+    );
     let live = wait_until(Duration::from_secs(10), || {
         status_of(port, "/ready", Some(metrics_token)) == 200
     });
@@ -282,10 +321,7 @@ fn unsafe_confs_do_not_start() {
     let text = base.render();
     let open_admin = text.replace("admin_listen: 127.0.0.1:", "admin_listen: 0.0.0.0:");
     assert_ne!(open_admin, text);
-    let metadata = text.replace(
-        &base.replicas[0].address,
-        "169.254.169.254:80",
-    );
+    let metadata = text.replace(&base.replicas[0].address, "169.254.169.254:80");
     assert_ne!(metadata, text);
     let literal = format!("{text}  admin: {{token: {TOKEN}}}\n");
     for (name, conf, needle) in [
@@ -299,10 +335,16 @@ fn unsafe_confs_do_not_start() {
     ] {
         let (code, log) = start_fails(dir, name, conf);
         assert_eq!(code, Some(2), "{name}: {log}");
-        assert!(log.contains("invalid configuration") && log.contains(needle), "{name}: {log}");
+        assert!(
+            log.contains("invalid configuration") && log.contains(needle),
+            "{name}: {log}"
+        );
     }
     let (_, log) = start_fails(dir, "open-admin-again", &open_admin);
-    assert!(log.contains("inferlb.admin.token_file or inferlb.admin.token_env"), "{log}");
+    assert!(
+        log.contains("inferlb.admin.token_file or inferlb.admin.token_env"),
+        "{log}"
+    );
     assert!(!log.contains(TOKEN));
 }
 
@@ -311,8 +353,13 @@ fn sim_at(dir: &Path, ip: &str, id: &str) -> (Proc, u16) {
     let port = free_port();
     let mut cmd = Command::new(bin("inferlb-sim"));
     cmd.args(["--listen", &format!("{ip}:{port}"), "--id", id]);
-    let p = Proc::spawn(id, cmd, Some(&dir.join(format!("{id}.log"))), Signal::SIGTERM)
-        .expect("spawn sim");
+    let p = Proc::spawn(
+        id,
+        cmd,
+        Some(&dir.join(format!("{id}.log"))),
+        Signal::SIGTERM,
+    )
+    .expect("spawn sim");
     let up = wait_until(Duration::from_secs(10), || {
         std::net::TcpStream::connect((ip, port)).is_ok()
     });
@@ -363,7 +410,9 @@ fn a_replica_outside_the_allowed_networks_is_never_connected_to() {
         assert_eq!(replica, "gpu0", "turn {i}");
     }
     assert!(
-        two.proc.log_text().contains("replica far not connected to: 127.0.0.2 is outside"),
+        two.proc
+            .log_text()
+            .contains("replica far not connected to: 127.0.0.2 is outside"),
         "{}",
         two.proc.log_text()
     );

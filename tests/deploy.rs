@@ -223,7 +223,10 @@ fn configmap_conf_passes_inferlb_t() {
     let open = text.replace("token_file: /etc/inferlb-admin/token", "");
     assert_ne!(open, text);
     let out = check_conf(&open);
-    assert!(!out.status.success(), "an open admin API on 0.0.0.0 passed -t");
+    assert!(
+        !out.status.success(),
+        "an open admin API on 0.0.0.0 passed -t"
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("inferlb.admin.token_file"));
 }
 
@@ -304,7 +307,10 @@ fn deployment_agrees_with_the_conf() {
     let token = str_at(&conf, "inferlb.admin.token_file");
     let (token_dir, token_key) = token.rsplit_once('/').expect("an absolute path");
     let secret = volume_of(token_dir);
-    assert!(at(secret, "secret.secretName").is_some(), "{token} is not from a Secret");
+    assert!(
+        at(secret, "secret.secretName").is_some(),
+        "{token} is not from a Secret"
+    );
     if let Some(items) = at(secret, "secret.items").and_then(Value::as_sequence) {
         assert!(items.iter().any(|i| str_at(i, "path") == token_key));
     }

@@ -213,7 +213,9 @@ fn dns_answers_outside_the_allowed_networks_are_skipped() {
     let lb = Lb::start(dir, &[], conf);
     let kept = format!("vllm-127.0.0.2-{port}");
     // Both addresses come in one answer: once one is a replica, the other was judged too.
-    let found = wait_until(Duration::from_secs(10), || live_ids(&lb) == vec![kept.clone()]);
+    let found = wait_until(Duration::from_secs(10), || {
+        live_ids(&lb) == vec![kept.clone()]
+    });
     let state = lb.admin("GET", "/admin/replicas");
     assert!(found, "{state}");
     let all: Vec<&str> = state["replicas"]

@@ -75,11 +75,10 @@ pub const MIN_TOKEN_LEN: usize = 16;
 /// what is left must be at least [`MIN_TOKEN_LEN`] visible ASCII characters.
 pub fn read_token(source: &TokenSource) -> Result<Token, String> {
     let text = match source {
-        TokenSource::File { path, .. } => std::fs::read_to_string(path)
-            .map_err(|e| format!("{source}: cannot read it: {e}"))?,
-        TokenSource::Env { var, .. } => {
-            std::env::var(var).map_err(|e| format!("{source}: {e}"))?
+        TokenSource::File { path, .. } => {
+            std::fs::read_to_string(path).map_err(|e| format!("{source}: cannot read it: {e}"))?
         }
+        TokenSource::Env { var, .. } => std::env::var(var).map_err(|e| format!("{source}: {e}"))?,
     };
     let token = text.trim();
     if token.len() < MIN_TOKEN_LEN {
@@ -121,9 +120,7 @@ impl Default for AdminConf {
 }
 
 fn with_token(source: Option<TokenSource>) -> Result<Option<(TokenSource, Token)>, String> {
-    source
-        .map(|s| read_token(&s).map(|t| (s, t)))
-        .transpose()
+    source.map(|s| read_token(&s).map(|t| (s, t))).transpose()
 }
 
 /// Validates the section; `admin_listen` is where the admin listener will be.

@@ -421,8 +421,14 @@ inferlb:
         )
         .expect("valid");
         let (source, token) = l.inferlb.admin.token.expect("a token");
-        assert!(token.matches(b"a-token-of-enough-length"), "the newline is dropped");
-        assert!(!format!("{:?}", l.inferlb).contains("a-token-of"), "Debug shows no token");
+        assert!(
+            token.matches(b"a-token-of-enough-length"),
+            "the newline is dropped"
+        );
+        assert!(
+            !format!("{:?}", l.inferlb).contains("a-token-of"),
+            "Debug shows no token"
+        );
         assert!(matches!(source, TokenSource::File { .. }));
     }
 

@@ -201,7 +201,12 @@ impl ProxyHttp for Balancer {
         // with another conf) is passed over as if it refused the connection; each is tried once.
         let mut passes = self.registry.all().len();
         while let Some((replica, _)) = &chosen {
-            let Err(why) = self.conf.admin.allowed_networks.check_peer(replica.peer.address()) else {
+            let Err(why) = self
+                .conf
+                .admin
+                .allowed_networks
+                .check_peer(replica.peer.address())
+            else {
                 break;
             };
             log::error!("replica {} not connected to: {why}", replica.id);
