@@ -15,6 +15,10 @@
 //! for an add, with `"applied": "cluster"`). When Redis cannot take it within a second, the
 //! answer is 202 with `"applied": "local"`: the change holds here and is written when Redis is
 //! back.
+//!
+//! With `admin.token_file` or `token_env` set, every path needs `Authorization: Bearer <token>`
+//! (401 otherwise), except `/metrics` and `/ready`, which need `admin.metrics_token_file`'s
+//! when it is set. Every change is logged with the caller's address; so is every refusal.
 
 use std::sync::Arc;
 
@@ -23,14 +27,20 @@ use http::{Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
 
+use crate::admin_auth::Auth;
 use crate::cluster::Applied;
 use crate::config::{check_replica, ReplicaConf};
+use crate::netpolicy::Networks;
 use crate::registry::Registry;
 
 pub struct Admin {
     pub registry: Arc<Registry>,
     /// Drains are shared with the other instances of a cluster.
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// Who may call.
+    pub auth: Arc<Auth>,
+    /// Where an added replica may be.
+    pub networks: Networks,
 }
 
 fn reply(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -46,6 +56,18 @@ fn json(status: StatusCode, v: serde_json::Value) -> Response<Vec<u8>> {
     reply(status, "application/json", v.to_string().into_bytes())
 }
 
+fn unauthorized() -> Response<Vec<u8>> {
+    let mut r = json(
+        StatusCode::UNAUTHORIZED,
+        serde_json::json!({"error": "this needs `Authorization: Bearer <token>` with the admin token (inferlb.admin)"}),
+    );
+    r.headers_mut().insert(
+        http::header::WWW_AUTHENTICATE,
+        http::HeaderValue::from_static("Bearer"),
+    );
+    r
+}
+
 /// The request body, up to 64 KiB (an admin call is small).
 async fn read_body(session: &mut ServerSession) -> Vec<u8> {
     let mut body = Vec::new();
@@ -59,9 +81,9 @@ async fn read_body(session: &mut ServerSession) -> Vec<u8> {
 }
 
 impl Admin {
-    /// Adds the replica described by `body`, checked as a conf entry is; with a cluster, where
-    /// the addition stands.
-    async fn add(&self, body: &[u8]) -> Result<Option<Applied>, String> {
+    /// Adds the replica described by `body`, checked as a conf entry is: what was added and,
+    /// with a cluster, where the addition stands.
+    async fn add(&self, body: &[u8]) -> Result<(ReplicaConf, Option<Applied>), String> {
         let mut conf: ReplicaConf = serde_json::from_slice(body)
             .map_err(|e| format!("expected {{\"id\", \"address\", ...}}: {e}"))?;
         if conf.discover.is_some() {
@@ -80,11 +102,17 @@ impl Admin {
             tokio::task::spawn_blocking(move || check_replica(&mut conf, "replica").map(|()| conf))
                 .await
                 .map_err(|e| e.to_string())??;
+        if let Some(socket) = checked.socket {
+            self.networks
+                .check(socket.ip())
+                .map_err(|e| format!("replica.address: {:?}: {e}", checked.address))?;
+        }
         self.registry.add(&checked, None)?;
-        Ok(match &self.cluster {
+        let applied = match &self.cluster {
             Some(c) => Some(c.replica(&checked.id, Some(&checked)).await),
             None => None,
-        })
+        };
+        Ok((checked, applied))
     }
 
     /// The state after a change: `ok` when the change is everyone's (or there is no cluster),
@@ -131,6 +159,23 @@ impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
+        // The peer's address: who made a change, or was refused.
+        let caller = session
+            .client_addr()
+            .map_or_else(|| "-".to_string(), |a| a.to_string());
+        let authorization = session
+            .req_header()
+            .headers
+            .get(http::header::AUTHORIZATION);
+        if !self.auth.admits(&path, authorization.map(|v| v.as_bytes())) {
+            let why = if authorization.is_some() {
+                "wrong"
+            } else {
+                "no"
+            };
+            log::warn!("admin: {method} {path} from {caller} refused: {why} bearer token");
+            return unauthorized();
+        }
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (method.as_str(), parts.as_slice()) {
             ("GET", ["metrics"]) => reply(
@@ -155,12 +200,23 @@ impl ServeHttp for Admin {
             ("POST", ["admin", "replicas"]) => {
                 let body = read_body(session).await;
                 match self.add(&body).await {
-                    Ok(applied) => self.changed(StatusCode::CREATED, applied),
-                    Err(e) => json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e})),
+                    Ok((r, applied)) => {
+                        log::info!("admin: {caller} added replica {} at {}", r.id, r.address);
+                        self.changed(StatusCode::CREATED, applied)
+                    }
+                    Err(e) => {
+                        log::warn!("admin: {caller} could not add a replica: {e}");
+                        json(StatusCode::BAD_REQUEST, serde_json::json!({"error": e}))
+                    }
                 }
             }
             ("DELETE", ["admin", "replicas", id]) => match self.registry.remove(id) {
-                Some(_) => {
+                Some(gone) => {
+                    log::info!(
+                        "admin: {caller} removed replica {} at {}",
+                        gone.id,
+                        gone.address
+                    );
                     let applied = match &self.cluster {
                         Some(c) => Some(c.replica(id, None).await),
                         None => None,
@@ -176,6 +232,11 @@ impl ServeHttp for Admin {
                 match self.registry.get(id) {
                     Some(r) => {
                         let draining = *action == "drain";
+                        log::info!(
+                            "admin: {caller} {action}ed replica {} at {}",
+                            r.id,
+                            r.address
+                        );
                         r.set_draining(draining);
                         let applied = match &self.cluster {
                             Some(c) => Some(c.drain(&r.id, draining).await),

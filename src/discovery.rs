@@ -3,11 +3,12 @@
 //! replica whose id is derived from it (`{id}-{ip}-{port}`), so it is the same across restarts
 //! and instances. Replicas that appear join after a passing health check; replicas that vanish
 //! leave (their conversations move on their next turn, `repinned`). A failed lookup changes
-//! nothing: only an answer that the name has no addresses (or fewer) removes replicas.
+//! nothing: only an answer that the name has no addresses (or fewer) removes replicas. An
+//! address outside `admin.allowed_networks` is skipped, and logged the first time it is seen.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use hickory_resolver::config::{ConnectionConfig, NameServerConfig, ResolverConfig};
@@ -17,6 +18,7 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 
 use crate::config::{DiscoveryConf, ReplicaConf};
+use crate::netpolicy::Networks;
 use crate::registry::Registry;
 
 /// The id of the replica at `addr` found by the entry `id`: stable, and a valid id.
@@ -49,10 +51,33 @@ pub fn plan(
     (add, remove)
 }
 
+/// The addresses of `found` a replica may have, and those it may not, each with why.
+pub fn admitted(
+    found: BTreeSet<SocketAddr>,
+    networks: &Networks,
+) -> (BTreeSet<SocketAddr>, Vec<(SocketAddr, String)>) {
+    let mut refused = vec![];
+    let kept = found
+        .into_iter()
+        .filter(|a| match networks.check(a.ip()) {
+            Ok(()) => true,
+            Err(why) => {
+                refused.push((*a, why));
+                false
+            }
+        })
+        .collect();
+    (kept, refused)
+}
+
 pub struct Discovery {
     pub entries: Vec<ReplicaConf>,
     pub conf: DiscoveryConf,
     pub registry: Arc<Registry>,
+    /// Where a found replica may be.
+    pub networks: Networks,
+    /// Refused addresses already logged: a lasting answer is logged once, not every interval.
+    pub refused: Mutex<BTreeSet<SocketAddr>>,
 }
 
 fn resolver(conf: &DiscoveryConf) -> Result<Resolver<TokioRuntimeProvider>, String> {
@@ -95,6 +120,17 @@ impl Discovery {
                 return;
             }
         };
+        let (found, refused) = admitted(found, &self.networks);
+        if let Ok(mut seen) = self.refused.lock() {
+            for (addr, why) in refused {
+                if seen.insert(addr) {
+                    log::warn!(
+                        "discovery: {} resolved to {addr}, skipped: {why}",
+                        entry.address
+                    );
+                }
+            }
+        }
         let present: BTreeSet<String> = self
             .registry
             .all()
@@ -177,5 +213,41 @@ mod tests {
         let (add, remove) = plan("v", &BTreeSet::new(), &present);
         assert!(add.is_empty());
         assert_eq!(remove.len(), 2, "a name with no addresses removes them all");
+    }
+
+    #[test]
+    fn refused_addresses_are_skipped() {
+        let addrs = |list: &[&str]| -> BTreeSet<SocketAddr> {
+            list.iter().map(|a| a.parse().expect("addr")).collect()
+        };
+        let cases: &[(&[&str], &[&str], &[&str])] = &[
+            (
+                &["10.0.0.1:80", "10.0.0.2:80"],
+                &["10.0.0.1:80", "10.0.0.2:80"],
+                &[],
+            ),
+            (
+                &[
+                    "10.0.0.1:80",
+                    "169.254.169.254:80",
+                    "[fe80::1]:80",
+                    "8.8.8.8:80",
+                ],
+                &["10.0.0.1:80"],
+                &["8.8.8.8:80", "169.254.169.254:80", "[fe80::1]:80"],
+            ),
+            (
+                &["[::ffff:169.254.169.254]:80"],
+                &[],
+                &["[::ffff:169.254.169.254]:80"],
+            ),
+            (&[], &[], &[]),
+        ];
+        for (found, kept, refused) in cases {
+            let (k, r) = admitted(addrs(found), &Networks::default());
+            assert_eq!(k, addrs(kept), "{found:?}");
+            let r: BTreeSet<SocketAddr> = r.into_iter().map(|(a, _)| a).collect();
+            assert_eq!(r, addrs(refused), "{found:?}");
+        }
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod admin_auth;
 pub mod affinity;
 pub mod api;
 pub mod body;
@@ -15,6 +16,7 @@ pub mod health;
 pub mod index;
 pub mod load;
 pub mod metrics;
+pub mod netpolicy;
 pub mod overload;
 pub mod probe;
 pub mod proxy;

@@ -182,9 +182,24 @@ fn main() {
         }
     }
 
+    let auth = Arc::new(inferlb::admin_auth::Auth::new(&conf.admin));
+    if auth.has_files() {
+        server.add_service(background_service(
+            "admin token reload",
+            inferlb::admin_auth::TokenReloader {
+                auth: auth.clone(),
+                interval: conf.admin.reload_interval,
+            },
+        ));
+    }
     let mut admin = Service::new(
         "admin".to_string(),
-        HttpServer::new_app(Admin { registry, cluster }),
+        HttpServer::new_app(Admin {
+            registry,
+            cluster,
+            auth,
+            networks: conf.admin.allowed_networks.clone(),
+        }),
     );
     admin.add_tcp(&conf.admin_listen);
 
@@ -222,6 +237,8 @@ fn main() {
             entries: found_by_dns,
             conf: conf.discovery.clone(),
             registry: registry_for_discovery,
+            networks: conf.admin.allowed_networks.clone(),
+            refused: Default::default(),
         };
         server.add_service(background_service("discovery", discovery));
     }

@@ -141,6 +141,7 @@ fn check_conf(text: &str) -> std::process::Output {
     for (file, value) in [
         ("client-keys", "a-client-key-0001\n"),
         ("vllm-api-key", "a-vllm-key-0001\n"),
+        ("admin-token", "a-stand-in-admin-token-for-the-test\n"),
     ] {
         std::fs::write(secrets.join(file), value).expect("write secret");
     }
@@ -227,6 +228,16 @@ fn configmap_conf_passes_inferlb_t() {
     let out = check_conf(&broken);
     assert!(!out.status.success(), "a broken admin_listen passed -t");
     assert!(String::from_utf8_lossy(&out.stderr).contains("admin_listen"));
+
+    // Its admin listener is not loopback: without the token it would not start.
+    let open = text.replace("token_file: /etc/inferlb-secrets/admin-token", "");
+    assert_ne!(open, text);
+    let out = check_conf(&open);
+    assert!(
+        !out.status.success(),
+        "an open admin API on 0.0.0.0 passed -t"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("inferlb.admin.token_file"));
 }
 
 #[test]
@@ -302,6 +313,17 @@ fn deployment_agrees_with_the_conf() {
     let (conf_dir, conf_file) = conf_path.rsplit_once('/').expect("an absolute path");
     assert_eq!(conf_file, "inferlb.yaml");
     assert_eq!(str_at(volume_of(conf_dir), "configMap.name"), "inferlb");
+    // The admin token is a file of a Secret, not a line of the ConfigMap.
+    let token = str_at(&conf, "inferlb.admin.token_file");
+    let (token_dir, token_key) = token.rsplit_once('/').expect("an absolute path");
+    let secret = volume_of(token_dir);
+    assert!(
+        at(secret, "secret.secretName").is_some(),
+        "{token} is not from a Secret"
+    );
+    if let Some(items) = at(secret, "secret.items").and_then(Value::as_sequence) {
+        assert!(items.iter().any(|i| str_at(i, "path") == token_key));
+    }
 
     // Client keys from the Secret, mounted where the conf reads them; none in the conf.
     let keys = str_at(&conf, "inferlb.api_keys_file");

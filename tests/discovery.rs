@@ -186,3 +186,46 @@ fn replicas_come_and_go_with_dns_and_the_admin_api() {
         routed_chat(&lb, &[("user", &format!("still here {i}"))]);
     }
 }
+
+/// An address the name resolves to outside `admin.allowed_networks` never becomes a replica
+/// (a DNS answer is not trusted to say where inferlb connects); it is logged once.
+#[test]
+fn dns_answers_outside_the_allowed_networks_are_skipped() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path();
+    let port = free_port();
+    let _s2 = sim_at(dir, "127.0.0.2", port, "pod-a");
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "127.0.0.2 vllm.test\n127.0.0.3 vllm.test\n").expect("hosts");
+    let dns_port = free_port();
+    let _dns = start_dns(dir, dns_port, &hosts);
+    let conf = LbConf {
+        replicas: vec![Replica {
+            extra: "discover: dns".into(),
+            ..Replica::new("vllm", &format!("vllm.test:{port}"))
+        }],
+        extra: format!(
+            "  discovery_interval_seconds: 0.2\n  discovery_nameserver: \"127.0.0.1:{dns_port}\"\n  \
+             admin: {{allowed_networks: [127.0.0.1/32, 127.0.0.2/32]}}\n"
+        ),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir, &[], conf);
+    let kept = format!("vllm-127.0.0.2-{port}");
+    // Both addresses come in one answer: once one is a replica, the other was judged too.
+    let found = wait_until(Duration::from_secs(10), || {
+        live_ids(&lb) == vec![kept.clone()]
+    });
+    let state = lb.admin("GET", "/admin/replicas");
+    assert!(found, "{state}");
+    let all: Vec<&str> = state["replicas"]
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .filter_map(|r| r["id"].as_str())
+        .collect();
+    assert_eq!(all, [kept.as_str()], "{state}");
+    let log = lb.proc.log_text();
+    let skipped = format!("resolved to 127.0.0.3:{port}, skipped");
+    assert_eq!(log.matches(&skipped).count(), 1, "logged once:\n{log}");
+}

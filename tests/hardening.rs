@@ -369,7 +369,8 @@ fn an_address_that_cannot_be_bound_stops_inferlb_at_start_naming_it() {
         &conf,
         format!(
             "pid_file: {d}/lb.pid\nupgrade_sock: {d}/lb.sock\ninferlb:\n  listen: 127.0.0.1:{}\n  \
-             admin_listen: 192.0.2.1:{}\n  replicas:\n    - {{id: a, address: \"127.0.0.1:{}\"}}\n",
+             admin_listen: 192.0.2.1:{}\n  admin: {{token_env: INFERLB_TEST_ADMIN_TOKEN}}\n  \
+             replicas:\n    - {{id: a, address: \"127.0.0.1:{}\"}}\n",
             free_port(),
             free_port(),
             free_port()
@@ -378,7 +379,10 @@ fn an_address_that_cannot_be_bound_stops_inferlb_at_start_naming_it() {
     .unwrap();
     let log = dir.path().join("inferlb.log");
     let mut cmd = std::process::Command::new(inferlb_harness::bin("inferlb"));
-    cmd.arg("-c").arg(&conf);
+    // A non-loopback admin listener needs a token (issue 21) before it gets to the bind.
+    cmd.arg("-c")
+        .arg(&conf)
+        .env("INFERLB_TEST_ADMIN_TOKEN", "a-token-for-this-test-only");
     let mut p = Proc::spawn("inferlb", cmd, Some(&log), Signal::SIGINT).unwrap();
     let status = p.wait_exit(Duration::from_secs(10));
     let text = p.log_text();

@@ -19,9 +19,11 @@ use serde_yaml::{Mapping, Value};
 
 use crate::routing::Mode;
 
+mod admin;
 mod replica;
 mod section;
 
+pub use admin::{read_token, AdminConf, Token, TokenSource};
 pub use replica::{check_replica, split_address, Discover, ReplicaConf};
 use section::{validate, RawSection};
 
@@ -67,6 +69,8 @@ pub struct Config {
     pub discovery: DiscoveryConf,
     /// Overload protection; `None`: every request goes on, as before.
     pub overload: Option<crate::overload::OverloadConf>,
+    /// The admin listener's tokens and where replicas may be.
+    pub admin: AdminConf,
 }
 
 #[derive(Debug, Clone)]
@@ -482,6 +486,91 @@ inferlb:
         r.api_key_env = Some("GPU1_KEY".into());
         let shared = serde_json::to_string(&r).expect("json");
         assert!(shared.contains(r#""api_key_env":"GPU1_KEY""#), "{shared}");
+    }
+
+    #[test]
+    fn the_admin_section_is_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let good = dir.path().join("good");
+        std::fs::write(&good, "a-token-of-enough-length\n").expect("write");
+        let short = dir.path().join("short");
+        std::fs::write(&short, "short\n").expect("write");
+        let missing = dir.path().join("missing");
+        std::env::set_var("INFERLB_CONF_TEST_TOKEN", "another-token-of-enough-length");
+        let (good, short, missing) = (good.display(), short.display(), missing.display());
+        let public = GOOD.replace("127.0.0.1:8002", "8.8.8.8:80");
+        let metadata = GOOD.replace("127.0.0.1:8002", "169.254.169.254:80");
+        let refused = [
+            (format!("{GOOD}  admin: {{token: a-token-of-enough-length}}\n"), "unknown field `token`"),
+            (
+                format!("{GOOD}  admin_listen: 0.0.0.0:7771\n"),
+                "inferlb.admin_listen: 0.0.0.0:7771 is not a loopback address",
+            ),
+            (format!("{GOOD}  admin_listen: \"[::]:7771\"\n"), "inferlb.admin.token_file or inferlb.admin.token_env"),
+            (format!("{GOOD}  admin_listen: 10.0.0.1:7771\n"), "not a loopback"),
+            (format!("{GOOD}  admin: {{token_file: {missing}}}\n"), "inferlb.admin.token_file"),
+            (format!("{GOOD}  admin: {{token_file: {short}}}\n"), "at least 16 characters"),
+            (
+                format!("{GOOD}  admin: {{metrics_token_file: {short}}}\n"),
+                "inferlb.admin.metrics_token_file",
+            ),
+            (
+                format!("{GOOD}  admin: {{token_file: {good}, token_env: INFERLB_CONF_TEST_TOKEN}}\n"),
+                "not both",
+            ),
+            (format!("{GOOD}  admin: {{token_env: INFERLB_CONF_TEST_UNSET}}\n"), "inferlb.admin.token_env"),
+            (format!("{GOOD}  admin: {{allowed_networks: [10.0.0.0/8, ten]}}\n"), "inferlb.admin.allowed_networks[1]"),
+            (format!("{GOOD}  admin: {{reload_interval_seconds: 0}}\n"), "reload_interval_seconds"),
+            (public.clone(), "inferlb.replicas[1].address: \"8.8.8.8:80\": 8.8.8.8 is outside admin.allowed_networks"),
+            (metadata.clone(), "inferlb.replicas[1].address"),
+            (GOOD.replace("127.0.0.1:8002", "\"[fe80::1]:80\""), "inferlb.replicas[1].address"),
+            (
+                GOOD.replace("127.0.0.1:8002", "\"[::ffff:169.254.169.254]:80\""),
+                "that is 169.254.169.254",
+            ),
+            (
+                format!("{metadata}  admin: {{allowed_networks: [0.0.0.0/0]}}\n"),
+                "a cloud metadata address",
+            ),
+            (
+                format!("{public}  admin: {{allowed_networks: [10.0.0.0/8]}}\n"),
+                "inferlb.replicas[0].address",
+            ),
+        ];
+        for (text, needle) in refused {
+            let e = parse(&text, None)
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {text}"));
+            assert!(e.contains(needle), "{needle:?} not in {e:?}");
+            assert!(!e.contains("token-of-enough"), "a token in {e:?}");
+        }
+        let accepted = [
+            format!("{GOOD}  admin_listen: 0.0.0.0:7771\n  admin: {{token_file: {good}}}\n"),
+            format!("{GOOD}  admin_listen: 0.0.0.0:7771\n  admin: {{token_env: INFERLB_CONF_TEST_TOKEN}}\n"),
+            format!("{GOOD}  admin_listen: \"[::1]:7771\"\n"),
+            format!("{public}  admin: {{allowed_networks: [127.0.0.0/8, 8.8.8.8]}}\n"),
+            format!("{metadata}  admin: {{allowed_networks: [127.0.0.1, 169.254.169.254/32]}}\n"),
+        ];
+        for text in accepted {
+            if let Err(e) = parse(&text, None) {
+                panic!("{e}: {text}");
+            }
+        }
+        let l = parse(
+            &format!("{GOOD}  admin: {{token_file: {good}, metrics_token_file: {good}}}\n"),
+            None,
+        )
+        .expect("valid");
+        let (source, token) = l.inferlb.admin.token.expect("a token");
+        assert!(
+            token.matches(b"a-token-of-enough-length"),
+            "the newline is dropped"
+        );
+        assert!(
+            !format!("{:?}", l.inferlb).contains("a-token-of"),
+            "Debug shows no token"
+        );
+        assert!(matches!(source, TokenSource::File { .. }));
     }
 
     #[test]

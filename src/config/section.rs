@@ -49,6 +49,7 @@ pub(super) struct RawSection {
     discovery_interval_seconds: f64,
     discovery_nameserver: Option<String>,
     overload: Option<crate::overload::conf::RawOverload>,
+    admin: Option<super::admin::RawAdmin>,
 }
 
 impl Default for RawSection {
@@ -82,6 +83,7 @@ impl Default for RawSection {
             discovery_interval_seconds: 5.0,
             discovery_nameserver: None,
             overload: None,
+            admin: None,
         }
     }
 }
@@ -267,7 +269,7 @@ fn same_port(a: SocketAddr, b: SocketAddr) -> bool {
     a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
 }
 
-pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
+pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
     let plain = raw.plain_listen.as_ref();
     let mut bound: Vec<(&str, SocketAddr)> = vec![];
     for (key, addr) in [
@@ -287,17 +289,28 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
         }
         bound.push((key, at));
     }
+    let admin_at = bound
+        .iter()
+        .find(|(k, _)| *k == "admin_listen")
+        .map(|(_, a)| *a)
+        .ok_or("inferlb.admin_listen: missing")?;
+    let admin = super::admin::validate(raw.admin.take().unwrap_or_default(), admin_at)?;
     if plain.is_some() && raw.tls.is_none() {
         return Err("inferlb.plain_listen: only with `tls` (without it, `listen` is plain)".into());
     }
     if raw.replicas.is_empty() {
         return Err("inferlb.replicas: at least one replica (id and address) is needed".into());
     }
-    let mut raw = raw;
     let mut ids = BTreeSet::new();
     for (i, r) in raw.replicas.iter_mut().enumerate() {
         let key = format!("inferlb.replicas[{i}]");
         check_replica(r, &key)?;
+        if let Some(socket) = r.socket {
+            admin
+                .allowed_networks
+                .check(socket.ip())
+                .map_err(|e| format!("{key}.address: {:?}: {e}", r.address))?;
+        }
         if !ids.insert(r.id.clone()) {
             return Err(format!("{key}.id: {:?} is used twice", r.id));
         }
@@ -423,5 +436,6 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
             .overload
             .map(crate::overload::conf::validate)
             .transpose()?,
+        admin,
     })
 }

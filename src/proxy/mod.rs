@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use pingora_core::upstreams::peer::HttpPeer;
+use pingora_core::upstreams::peer::{HttpPeer, Peer};
 use pingora_core::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
@@ -196,7 +196,24 @@ impl ProxyHttp for Balancer {
     }
 
     async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let chosen = self.choose(ctx);
+        let mut chosen = self.choose(ctx);
+        // A replica at an address outside admin.allowed_networks (one shared by an instance
+        // with another conf) is passed over as if it refused the connection; each is tried once.
+        let mut passes = self.registry.all().len();
+        while let Some((replica, _)) = &chosen {
+            let Err(why) = self
+                .conf
+                .admin
+                .allowed_networks
+                .check_peer(replica.peer.address())
+            else {
+                break;
+            };
+            log::error!("replica {} not connected to: {why}", replica.id);
+            ctx.tried.push(replica.clone());
+            passes = passes.saturating_sub(1);
+            chosen = if passes > 0 { self.choose(ctx) } else { None };
+        }
         ctx.overload.routed();
         let Some((replica, route)) = chosen else {
             let (path, tried) = (session.req_header().uri.path(), ctx.tried.len());
