@@ -44,6 +44,8 @@ pub(super) struct RawSection {
     discovery_interval_seconds: f64,
     discovery_nameserver: Option<String>,
     overload: Option<crate::overload::conf::RawOverload>,
+    forward_paths: Vec<String>,
+    public_paths: Vec<String>,
 }
 
 impl Default for RawSection {
@@ -74,6 +76,8 @@ impl Default for RawSection {
             discovery_interval_seconds: 5.0,
             discovery_nameserver: None,
             overload: None,
+            forward_paths: vec![],
+            public_paths: vec![],
         }
     }
 }
@@ -288,6 +292,8 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
         },
     };
     let tls = raw.tls.map(crate::tls::RawTls::validate).transpose()?;
+    let forward_paths = path_rules("forward_paths", &raw.forward_paths)?;
+    let public_paths = path_rules("public_paths", &raw.public_paths)?;
     Ok(Config {
         listen: raw.listen,
         plain_listen: raw.plain_listen,
@@ -319,5 +325,15 @@ pub(super) fn validate(raw: RawSection) -> Result<Config, String> {
             .overload
             .map(crate::overload::conf::validate)
             .transpose()?,
+        forward_paths,
+        public_paths,
     })
+}
+
+fn path_rules(key: &str, paths: &[String]) -> Result<Vec<crate::edge::PathRule>, String> {
+    paths
+        .iter()
+        .enumerate()
+        .map(|(i, p)| crate::edge::PathRule::parse(p).map_err(|e| format!("inferlb.{key}[{i}]: {e}")))
+        .collect()
 }
