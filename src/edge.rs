@@ -43,7 +43,7 @@ pub fn normalise(target: &[u8]) -> Result<String, Refused> {
             b'%' => {
                 let d = path
                     .get(i + 1..i + 3)
-                    .and_then(|h| Some(hex(h[0])? << 4 | hex(h[1])?))
+                    .and_then(|h| Some((hex(h[0])? << 4) | hex(h[1])?))
                     .filter(|&d| unreserved(d))
                     .ok_or("the path has a percent-escape of a reserved or unsafe character")?;
                 decoded.push(d);
@@ -112,7 +112,11 @@ impl PathRule {
             Some(b) => (b, true),
             None => (text, false),
         };
-        let whole = if below { format!("{base}/") } else { base.into() };
+        let whole = if below {
+            format!("{base}/")
+        } else {
+            base.into()
+        };
         if base.contains('*') || text.contains('?') {
             return Err(format!(
                 "{text:?}: only a trailing `/*` is a wildcard, and no query"
@@ -200,12 +204,19 @@ mod tests {
             ("/", "/"),
             ("/..", "/"),
             ("/v1/%7Euser", "/v1/~user"),
-            ("/v1/chat/completions?a=%2F&b=1", "/v1/chat/completions?a=%2F&b=1"),
+            (
+                "/v1/chat/completions?a=%2F&b=1",
+                "/v1/chat/completions?a=%2F&b=1",
+            ),
             ("/v1//x/../chat?q=/../", "/v1/chat?q=/../"),
             ("/v1/models?", "/v1/models?"),
         ];
         for (target, want) in cases {
-            assert_eq!(normalise(target.as_bytes()).as_deref(), Ok(*want), "{target}");
+            assert_eq!(
+                normalise(target.as_bytes()).as_deref(),
+                Ok(*want),
+                "{target}"
+            );
         }
     }
 
@@ -265,15 +276,7 @@ mod tests {
         }
         assert!(PathRule::parse("/*").unwrap().matches("/anything"));
         for bad in [
-            "tokenize",
-            "/a//b",
-            "/a/../b",
-            "/%76",
-            "/a*",
-            "/a/*/b",
-            "/a?x=1",
-            "/a\\b",
-            "",
+            "tokenize", "/a//b", "/a/../b", "/%76", "/a*", "/a/*/b", "/a?x=1", "/a\\b", "",
         ] {
             assert!(PathRule::parse(bad).is_err(), "{bad}");
         }

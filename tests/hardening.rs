@@ -199,7 +199,9 @@ fn api_keys_guard_the_api_and_upstream_keys_replace_the_clients() {
     assert_eq!(c.get(lb.url("/health")).send().unwrap().status(), 200);
     assert_eq!(c.post(lb.url("/invocations")).send().unwrap().status(), 401);
     assert_eq!(c.get(lb.url("/v1/models")).send().unwrap().status(), 401);
-    let keyed = c.post(lb.url("/invocations")).bearer_auth("client-key-1234");
+    let keyed = c
+        .post(lb.url("/invocations"))
+        .bearer_auth("client-key-1234");
     assert_eq!(keyed.send().unwrap().status(), 404);
     // Keys never reach the logs.
     let log = lb.proc.log_text();

@@ -116,19 +116,19 @@ fn serve(mut conn: TcpStream, seen: &Mutex<Vec<Seen>>) {
     let mut chunk = [0u8; 16 * 1024];
     // Bounded: a connection carries at most this many requests here.
     for _ in 0..1000 {
-        let Some(end) = loop {
+        let end = loop {
             if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break Some(p + 4);
+                break p + 4;
             }
             match conn.read(&mut chunk) {
-                Ok(0) | Err(_) => break None,
+                Ok(0) | Err(_) => return,
                 Ok(k) => buf.extend_from_slice(&chunk[..k]),
             }
-        } else {
-            return;
         };
         let head = buf[..end - 4].to_vec();
-        let mut lines = head.split(|&b| b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l));
+        let mut lines = head
+            .split(|&b| b == b'\n')
+            .map(|l| l.strip_suffix(b"\r").unwrap_or(l));
         let line = String::from_utf8_lossy(lines.next().unwrap_or(b"")).into_owned();
         let headers: Vec<(String, Vec<u8>)> = lines
             .filter_map(|l| {
@@ -150,7 +150,9 @@ fn serve(mut conn: TcpStream, seen: &Mutex<Vec<Seen>>) {
                 None => return,
             }
         } else {
-            let len: usize = header("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
+            let len: usize = header("content-length")
+                .and_then(|l| l.parse().ok())
+                .unwrap_or(0);
             while buf.len() < len {
                 match conn.read(&mut chunk) {
                     Ok(0) | Err(_) => return,
@@ -242,14 +244,7 @@ fn second(id: &str) -> String {
 }
 
 fn lb_with(dir: &std::path::Path, replicas: Vec<Replica>, conf: LbConf) -> Lb {
-    Lb::start(
-        dir,
-        &[],
-        LbConf {
-            replicas,
-            ..conf
-        },
-    )
+    Lb::start(dir, &[], LbConf { replicas, ..conf })
 }
 
 fn still_serves(lb: &Lb) {
@@ -385,7 +380,11 @@ fn smuggling_and_desync_attempts_end_in_a_4xx_a_close_or_the_same_request() {
             .to_string();
         let second_id = format!("{first_id}-second");
         let mut bytes = attack.clone().into_bytes();
-        bytes.extend_from_slice(second(&second_id).replace("host: x\r\n", &format!("host: x\r\n{auth}")).as_bytes());
+        bytes.extend_from_slice(
+            second(&second_id)
+                .replace("host: x\r\n", &format!("host: x\r\n{auth}"))
+                .as_bytes(),
+        );
         let (got, closed) = exchange(lb.port, &bytes, 2, Duration::from_secs(3));
         let statuses: Vec<u16> = got.iter().map(|r| r.0).collect();
         if *well_formed {
@@ -393,16 +392,22 @@ fn smuggling_and_desync_attempts_end_in_a_4xx_a_close_or_the_same_request() {
             let first = rec.with_id(&first_id);
             assert_eq!(first.len(), 1, "{name}: {first:?}");
             assert_eq!(first[0].body, body.as_bytes(), "{name}");
-            assert_eq!(first[0].header("content-length"), [n.to_string().as_bytes()], "{name}");
+            assert_eq!(
+                first[0].header("content-length"),
+                [n.to_string().as_bytes()],
+                "{name}"
+            );
             assert_eq!(rec.with_id(&second_id).len(), 1, "{name}");
         } else {
             assert!(
-                got.len() == 1 && (400..500).contains(&got[0].0) && closed
-                    || got.is_empty() && closed,
+                closed && (got.is_empty() || got.len() == 1 && (400..500).contains(&got[0].0)),
                 "{name}: a 4xx then a close, or a close: {got:?} (closed: {closed})"
             );
             assert!(rec.with_id(&first_id).is_empty(), "{name}: forwarded");
-            assert!(rec.with_id(&second_id).is_empty(), "{name}: the tail was read as a request");
+            assert!(
+                rec.with_id(&second_id).is_empty(),
+                "{name}: the tail was read as a request"
+            );
         }
     }
     let all = rec.client_requests();
@@ -473,7 +478,9 @@ fn the_path_a_replica_receives_is_the_path_inferlb_checked() {
         let label = String::from_utf8_lossy(target).into_owned();
         // What the edge makes of it: no fragment (never sent on), no scheme and host.
         let path = target.split(|&b| b == b'#').next().unwrap_or(b"");
-        let path = path.strip_prefix(&b"http://evil.example:9"[..]).unwrap_or(path);
+        let path = path
+            .strip_prefix(&b"http://evil.example:9"[..])
+            .unwrap_or(path);
         let expected = inferlb::edge::normalise(path).ok();
         for keyed in [true, false] {
             let id = format!("p{i}-{keyed}");
@@ -484,28 +491,39 @@ fn the_path_a_replica_receives_is_the_path_inferlb_checked() {
                 bytes.extend_from_slice(b"authorization: Bearer client-key-1234\r\n");
             }
             bytes.extend_from_slice(
-                format!("x-request-id: {id}\r\ncontent-length: {}\r\n\r\n{body}", body.len())
-                    .as_bytes(),
+                format!(
+                    "x-request-id: {id}\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .as_bytes(),
             );
             let (got, _) = exchange(lb.port, &bytes, 1, Duration::from_secs(3));
             let status = got.first().map_or(0, |r| r.0);
             let seen = rec.with_id(&id);
             if !(200..300).contains(&status) {
                 assert!((400..500).contains(&status), "{label}: {got:?}");
-                assert!(seen.is_empty(), "{label} (key: {keyed}): got {status} but forwarded: {seen:?}");
+                assert!(
+                    seen.is_empty(),
+                    "{label} (key: {keyed}): got {status} but forwarded: {seen:?}"
+                );
                 continue;
             }
             // Forwarded: the replica got exactly the normal form, once, which the key check
             // and the allow-list read too.
             assert_eq!(seen.len(), 1, "{label}: {seen:?}");
-            let want = expected.as_deref().unwrap_or_else(|| panic!("{label}: forwarded but not normal"));
+            let want = expected
+                .as_deref()
+                .unwrap_or_else(|| panic!("{label}: forwarded but not normal"));
             assert_eq!(seen[0].target(), want, "{label}");
             let path = want.split('?').next().unwrap();
             assert!(
                 ["/v1/chat/completions", "/tokenize"].contains(&path),
                 "{label}: {path} forwarded"
             );
-            assert!(keyed || path == "/tokenize", "{label}: forwarded without a key");
+            assert!(
+                keyed || path == "/tokenize",
+                "{label}: forwarded without a key"
+            );
             forwarded += 1;
         }
     }
@@ -543,7 +561,10 @@ fn client_keys_never_reach_a_replica_and_steering_fields_are_stripped() {
     let dir2 = tempfile::tempdir().unwrap();
     let lb_bare = lb_with(dir2.path(), vec![bare.replica("b")], test_conf());
     let steering = r#"{"model":"sim-model","messages":[{"role":"user","content":"kv_transfer_params"}],"kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":1},"bootstrap_host":"10.0.0.9","bootstrap_port":8998,"bootstrap_room":1,"kv\u005ftransfer_params":{"do_remote_prefill":true},"stream":false}"#;
-    for (lb, rec, key) in [(&lb_keyed, &keyed, Some("replica-secret")), (&lb_bare, &bare, None)] {
+    for (lb, rec, key) in [
+        (&lb_keyed, &keyed, Some("replica-secret")),
+        (&lb_bare, &bare, None),
+    ] {
         for (i, chunked) in [false, true].into_iter().enumerate() {
             let id = format!("steer-{i}");
             let head = format!(
@@ -636,17 +657,31 @@ fn hostile_request_ids_and_session_headers_are_refused_or_made_harmless() {
         let mut raw = Vec::new();
         let _ = s.read_to_end(&mut raw);
         let text = String::from_utf8_lossy(&raw);
-        let status: u16 = text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-        assert!(status == 200 || (400..500).contains(&status), "{label}: {text}");
-        let head_end = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(raw.len());
+        let status: u16 = text
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            status == 200 || (400..500).contains(&status),
+            "{label}: {text}"
+        );
+        let head_end = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap_or(raw.len());
         let head = &raw[..head_end];
         // The answer's head is plain ASCII lines, whatever the request held.
         assert!(
-            head.iter().all(|&b| b == b'\r' || b == b'\n' || (b' '..0x7f).contains(&b)),
+            head.iter()
+                .all(|&b| b == b'\r' || b == b'\n' || (b' '..0x7f).contains(&b)),
             "{label}: {text}"
         );
         let lines = head.split(|&b| b == b'\n').count();
-        assert!(!text.to_ascii_lowercase().contains("x-injected"), "{label}: {text}");
+        assert!(
+            !text.to_ascii_lowercase().contains("x-injected"),
+            "{label}: {text}"
+        );
         if status != 200 {
             continue;
         }
@@ -658,7 +693,8 @@ fn hostile_request_ids_and_session_headers_are_refused_or_made_harmless() {
             .trim()
             .to_string();
         assert!(
-            id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b)),
+            id.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b)),
             "{label}: {id}"
         );
         // The replica got the same sane id, and nothing the client did not send.
@@ -666,7 +702,10 @@ fn hostile_request_ids_and_session_headers_are_refused_or_made_harmless() {
         assert_eq!(seen.len(), 1, "{label}: {id}");
         assert!(seen[0].header("x-injected").is_empty());
     }
-    assert!(answered >= 4, "some cases are well-formed requests: {answered}");
+    assert!(
+        answered >= 4,
+        "some cases are well-formed requests: {answered}"
+    );
     assert_eq!(rec.client_requests().len() - before, answered);
     still_serves(&lb);
 }

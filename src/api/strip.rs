@@ -33,7 +33,11 @@ pub enum Stripped {
 /// `\u00XX` escape of a character names use, or a NUL (UTF-16 and UTF-32 bodies, which
 /// Python's `json.loads` detects).
 fn might_name(body: &[u8], names: &[&str]) -> bool {
-    if body.contains(&0) || names.iter().any(|n| memmem::find(body, n.as_bytes()).is_some()) {
+    if body.contains(&0)
+        || names
+            .iter()
+            .any(|n| memmem::find(body, n.as_bytes()).is_some())
+    {
         return true;
     }
     // The first hex digit of `\u00XX` for each ASCII byte a name holds.
@@ -122,15 +126,9 @@ mod tests {
             // Not this key, nearly.
             (r#"{"kv_transfer_params_x":1}"#, Stripped::Unchanged),
             // Unreadable here but possibly holding one: refused.
-            (
-                r#"{"x":NaN,"kv_transfer_params":{}}"#,
-                Stripped::Unreadable,
-            ),
+            (r#"{"x":NaN,"kv_transfer_params":{}}"#, Stripped::Unreadable),
             (r#"{"kv_transfer_params":{}"#, Stripped::Unreadable),
-            (
-                "\u{feff}{\"kv_transfer_params\":{}}",
-                Stripped::Unreadable,
-            ),
+            ("\u{feff}{\"kv_transfer_params\":{}}", Stripped::Unreadable),
             (r#"{"k\u0076_transfer_params":1,}"#, Stripped::Unreadable),
             // Unreadable but naming none: the replica answers it.
             (r#"{"x":NaN}"#, Stripped::Unchanged),
@@ -150,7 +148,8 @@ mod tests {
 
     #[test]
     fn what_is_kept_is_what_python_would_read_less_the_names() {
-        let input = r#"{"a":1,"kv_transfer_params":{"x":[1,{"y":"}"}]},"b":"\"}","bootstrap_room":2}"#;
+        let input =
+            r#"{"a":1,"kv_transfer_params":{"x":[1,{"y":"}"}]},"b":"\"}","bootstrap_room":2}"#;
         let Stripped::Body(out) = strip(input) else {
             panic!("not stripped")
         };

@@ -358,15 +358,26 @@ inferlb:
 
     #[test]
     fn forward_and_public_paths_are_read() {
-        let text = format!("{GOOD}  forward_paths: [/tokenize, /sim/*]\n  public_paths: [/v1/models]\n");
+        let text =
+            format!("{GOOD}  forward_paths: [/tokenize, /sim/*]\n  public_paths: [/v1/models]\n");
         let l = parse(&text, None).expect("valid");
         use crate::edge::PathRule;
         assert_eq!(
             l.inferlb.forward_paths,
-            [PathRule::Exact("/tokenize".into()), PathRule::Below("/sim".into())]
+            [
+                PathRule::Exact("/tokenize".into()),
+                PathRule::Below("/sim".into())
+            ]
         );
-        assert_eq!(l.inferlb.public_paths, [PathRule::Exact("/v1/models".into())]);
-        assert!(parse(GOOD, None).expect("valid").inferlb.forward_paths.is_empty());
+        assert_eq!(
+            l.inferlb.public_paths,
+            [PathRule::Exact("/v1/models".into())]
+        );
+        assert!(parse(GOOD, None)
+            .expect("valid")
+            .inferlb
+            .forward_paths
+            .is_empty());
     }
 
     #[test]

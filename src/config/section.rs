@@ -334,6 +334,8 @@ fn path_rules(key: &str, paths: &[String]) -> Result<Vec<crate::edge::PathRule>,
     paths
         .iter()
         .enumerate()
-        .map(|(i, p)| crate::edge::PathRule::parse(p).map_err(|e| format!("inferlb.{key}[{i}]: {e}")))
+        .map(|(i, p)| {
+            crate::edge::PathRule::parse(p).map_err(|e| format!("inferlb.{key}[{i}]: {e}"))
+        })
         .collect()
 }

@@ -331,7 +331,12 @@ mod tests {
         assert!(!authorized(&keys, &[], &wrong));
         // Every path, not only `/v1/...`: vLLM serves chat at `/invocations`, and uvicorn
         // reads `/%761/...` as `/v1/...`.
-        for path in ["/health", "/invocations", "/%761/chat/completions", "/v1/models"] {
+        for path in [
+            "/health",
+            "/invocations",
+            "/%761/chat/completions",
+            "/v1/models",
+        ] {
             assert!(!authorized(&keys, &[], &req(path, &[])), "{path}");
         }
         let public = [PathRule::parse("/health").expect("rule")];
@@ -384,21 +389,58 @@ mod tests {
         let raw_none: &[u8] = b"POST / HTTP/1.1\r\nx-content-length: 5\r\n\r\n";
         let te = [("transfer-encoding", "chunked")];
         assert_eq!(framing(&head(&te), Some(raw_none)), Ok(None));
-        assert_eq!(framing(&head(&[("transfer-encoding", " Chunked ")]), None), Ok(None));
-        assert!(framing(&head(&te), Some(raw_cl)).is_err(), "CL removed by Pingora");
+        assert_eq!(
+            framing(&head(&[("transfer-encoding", " Chunked ")]), None),
+            Ok(None)
+        );
+        assert!(
+            framing(&head(&te), Some(raw_cl)).is_err(),
+            "CL removed by Pingora"
+        );
         assert!(framing(&head(&te), Some(raw_bare)).is_err());
-        assert!(framing(&head(&[("transfer-encoding", "chunked"), ("content-length", "5")]), None).is_err());
-        for bad in ["chunked, identity", "gzip, chunked", "identity", "chunked, chunked", ""] {
-            assert!(framing(&head(&[("transfer-encoding", bad)]), None).is_err(), "{bad}");
+        assert!(framing(
+            &head(&[("transfer-encoding", "chunked"), ("content-length", "5")]),
+            None
+        )
+        .is_err());
+        for bad in [
+            "chunked, identity",
+            "gzip, chunked",
+            "identity",
+            "chunked, chunked",
+            "",
+        ] {
+            assert!(
+                framing(&head(&[("transfer-encoding", bad)]), None).is_err(),
+                "{bad}"
+            );
         }
-        let two_te = head(&[("transfer-encoding", "chunked"), ("transfer-encoding", "chunked")]);
+        let two_te = head(&[
+            ("transfer-encoding", "chunked"),
+            ("transfer-encoding", "chunked"),
+        ]);
         assert!(framing(&two_te, None).is_err());
         assert_eq!(framing(&head(&[("content-length", "100")]), None), Ok(None));
-        assert_eq!(framing(&head(&[("content-length", "100, 100")]), None), Ok(Some(100)));
+        assert_eq!(
+            framing(&head(&[("content-length", "100, 100")]), None),
+            Ok(Some(100))
+        );
         let twice = head(&[("content-length", "7"), ("content-length", "7")]);
         assert_eq!(framing(&twice, None), Ok(Some(7)));
-        for bad in ["100, 101", "+5", "-1", "0x10", "", "5,", "1 0", "99999999999999999999"] {
-            assert!(framing(&head(&[("content-length", bad)]), None).is_err(), "{bad:?}");
+        for bad in [
+            "100, 101",
+            "+5",
+            "-1",
+            "0x10",
+            "",
+            "5,",
+            "1 0",
+            "99999999999999999999",
+        ] {
+            assert!(
+                framing(&head(&[("content-length", bad)]), None).is_err(),
+                "{bad:?}"
+            );
         }
         let differ = head(&[("content-length", "7"), ("content-length", "8")]);
         assert!(framing(&differ, None).is_err());
