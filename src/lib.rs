@@ -12,6 +12,7 @@ pub mod body;
 pub mod cluster;
 pub mod config;
 pub mod discovery;
+pub mod edge;
 pub mod health;
 pub mod index;
 pub mod load;

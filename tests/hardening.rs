@@ -162,6 +162,8 @@ fn api_keys_guard_the_api_and_upstream_keys_replace_the_clients() {
         &[&a],
         LbConf {
             api_keys: vec!["client-key-1234".into(), "other-key-5678".into()],
+            // `/health` is neither forwarded nor open unless the conf says so.
+            extra: "  forward_paths: [/health]\n  public_paths: [/health]\n".into(),
             ..test_conf()
         },
     );
@@ -192,8 +194,15 @@ fn api_keys_guard_the_api_and_upstream_keys_replace_the_clients() {
             .unwrap();
         assert_eq!(r.status(), 200);
     }
-    // Health and metrics paths stay open, as with vLLM's --api-key.
+    // A path the conf makes public is open; every other path needs the key, and a path not
+    // forwarded is refused even with it.
     assert_eq!(c.get(lb.url("/health")).send().unwrap().status(), 200);
+    assert_eq!(c.post(lb.url("/invocations")).send().unwrap().status(), 401);
+    assert_eq!(c.get(lb.url("/v1/models")).send().unwrap().status(), 401);
+    let keyed = c
+        .post(lb.url("/invocations"))
+        .bearer_auth("client-key-1234");
+    assert_eq!(keyed.send().unwrap().status(), 404);
     // Keys never reach the logs.
     let log = lb.proc.log_text();
     assert!(
@@ -215,6 +224,7 @@ fn upstream_keys_hop_by_hop_headers_and_absolute_uris() {
                 api_key: Some("replica-secret".into()),
                 ..Replica::of(&a)
             }],
+            extra: "  forward_paths: [/sim/echo]\n".into(),
             ..LbConf::default()
         },
     );

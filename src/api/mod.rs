@@ -14,6 +14,7 @@ mod json;
 mod messages;
 pub mod prompt;
 mod responses;
+pub mod strip;
 
 use crate::shape::Shape;
 use digest::Digester;

@@ -249,6 +249,11 @@ impl BodyReplay {
             && session.as_ref().retry_buffer_truncated()
             && session.as_downstream_mut().is_body_done())
     }
+
+    /// Forwards `body` in place of what the client sent (a member it may not send removed).
+    pub fn replace(&mut self, body: Bytes) {
+        self.body = body;
+    }
 }
 
 #[cfg(test)]

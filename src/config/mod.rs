@@ -48,7 +48,8 @@ pub struct Config {
     pub spill_margin: Option<usize>,
     /// Where the affinity table is kept across upgrades and restarts.
     pub state_file: PathBuf,
-    /// Client keys accepted on /v1/ paths (`Authorization: Bearer ...`); empty: no check.
+    /// Client keys (`Authorization: Bearer ...` or `x-api-key`), needed on every path but
+    /// `public_paths`; empty: no check.
     /// From the conf, `api_keys_env` and `api_keys_file` (read again when it changes).
     pub api_keys: Arc<crate::secrets::KeyList>,
     /// How often secret files (keys, tokens, passwords) are read again.
@@ -71,6 +72,10 @@ pub struct Config {
     pub overload: Option<crate::overload::OverloadConf>,
     /// The admin listener's tokens and where replicas may be.
     pub admin: AdminConf,
+    /// Paths forwarded besides the defaults ([`crate::edge::forwarded_by_default`]).
+    pub forward_paths: Vec<crate::edge::PathRule>,
+    /// Paths open without a client key when `api_keys` is set.
+    pub public_paths: Vec<crate::edge::PathRule>,
 }
 
 #[derive(Debug, Clone)]
@@ -373,6 +378,14 @@ inferlb:
                 format!("{GOOD}  stored_lookup_timeout_seconds: -1\n"),
                 "stored_lookup_timeout_seconds",
             ),
+            (
+                format!("{GOOD}  forward_paths: [/tokenize, \"/v1//x\"]\n"),
+                "inferlb.forward_paths[1]: \"/v1//x\" is not in normal form",
+            ),
+            (
+                format!("{GOOD}  public_paths: [\"/a/*/b\"]\n"),
+                "inferlb.public_paths[0]",
+            ),
         ];
         for (text, needle) in cases {
             let e = parse(&text, None)
@@ -571,6 +584,30 @@ inferlb:
             "Debug shows no token"
         );
         assert!(matches!(source, TokenSource::File { .. }));
+    }
+
+    #[test]
+    fn forward_and_public_paths_are_read() {
+        let text =
+            format!("{GOOD}  forward_paths: [/tokenize, /sim/*]\n  public_paths: [/v1/models]\n");
+        let l = parse(&text, None).expect("valid");
+        use crate::edge::PathRule;
+        assert_eq!(
+            l.inferlb.forward_paths,
+            [
+                PathRule::Exact("/tokenize".into()),
+                PathRule::Below("/sim".into())
+            ]
+        );
+        assert_eq!(
+            l.inferlb.public_paths,
+            [PathRule::Exact("/v1/models".into())]
+        );
+        assert!(parse(GOOD, None)
+            .expect("valid")
+            .inferlb
+            .forward_paths
+            .is_empty());
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub(super) struct RawSection {
     discovery_nameserver: Option<String>,
     overload: Option<crate::overload::conf::RawOverload>,
     admin: Option<super::admin::RawAdmin>,
+    forward_paths: Vec<String>,
+    public_paths: Vec<String>,
 }
 
 impl Default for RawSection {
@@ -84,6 +86,8 @@ impl Default for RawSection {
             discovery_nameserver: None,
             overload: None,
             admin: None,
+            forward_paths: vec![],
+            public_paths: vec![],
         }
     }
 }
@@ -404,6 +408,8 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
         },
     };
     let tls = raw.tls.map(crate::tls::RawTls::validate).transpose()?;
+    let forward_paths = path_rules("forward_paths", &raw.forward_paths)?;
+    let public_paths = path_rules("public_paths", &raw.public_paths)?;
     Ok(Config {
         listen: raw.listen,
         plain_listen: raw.plain_listen,
@@ -437,5 +443,17 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
             .map(crate::overload::conf::validate)
             .transpose()?,
         admin,
+        forward_paths,
+        public_paths,
     })
+}
+
+fn path_rules(key: &str, paths: &[String]) -> Result<Vec<crate::edge::PathRule>, String> {
+    paths
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            crate::edge::PathRule::parse(p).map_err(|e| format!("inferlb.{key}[{i}]: {e}"))
+        })
+        .collect()
 }

@@ -12,7 +12,8 @@ use crate::cluster::Table;
 use crate::overload::Admission;
 
 impl Balancer {
-    /// What the request head alone settles: its size and its key.
+    /// What the request head alone settles: its size, its key, and whether its (normalised)
+    /// path is forwarded at all.
     pub(super) fn check_head(&self, req: &RequestHeader) -> Option<Refusal> {
         let limit = self.conf.max_header_bytes;
         if request::header_bytes(req) > limit {
@@ -23,11 +24,21 @@ impl Balancer {
                 close: true,
             });
         }
-        if !request::authorized(&self.conf.api_keys.current(), req) {
+        let path = req.uri.path();
+        let conf = &self.conf;
+        if !request::authorized(&conf.api_keys.current(), &conf.public_paths, path, req) {
             return Some(Refusal {
                 status: 401,
                 reason: "unauthorized",
                 message: "Incorrect API key provided: send `Authorization: Bearer <key>`".into(),
+                close: true,
+            });
+        }
+        if !request::forwarded(&conf.forward_paths, path) {
+            return Some(Refusal {
+                status: 404,
+                reason: "not_forwarded",
+                message: format!("{} {path} is not an endpoint inferlb serves", req.method),
                 close: true,
             });
         }

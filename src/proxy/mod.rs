@@ -98,6 +98,8 @@ pub struct Ctx {
     request_id: http::HeaderValue,
     family: Family,
     body: BodyReplay,
+    /// The body forwarded is not the one the client sent (see [`request::without_steering`]).
+    body_replaced: bool,
     info: Option<RequestInfo>,
     /// The session key from the configured session header.
     session: Option<u64>,
@@ -145,6 +147,7 @@ impl ProxyHttp for Balancer {
             request_id: http::HeaderValue::from_static(""),
             family: Family::Chat,
             body: BodyReplay::default(),
+            body_replaced: false,
             info: None,
             session: None,
             owner: None,
@@ -166,13 +169,33 @@ impl ProxyHttp for Balancer {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.arrived = Instant::now();
         request::allow_pipelining(session);
+        ctx.request_id = request::request_id(session.req_header().headers.get("x-request-id"));
+        // The edge: one form of the target from here on, for the key check, routing and the
+        // replica alike; ambiguous framing or targets go no further.
+        if let Some(r) = request::settle_edge(session) {
+            ctx.family = Family::of(session.req_header().uri.path());
+            answers::refuse(session, ctx.id(), ctx.family, &r).await?;
+            return Ok(true);
+        }
         let req = session.req_header();
-        ctx.request_id = request::request_id(req.headers.get("x-request-id"));
         ctx.family = Family::of(req.uri.path());
         ctx.session = request::session_key(self.conf.session_header.as_deref(), req);
         let refusal = match self.check_head(session.req_header()) {
             Some(r) => Some(r),
             None => self.read_request(session, ctx).await,
+        };
+        let refusal = match refusal {
+            Some(r) => Some(r),
+            None => match request::without_steering(ctx.body.bytes()) {
+                Ok(stripped) => {
+                    if let Some(body) = stripped {
+                        ctx.body.replace(body);
+                        ctx.body_replaced = true;
+                    }
+                    None
+                }
+                Err(r) => Some(r),
+            },
         };
         let refusal = match refusal {
             Some(r) => Some(r),
@@ -241,14 +264,11 @@ impl ProxyHttp for Balancer {
     ) -> Result<()> {
         request::strip_hop_by_hop(upstream);
         upstream.insert_header("x-request-id", ctx.request_id.clone())?;
-        // Origin-form only: whatever the client wrote, the request goes to the chosen replica.
-        if !upstream.raw_path().starts_with(b"/") {
-            let path = upstream.uri.path_and_query().map_or("/", |p| p.as_str());
-            let uri = path
-                .to_owned()
-                .parse()
-                .map_err(|_| Error::explain(ErrorType::InvalidHTTPHeader, "request target"))?;
-            upstream.set_uri(uri);
+        // The client's key is for inferlb; the replica gets its own key or none.
+        upstream.remove_header("authorization");
+        upstream.remove_header("x-api-key");
+        if ctx.body_replaced && upstream.headers.contains_key("content-length") {
+            upstream.insert_header("content-length", ctx.body.bytes().len().to_string())?;
         }
         if let Some(r) = ctx.current() {
             upstream.insert_header("host", &r.host)?;

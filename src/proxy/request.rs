@@ -5,6 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use pingora_http::RequestHeader;
 use subtle::ConstantTimeEq;
 
+use super::answers::Refusal;
+use crate::edge::PathRule;
+
 /// HTTP/1.1 pipelining (RFC 9112 9.3.2): a next request the client sent before this one's
 /// answer waits its turn on the connection instead of closing it, and a request waiting under
 /// overload protection does not take it for its client leaving. Called before the body is
@@ -93,11 +96,12 @@ pub fn header_bytes(req: &RequestHeader) -> usize {
         .sum()
 }
 
-/// Client keys guard the API (`/v1/...`), as vLLM's `--api-key` does: `Authorization: Bearer`
-/// as OpenAI's SDKs send it, or `x-api-key` as Anthropic's do. Every key is compared in
-/// constant time, so timing does not reveal how much of a key matched.
-pub fn authorized(keys: &[String], req: &RequestHeader) -> bool {
-    if keys.is_empty() || !req.uri.path().starts_with("/v1") {
+/// Client keys guard every path but `public`, as `Authorization: Bearer` (OpenAI's SDKs) or
+/// `x-api-key` (Anthropic's). `path` is the normalised one ([`normalised_target`]). Every key
+/// is compared in constant time, so timing does not reveal how much of a key matched. `keys`
+/// is a slice so that a reloaded list can be handed in as it is.
+pub fn authorized(keys: &[String], public: &[PathRule], path: &str, req: &RequestHeader) -> bool {
+    if keys.is_empty() || crate::edge::any(public, path) {
         return true;
     }
     let given = req
@@ -111,6 +115,144 @@ pub fn authorized(keys: &[String], req: &RequestHeader) -> bool {
             ok | key.as_bytes().ct_eq(given)
         })
         .into()
+}
+
+/// Whether `path` (normalised) is ever forwarded: the defaults, or the conf's `forward_paths`.
+pub fn forwarded(extra: &[PathRule], path: &str) -> bool {
+    crate::edge::forwarded_by_default(path) || crate::edge::any(extra, path)
+}
+
+/// The request target in the form the replica routes on ([`crate::edge::normalise`]), read
+/// from the bytes as they came (not the URI's rendering of them): an origin-form target, or
+/// the path and query of an absolute-form one.
+pub fn normalised_target(req: &RequestHeader) -> Result<String, crate::edge::Refused> {
+    let raw = req.raw_path();
+    if !req.raw_path_is_utf8() {
+        return Err("the request target has a non-ASCII byte");
+    }
+    if raw.first() == Some(&b'/') {
+        return crate::edge::normalise(raw);
+    }
+    let absolute = [&b"http://"[..], b"https://"]
+        .iter()
+        .any(|s| raw.len() > s.len() && raw[..s.len()].eq_ignore_ascii_case(s));
+    if !absolute {
+        return Err("the request target must be a path (origin-form) or an http(s) URL");
+    }
+    let path = req.uri.path_and_query().map_or("/", |p| p.as_str());
+    crate::edge::normalise(path.as_bytes())
+}
+
+/// At the edge, before anything else reads the request: its framing checked (equal
+/// `Content-Length` values made one header) and its target normalised in place, so the key
+/// check, routing and the head forwarded all see that one form.
+pub fn settle_edge(session: &mut pingora_proxy::Session) -> Option<Refusal> {
+    use pingora_core::protocols::http::server::Session as Downstream;
+    let bad = |why: &str| {
+        Some(Refusal {
+            status: 400,
+            reason: "bad_request",
+            message: format!("bad request: {why}"),
+            close: true,
+        })
+    };
+    let raw_head = match session.as_downstream() {
+        Downstream::H1(h1) => Some(h1.get_headers_raw_bytes()),
+        _ => None,
+    };
+    match framing(session.req_header(), raw_head.as_deref()) {
+        Err(why) => return bad(why),
+        Ok(Some(n)) => {
+            if session
+                .req_header_mut()
+                .insert_header("content-length", n.to_string())
+                .is_err()
+            {
+                return bad("Content-Length");
+            }
+        }
+        Ok(None) => {}
+    }
+    let target = match normalised_target(session.req_header()) {
+        Ok(t) => t,
+        Err(why) => return bad(why),
+    };
+    if target.as_bytes() != session.req_header().raw_path() {
+        match target.parse::<http::Uri>() {
+            Ok(uri) => session.req_header_mut().set_uri(uri),
+            Err(_) => return bad("the request target"),
+        }
+    }
+    None
+}
+
+/// The body's framing, from its head: `Ok(Some(n))` when several equal `Content-Length`
+/// values must become one header, or why it is refused: both `Content-Length` and
+/// `Transfer-Encoding` (Pingora drops the first and goes on; `raw_head` is the head as it
+/// came, where it still shows), a `Transfer-Encoding` other than exactly `chunked`, or
+/// `Content-Length` values that are not one number. A proxy and a replica that frame a body
+/// differently would read its tail as a next request.
+pub fn framing(req: &RequestHeader, raw_head: Option<&[u8]>) -> Result<Option<u64>, &'static str> {
+    let te: Vec<&[u8]> = req
+        .headers
+        .get_all("transfer-encoding")
+        .iter()
+        .map(|v| v.as_bytes())
+        .collect();
+    let cl = req.headers.get_all("content-length");
+    if !te.is_empty() {
+        let raw_cl = raw_head.is_some_and(|h| {
+            h.split(|&b| b == b'\n')
+                .skip(1)
+                .any(|l| l.len() > 15 && l[..15].eq_ignore_ascii_case(b"content-length:"))
+        });
+        if cl.iter().next().is_some() || raw_cl {
+            return Err("a request may not have both Content-Length and Transfer-Encoding");
+        }
+        if te.len() > 1 || !te[0].trim_ascii().eq_ignore_ascii_case(b"chunked") {
+            return Err("the only Transfer-Encoding accepted is `chunked`");
+        }
+        return Ok(None);
+    }
+    let mut values = 0;
+    let mut length = None;
+    for v in cl.iter() {
+        for n in v.as_bytes().split(|&b| b == b',') {
+            let n = n.trim_ascii();
+            let ok = !n.is_empty() && n.len() <= 18 && n.iter().all(u8::is_ascii_digit);
+            let n: u64 = std::str::from_utf8(n)
+                .ok()
+                .filter(|_| ok)
+                .and_then(|n| n.parse().ok())
+                .ok_or("Content-Length is not a number")?;
+            if length.is_some_and(|l| l != n) {
+                return Err("Content-Length has several different values");
+            }
+            length = Some(n);
+            values += 1;
+        }
+    }
+    Ok(length.filter(|_| values > 1))
+}
+
+/// The body without the members a client may not send ([`crate::api::strip::STEERING`]):
+/// `None` when it has none; a 400 when it may and cannot be read.
+pub fn without_steering(body: &[u8]) -> Result<Option<bytes::Bytes>, Refusal> {
+    use crate::api::strip::{strip_members, Stripped, STEERING};
+    match strip_members(body, &STEERING) {
+        Stripped::Unchanged => Ok(None),
+        Stripped::Body(b) => Ok(Some(b.into())),
+        Stripped::Unreadable => Err(Refusal {
+            status: 400,
+            reason: "bad_body",
+            message: format!(
+                "the request body is not JSON inferlb can read, and it may hold a field only \
+                 inferlb sets ({}): send plain UTF-8 JSON",
+                STEERING.join(", ")
+            ),
+            close: false,
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -174,23 +316,143 @@ mod tests {
     }
 
     #[test]
-    fn keys_guard_only_the_api() {
+    fn keys_guard_every_path_but_the_public_ones() {
         let keys = vec!["sk-secret-1".to_string()];
-        assert!(authorized(&[], &req("/v1/chat/completions", &[])));
-        assert!(!authorized(&keys, &req("/v1/chat/completions", &[])));
-        let ok = req(
-            "/v1/chat/completions",
-            &[("authorization", "Bearer sk-secret-1")],
-        );
-        assert!(authorized(&keys, &ok));
+        let chat = "/v1/chat/completions";
+        let authorized = |keys: &[String], public: &[PathRule], r: &RequestHeader| {
+            let path = normalised_target(r).expect("normal");
+            authorized(keys, public, &path, r)
+        };
+        assert!(authorized(&[], &[], &req(chat, &[])));
+        assert!(!authorized(&keys, &[], &req(chat, &[])));
+        let ok = req(chat, &[("authorization", "Bearer sk-secret-1")]);
+        assert!(authorized(&keys, &[], &ok));
         let wrong = req("/v1/models", &[("authorization", "Bearer sk-secret-2")]);
-        assert!(!authorized(&keys, &wrong));
-        assert!(authorized(&keys, &req("/health", &[])));
+        assert!(!authorized(&keys, &[], &wrong));
+        // Every path, not only `/v1/...`: vLLM serves chat at `/invocations`, and uvicorn
+        // reads `/%761/...` as `/v1/...`.
+        for path in [
+            "/health",
+            "/invocations",
+            "/%761/chat/completions",
+            "/v1/models",
+        ] {
+            assert!(!authorized(&keys, &[], &req(path, &[])), "{path}");
+        }
+        let public = [PathRule::parse("/health").expect("rule")];
+        assert!(authorized(&keys, &public, &req("/health", &[])));
+        assert!(authorized(&keys, &public, &req("//health", &[])));
+        assert!(!authorized(&keys, &public, &req("/v1/models", &[])));
         let anthropic = req("/v1/messages", &[("x-api-key", "sk-secret-1")]);
-        assert!(authorized(&keys, &anthropic));
+        assert!(authorized(&keys, &[], &anthropic));
         assert!(!authorized(
             &keys,
+            &[],
             &req("/v1/messages", &[("x-api-key", "sk-secret")])
         ));
+    }
+
+    #[test]
+    fn only_listed_paths_are_forwarded() {
+        let extra = [PathRule::parse("/tokenize").expect("rule")];
+        assert!(forwarded(&[], "/v1/chat/completions"));
+        assert!(!forwarded(&[], "/tokenize") && forwarded(&extra, "/tokenize"));
+        assert!(!forwarded(&extra, "/invocations"));
+    }
+
+    #[test]
+    fn targets_are_read_from_their_bytes_and_absolute_forms_lose_their_host() {
+        let cases: &[(&[u8], Result<&str, ()>)] = &[
+            (b"/%761/chat/completions", Ok("/v1/chat/completions")),
+            (b"http://evil.example:9/sim/echo?q=1", Ok("/sim/echo?q=1")),
+            (b"HTTPS://h/v1//models", Ok("/v1/models")),
+            (b"http://h", Ok("/")),
+            (b"/v1/caf\xc3\xa9", Err(())),
+            (b"/v1/\xff", Err(())),
+            (b"*", Err(())),
+            (b"ftp://h/v1/models", Err(())),
+            (b"host:443", Err(())),
+        ];
+        for (target, want) in cases {
+            let r = RequestHeader::build("GET", target, None).expect("head");
+            let got = normalised_target(&r);
+            let label = String::from_utf8_lossy(target);
+            assert_eq!(got.as_deref().map_err(|_| ()), *want, "{label}");
+        }
+    }
+
+    #[test]
+    fn framing_refuses_what_two_parsers_could_read_two_ways() {
+        let head = |h: &[(&str, &str)]| req("/v1/completions", h);
+        let raw_cl: &[u8] = b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n";
+        let raw_bare: &[u8] = b"POST / HTTP/1.1\ncontent-length:5\n\n";
+        let raw_none: &[u8] = b"POST / HTTP/1.1\r\nx-content-length: 5\r\n\r\n";
+        let te = [("transfer-encoding", "chunked")];
+        assert_eq!(framing(&head(&te), Some(raw_none)), Ok(None));
+        assert_eq!(
+            framing(&head(&[("transfer-encoding", " Chunked ")]), None),
+            Ok(None)
+        );
+        assert!(
+            framing(&head(&te), Some(raw_cl)).is_err(),
+            "CL removed by Pingora"
+        );
+        assert!(framing(&head(&te), Some(raw_bare)).is_err());
+        assert!(framing(
+            &head(&[("transfer-encoding", "chunked"), ("content-length", "5")]),
+            None
+        )
+        .is_err());
+        for bad in [
+            "chunked, identity",
+            "gzip, chunked",
+            "identity",
+            "chunked, chunked",
+            "",
+        ] {
+            assert!(
+                framing(&head(&[("transfer-encoding", bad)]), None).is_err(),
+                "{bad}"
+            );
+        }
+        let two_te = head(&[
+            ("transfer-encoding", "chunked"),
+            ("transfer-encoding", "chunked"),
+        ]);
+        assert!(framing(&two_te, None).is_err());
+        assert_eq!(framing(&head(&[("content-length", "100")]), None), Ok(None));
+        assert_eq!(
+            framing(&head(&[("content-length", "100, 100")]), None),
+            Ok(Some(100))
+        );
+        let twice = head(&[("content-length", "7"), ("content-length", "7")]);
+        assert_eq!(framing(&twice, None), Ok(Some(7)));
+        for bad in [
+            "100, 101",
+            "+5",
+            "-1",
+            "0x10",
+            "",
+            "5,",
+            "1 0",
+            "99999999999999999999",
+        ] {
+            assert!(
+                framing(&head(&[("content-length", bad)]), None).is_err(),
+                "{bad:?}"
+            );
+        }
+        let differ = head(&[("content-length", "7"), ("content-length", "8")]);
+        assert!(framing(&differ, None).is_err());
+        assert_eq!(framing(&head(&[]), None), Ok(None));
+    }
+
+    #[test]
+    fn steering_members_are_stripped_or_the_body_refused() {
+        let got = without_steering(br#"{"model":"m","kv_transfer_params":{}}"#).expect("read");
+        assert_eq!(got.as_deref(), Some(&br#"{"model":"m"}"#[..]));
+        assert_eq!(without_steering(br#"{"model":"m"}"#).expect("read"), None);
+        let r = without_steering(br#"{"bootstrap_host":NaN}"#).expect_err("refused");
+        assert_eq!(r.status, 400);
     }
 }

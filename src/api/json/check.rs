@@ -308,3 +308,80 @@ pub(crate) fn top_fields<const N: usize>(
     c.strings.containers.sort_unstable();
     Ok((out, c.strings))
 }
+
+/// A top-level object's members: where the object opens and closes, and each member's span
+/// (its key's opening quote to its value's end) with whether its decoded key is in `names`.
+#[derive(Debug)]
+pub(crate) struct Members {
+    pub open: usize,
+    pub close: usize,
+    pub members: Vec<(usize, usize, bool)>,
+}
+
+/// Checks all of `body` as [`top_fields`] does, but lets keys repeat (as Python's `json`
+/// does) and returns every top-level member; `None` for valid JSON that is not an object.
+pub(crate) fn top_members(body: &[u8], names: &[&str]) -> Result<Option<Members>, Invalid> {
+    let mut c = Checker {
+        b: body,
+        i: 0,
+        stack: Vec::new(),
+        strings: Strings::default(),
+    };
+    c.ws();
+    if c.peek()? != b'{' {
+        c.value(false)?;
+        c.ws();
+        return if c.i == body.len() {
+            Ok(None)
+        } else {
+            Err(Invalid)
+        };
+    }
+    let open = c.i;
+    c.i += 1;
+    let mut members = Vec::new();
+    c.ws();
+    if c.peek()? == b'}' {
+        c.i += 1;
+    } else {
+        loop {
+            c.ws();
+            if c.peek()? != b'"' {
+                return Err(Invalid);
+            }
+            let start = c.i;
+            let esc = c.string(true)?;
+            let key = Str {
+                inner: &body[start + 1..c.i - 1],
+                esc,
+                sur: true,
+            };
+            if !key.valid() {
+                return Err(Invalid);
+            }
+            let named = names.iter().any(|n| key.is(n));
+            c.eat(b':')?;
+            c.value(false)?;
+            members.push((start, c.i, named));
+            c.ws();
+            match c.peek()? {
+                b',' => c.i += 1,
+                b'}' => {
+                    c.i += 1;
+                    break;
+                }
+                _ => return Err(Invalid),
+            }
+        }
+    }
+    let close = c.i - 1;
+    c.ws();
+    if c.i != body.len() {
+        return Err(Invalid);
+    }
+    Ok(Some(Members {
+        open,
+        close,
+        members,
+    }))
+}

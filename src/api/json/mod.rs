@@ -19,7 +19,7 @@ mod check;
 mod raw;
 mod string;
 
-pub(super) use check::top_fields;
+pub(super) use check::{top_fields, top_members};
 pub(super) use raw::{Elements, Raw};
 pub(super) use string::Str;
 
