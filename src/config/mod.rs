@@ -574,13 +574,14 @@ inferlb:
             None,
         )
         .expect("valid");
+        let shown = format!("{:?}", l.inferlb);
         let (source, token) = l.inferlb.admin.token.expect("a token");
         assert!(
             token.matches(b"a-token-of-enough-length"),
             "the newline is dropped"
         );
         assert!(
-            !format!("{:?}", l.inferlb).contains("a-token-of"),
+            !shown.contains("a-token-of"),
             "Debug shows no token"
         );
         assert!(matches!(source, TokenSource::File { .. }));
