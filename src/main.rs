@@ -322,7 +322,9 @@ mod tests {
         let e = wait_for_addresses(&conf, Duration::from_millis(400)).expect_err("in use");
         assert!(start.elapsed() >= Duration::from_millis(400), "waited");
         assert!(
-            e.starts_with(&format!("inferlb.admin_listen: cannot listen on 127.0.0.1:{port}")),
+            e.starts_with(&format!(
+                "inferlb.admin_listen: cannot listen on 127.0.0.1:{port}"
+            )),
             "{e}"
         );
         // Released while waiting: the wait ends then, well before its limit.

@@ -505,10 +505,10 @@ fn the_api_is_proxied_models_and_other_paths_included() {
     );
     let (events, _) = sse_events(r);
     assert_eq!(events.last().unwrap().1, "[DONE]");
-    // Any other path goes through: the replica's own answer comes back.
+    // Any other path is not the inference API: it never reaches a replica.
     let r = http().get(lb.url("/metrics")).send().unwrap();
-    assert_eq!(r.status(), 200);
-    assert!(r.text().unwrap().contains("vllm:num_requests_running"));
+    assert_eq!(r.status(), 404);
+    assert!(!r.text().unwrap().contains("vllm:num_requests_running"));
     // A body that is not JSON is routed as fresh; the replica's 400 comes back.
     let r = http()
         .post(lb.url("/v1/chat/completions"))

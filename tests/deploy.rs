@@ -146,8 +146,8 @@ fn check_conf(text: &str) -> std::process::Output {
         std::fs::write(secrets.join(file), value).expect("write secret");
     }
     let text = text
-        .replace(SECRETS_DIR, &format!("{}/", secrets.display()))
-        .replace("/tmp/", &format!("{}/", dir.path().display()));
+        .replace("/tmp/", &format!("{}/", dir.path().display()))
+        .replace(SECRETS_DIR, &format!("{}/", secrets.display()));
     let file = dir.path().join("inferlb.yaml");
     std::fs::write(&file, text).expect("write conf");
     Command::new(env!("CARGO_BIN_EXE_inferlb"))

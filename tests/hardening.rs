@@ -285,19 +285,20 @@ fn disconnected_clients_cancel_their_upstream_requests_and_nothing_leaks() {
                 .post(url)
                 .json(&chat_body(&[("user", &prompt)], true, 200))
                 .send();
-            // The first event, then hang up; the bytes read, or why nothing was.
-            let read = sent.and_then(|mut r| {
+            // The answer's status, then the first event (or the client's timeout), then hang up.
+            let status = sent.map(|mut r| {
                 let mut buf = [0u8; 256];
-                Ok(r.read(&mut buf).unwrap_or(0))
+                let _ = r.read(&mut buf);
+                r.status().as_u16()
             });
-            (waiting, read.map_err(|e| e.to_string()))
+            (waiting, status.map_err(|e| e.to_string()))
         }));
     }
     for t in threads {
         let (waiting, read) = t.join().unwrap();
-        // The streaming half saw its stream begin; the other half hung up in prefill.
+        // The streaming half was answered; the other half may hang up before its headers.
         if !waiting {
-            assert!(read.as_ref().is_ok_and(|n| *n > 0), "{read:?}");
+            assert_eq!(read, Ok(200));
         }
     }
     // Every request reached a replica, so the quiet below is the cancellations' doing.
@@ -426,7 +427,9 @@ fn an_address_still_in_use_at_start_is_waited_for() {
     // inferlb waited itself (Pingora alone would retry too, then run on without the listener).
     let log = lb.proc.log_text();
     assert!(
-        log.contains(&format!("inferlb.admin_listen 127.0.0.1:{admin_port} is in use: waiting")),
+        log.contains(&format!(
+            "inferlb.admin_listen 127.0.0.1:{admin_port} is in use: waiting"
+        )),
         "{log}"
     );
     assert!(lb.metrics().contains("inferlb_"));

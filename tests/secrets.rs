@@ -154,7 +154,7 @@ fn replica_keys_come_from_a_file_or_the_environment_and_a_changed_file_is_reload
                     ..Replica::of(&b)
                 },
             ],
-            extra: "  secrets_reload_interval_seconds: 0.1\n".into(),
+            extra: "  secrets_reload_interval_seconds: 0.1\n  forward_paths: [/sim/echo]\n".into(),
             env: vec![("GPU1_KEY".into(), "gpu1-secret-1".into())],
             ..test_conf()
         },
@@ -177,7 +177,8 @@ fn instance(root: &Path, name: &str, sims: &[&Sim], cluster: &str, env: &[(&str,
     std::fs::create_dir_all(&dir).expect("dir");
     let conf = LbConf {
         routing: Some("roundrobin".into()),
-        extra: cluster.to_string(),
+        // `/sim/echo` shows what the replica received.
+        extra: format!("{cluster}  forward_paths: [/sim/echo]\n"),
         env: env
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -196,7 +196,11 @@ fn the_listener_speaks_h2_and_http1_over_tls_and_reloads_its_certificate() {
     let refused = wait_until(Duration::from_secs(10), || {
         lb.proc.log_text().contains("not reloaded")
     });
-    assert!(refused, "the reloader read the bad pair:\n{}", lb.proc.log_text());
+    assert!(
+        refused,
+        "the reloader read the bad pair:\n{}",
+        lb.proc.log_text()
+    );
     assert_eq!(
         curl_https(lb.port, &first.ca_file(), "--http1.1"),
         (0, "1.1 200".into())

@@ -580,10 +580,7 @@ inferlb:
             token.matches(b"a-token-of-enough-length"),
             "the newline is dropped"
         );
-        assert!(
-            !shown.contains("a-token-of"),
-            "Debug shows no token"
-        );
+        assert!(!shown.contains("a-token-of"), "Debug shows no token");
         assert!(matches!(source, TokenSource::File { .. }));
     }
 

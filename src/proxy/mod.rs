@@ -118,6 +118,9 @@ pub struct Ctx {
     /// Set once the first response byte went to the client: nothing is retried after it.
     first_byte_at: Option<Instant>,
     failovers: u32,
+    /// The replica whose failure made the last failover, and why: what a client is told when
+    /// no replica is left.
+    last_failure: Option<(Arc<str>, &'static str)>,
     usage_reader: Option<UsageReader>,
     usage: Option<Usage>,
     /// Its place under overload protection (its key's budget, its prefill in transit).
@@ -160,6 +163,7 @@ impl ProxyHttp for Balancer {
             attempts: 0,
             first_byte_at: None,
             failovers: 0,
+            last_failure: None,
             usage_reader: None,
             usage: None,
             overload: Default::default(),

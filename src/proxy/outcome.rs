@@ -82,9 +82,22 @@ impl Balancer {
                 );
                 (503, message)
             }
-            (503, _) if ctx.current().is_none() => {
-                (503, "no live replica can serve this request".into())
-            }
+            // Every replica tried failed it: say what the last one did, not "none was live".
+            (503, _) if ctx.current().is_none() => match &ctx.last_failure {
+                Some((id, "http_503")) => (
+                    503,
+                    format!(
+                        "replica {id} answered 503 and no other replica could take the request"
+                    ),
+                ),
+                Some((id, why)) => (
+                    503,
+                    format!(
+                        "no replica could serve this request: the last tried, {id}, failed ({why})"
+                    ),
+                ),
+                None => (503, "no live replica can serve this request".into()),
+            },
             (503, _) => {
                 let message = format!(
                     "replica {replica} answered 503 and no other replica could take the request"
@@ -118,6 +131,7 @@ impl Balancer {
             (Retry::Elsewhere, Some(r)) => {
                 ctx.failovers += 1;
                 let why = reason(e);
+                ctx.last_failure = Some((r.id.clone(), why));
                 METRICS.failovers.with_label_values(&[&r.id, why]).inc();
                 log::warn!(
                     "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica ({})",
