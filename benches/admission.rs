@@ -5,7 +5,6 @@
 
 use std::future::Future;
 use std::hint::black_box;
-use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};

@@ -516,7 +516,8 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
                 ),
             )
         };
-        let rows: &[((&str, &str, &str), Option<(u64, u64, u64)>)] = &[
+        type Row<'a> = ((&'a str, &'a str, &'a str), Option<(u64, u64, u64)>);
+        let rows: &[Row] = &[
             (("900", "640", "3"), Some((900, 640, 3))),
             (
                 (

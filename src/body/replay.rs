@@ -262,7 +262,8 @@ mod tests {
 
     #[test]
     fn a_content_length_that_does_not_parse_is_refused_never_taken_as_absent() {
-        let cases: [(&[&str], Result<Option<usize>, ()>); 11] = [
+        type Case<'a> = (&'a [&'a str], Result<Option<usize>, ()>);
+        let cases: [Case; 11] = [
             (&[], Ok(None)),
             (&["0"], Ok(Some(0))),
             (&["100"], Ok(Some(100))),

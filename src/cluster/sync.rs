@@ -263,13 +263,12 @@ impl ClusterSync {
                         // This process's own messages: its drains and replica changes are
                         // applied again, in Redis's order, so that another instance's older
                         // change of that replica, received before, does not stand over them.
-                        Some((_, id, m)) if id == self.cluster.instance => {
-                            if let Message::Change(c) = m {
-                                if c.subject().is_some() {
-                                    self.apply(c).await;
-                                }
-                            }
+                        Some((_, id, Message::Change(c)))
+                            if id == self.cluster.instance && c.subject().is_some() =>
+                        {
+                            self.apply(c).await
                         }
+                        Some((_, id, _)) if id == self.cluster.instance => {}
                         Some((_, _, Message::Change(change))) => self.apply(change).await,
                         Some((_, from, Message::Load { snapshot, replicas })) => {
                             if snapshot {

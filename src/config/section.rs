@@ -173,7 +173,10 @@ fn reload_interval(r: f64) -> Result<Duration, String> {
 /// The Redis URL checked (no password in it: the conf is not where a secret goes), its
 /// password from a file or the environment, and the CA a `rediss://` server is checked
 /// against. A message never quotes a URL that may hold a password.
-fn redis_secrets(c: &RawCluster) -> Result<(Option<Arc<Secret>>, Option<Arc<Vec<u8>>>), String> {
+/// A Redis password, and the PEM of the CA a `rediss://` server is checked against.
+type RedisSecrets = (Option<Arc<Secret>>, Option<Arc<Vec<u8>>>);
+
+fn redis_secrets(c: &RawCluster) -> Result<RedisSecrets, String> {
     use redis::IntoConnectionInfo;
     let key = "inferlb.cluster";
     let shown = if c.redis_url.contains('@') {

@@ -67,7 +67,7 @@ impl<T> Class<T> {
     }
 
     /// `key` goes to the back of the turn.
-    fn to_back(&mut self, key: u64) {
+    fn move_to_back(&mut self, key: u64) {
         let at = self.next_turn;
         self.next_turn += 1;
         if let Some(q) = self.by_key.get_mut(&key) {
@@ -256,7 +256,7 @@ impl<T> Queue<T> {
             Some(id) => q.entries.remove(&id)?,
             None => q.entries.pop_first()?.1,
         };
-        c.to_back(key);
+        c.move_to_back(key);
         self.forget(&e);
         Some(e)
     }
