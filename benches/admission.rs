@@ -14,8 +14,8 @@ use inferlb::overload::{Admission, Overload, Pass};
 use inferlb::registry::Registry;
 
 const CONF: &str = "inferlb:
-  listen: 127.0.0.1:0
-  admin_listen: 127.0.0.1:0
+  listen: 127.0.0.1:9
+  admin_listen: 127.0.0.1:10
   replicas:
     - {id: a, address: '127.0.0.1:9'}
   overload:
