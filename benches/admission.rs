@@ -10,8 +10,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use inferlb::fleet::registry::Registry;
 use inferlb::overload::{Admission, Overload, Pass};
-use inferlb::registry::Registry;
 
 const CONF: &str = "inferlb:
   listen: 127.0.0.1:9
@@ -29,7 +29,7 @@ const CONF: &str = "inferlb:
 /// waiting; the guard keeps the replica full.
 struct Saturated {
     overload: Arc<Overload>,
-    _running: inferlb::replica::InFlight,
+    _running: inferlb::fleet::replica::InFlight,
     next_key: u64,
 }
 
@@ -41,7 +41,7 @@ fn headers(key: u64) -> http::HeaderMap {
 
 impl Saturated {
     fn new(queued: usize) -> Saturated {
-        let loaded = inferlb::config::parse(CONF, None).expect("conf");
+        let loaded = inferlb::conf::parse(CONF, None).expect("conf");
         let c = loaded.inferlb;
         let registry = Arc::new(Registry::new(&c.replicas, &c.upstream));
         let running = registry.all()[0].start();

@@ -7,10 +7,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use inferlb::api::prompt::Link;
-use inferlb::api::{classify, Family};
-use inferlb::index::PrefixIndex;
-use inferlb::routing::{Candidate, Mode, Policy};
+use inferlb::conf::Mode;
+use inferlb::fleet::index::PrefixIndex;
+use inferlb::protocol::api::prompt::Link;
+use inferlb::protocol::api::{classify, Family};
+use inferlb::routing::{Candidate, Router};
 use serde_json::{json, Value};
 
 /// Text of about `bytes` bytes in `n` pieces, with a few escapes as real prompts have.
@@ -144,19 +145,15 @@ fn decision(c: &mut Criterion) {
             (Mode::PrefillCost, "prefill_cost"),
             (Mode::Adaptive, "adaptive"),
         ] {
-            let policy = Policy {
-                mode,
-                spill_margin: Some(4),
-            };
+            let policy = Router::new(mode, Some(4));
             let mut each: Vec<Duration> = Vec::new();
             g.bench_function(BenchmarkId::new(name, replicas), |bench| {
                 let index: &Vec<PrefixIndex> = index.get_or_init(|| fleet(replicas, &links));
                 let decide = || {
-                    let candidates: Vec<Candidate<usize>> = ids
+                    let candidates: Vec<Candidate> = ids
                         .iter()
                         .enumerate()
                         .map(|(i, id)| Candidate {
-                            handle: i,
                             id,
                             available: true,
                             reachable: true,
@@ -170,7 +167,9 @@ fn decision(c: &mut Criterion) {
                             running: i % 4,
                         })
                         .collect();
-                    policy.decide(&info.shape, None, &candidates, |_| None::<&str>, 7)
+                    policy
+                        .decide(&info.shape, None, &candidates, &|_| None, 7)
+                        .map(|d| d.route)
                 };
                 bench.iter_custom(|iters| {
                     let mut total = Duration::ZERO;

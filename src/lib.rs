@@ -1,31 +1,30 @@
 //! inferlb: a load balancer for OpenAI-compatible LLM inference replicas, on Pingora.
 //!
-//! Data flows one way: [`body`] → [`shape`] → [`routing`] decision over the [`registry`] →
-//! the chosen [`replica`]'s peer → outcome → [`affinity`] table and metrics.
+//! The modules are layers, and a layer imports only from the layers below it (checked by
+//! `tests/layers.rs`; see docs/architecture.md). From the bottom:
+//!
+//! - [`telemetry`]: the Prometheus registry and the access log;
+//! - [`protocol`]: what a request says: API families, the prompt model, bodies, the edge;
+//! - [`conf`]: the conf as parsed and checked, its ids, and the secrets and certificates it names;
+//! - [`fleet`]: the replicas (endpoint, health, load, cache model), their registry and pins;
+//! - [`routing`]: the policies, pure over fleet snapshots;
+//! - [`link`] and [`cluster`]: one Redis link, and the state instances share over it;
+//! - [`overload`]: admission, fair queueing and budgets;
+//! - [`proxy`] and [`admin`]: a request's life through Pingora's hooks, and the admin plane.
 
-pub mod access;
-pub mod admin;
-pub mod admin_auth;
-pub mod affinity;
-pub mod api;
-pub mod body;
-pub mod cluster;
-pub mod config;
-pub mod discovery;
-pub mod edge;
-pub mod health;
-pub mod index;
-pub mod load;
-pub mod metrics;
-pub mod netpolicy;
-pub mod overload;
-pub mod probe;
-pub mod proxy;
-pub mod registry;
-pub mod replica;
+pub mod telemetry;
+
+pub mod protocol;
+
+pub mod conf;
+
+pub mod fleet;
+
 pub mod routing;
-pub mod secrets;
-pub mod shape;
-pub mod state;
-pub mod tls;
-pub mod usage;
+
+pub mod cluster;
+
+pub mod overload;
+
+pub mod admin;
+pub mod proxy;

@@ -11,12 +11,11 @@ use pingora_core::services::background::background_service;
 use pingora_core::services::listening::Service;
 
 use inferlb::admin::Admin;
-use inferlb::affinity::AffinityTable;
-use inferlb::config;
-use inferlb::health::HealthChecker;
+use inferlb::fleet::affinity::AffinityTable;
+use inferlb::fleet::health::HealthChecker;
+use inferlb::fleet::pins_file::StateKeeper;
+use inferlb::fleet::registry::Registry;
 use inferlb::proxy::Balancer;
-use inferlb::registry::Registry;
-use inferlb::state::StateKeeper;
 
 // glibc's malloc showed up as a tenth of the proxy's CPU under load (perf), and its per-thread
 // arenas let RSS creep; mimalloc does better on both for this allocation pattern.
@@ -31,7 +30,7 @@ fn main() {
         .take()
         .unwrap_or_else(|| "conf/inferlb.yaml".into());
     let routing_env = std::env::var("ROUTING").ok();
-    let loaded = match config::load(&path, routing_env.as_deref()) {
+    let loaded = match inferlb::conf::load(&path, routing_env.as_deref()) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("inferlb: invalid configuration: {e}");
@@ -75,9 +74,9 @@ fn main() {
         }
     });
 
-    inferlb::probe::init();
+    inferlb::fleet::probe::init();
     let registry = Arc::new(Registry::new(&conf.replicas, &conf.upstream));
-    let metrics = &inferlb::metrics::METRICS;
+    let metrics = &inferlb::telemetry::metrics::METRICS;
     let affinity = Arc::new(AffinityTable::new(
         conf.affinity_capacity,
         Some(metrics.affinity_entries.clone()),
@@ -154,7 +153,7 @@ fn main() {
             None
         }
         Some(tls) => {
-            let served = inferlb::tls::ServedCertificate::new(tls)
+            let served = inferlb::conf::tls::ServedCertificate::new(tls)
                 .and_then(|served| Ok((served.listener_settings()?, served)));
             let (settings, served) = match served {
                 Ok(s) => s,
@@ -169,7 +168,7 @@ fn main() {
             }
             Some(background_service(
                 "certificate reload",
-                inferlb::tls::CertificateReloader { served },
+                inferlb::conf::tls::CertificateReloader { served },
             ))
         }
     };
@@ -182,11 +181,11 @@ fn main() {
         }
     }
 
-    let auth = Arc::new(inferlb::admin_auth::Auth::new(&conf.admin));
+    let auth = Arc::new(inferlb::admin::auth::Auth::new(&conf.admin));
     if auth.has_files() {
         server.add_service(background_service(
             "admin token reload",
-            inferlb::admin_auth::TokenReloader {
+            inferlb::admin::auth::TokenReloader {
                 auth: auth.clone(),
                 interval: conf.admin.reload_interval,
             },
@@ -219,8 +218,9 @@ fn main() {
         conf.replicas.len()
     );
     // Overload protection reads the replicas' own queues too, whatever the policy.
-    if conf.routing == inferlb::routing::Mode::PrefillCost || conf.overload.is_some() {
-        let load = inferlb::load::LoadReader {
+    if inferlb::routing::Router::new(conf.routing, None).weighs_prefill() || conf.overload.is_some()
+    {
+        let load = inferlb::fleet::poll::LoadReader {
             registry: registry_for_load,
             interval: conf.load_poll_interval,
         };
@@ -233,7 +233,7 @@ fn main() {
         .cloned()
         .collect();
     if !found_by_dns.is_empty() {
-        let discovery = inferlb::discovery::Discovery {
+        let discovery = inferlb::fleet::discovery::Discovery {
             entries: found_by_dns,
             conf: conf.discovery.clone(),
             registry: registry_for_discovery,
@@ -248,7 +248,7 @@ fn main() {
     // Every secret read from a file (client keys, replica keys, tokens, the Redis password).
     server.add_service(background_service(
         "secrets reload",
-        inferlb::secrets::SecretsReloader {
+        inferlb::conf::secrets::SecretsReloader {
             interval: conf.secrets_reload_interval,
         },
     ));
@@ -270,7 +270,10 @@ const BIND_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// one that cannot. Pingora's listener retries an address in use just as long, but then gives
 /// up on that listener alone and leaves the process running without it (no proxy port, or no
 /// metrics and admin): inferlb exits instead, saying why.
-fn wait_for_addresses(conf: &config::Config, limit: std::time::Duration) -> Result<(), String> {
+fn wait_for_addresses(
+    conf: &inferlb::conf::Config,
+    limit: std::time::Duration,
+) -> Result<(), String> {
     let start = std::time::Instant::now();
     let listeners = [
         ("listen", Some(&conf.listen)),
@@ -302,7 +305,7 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
-    fn conf_listening_on(admin: u16) -> config::Config {
+    fn conf_listening_on(admin: u16) -> inferlb::conf::Config {
         let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
         let listen = free.local_addr().expect("its address").port();
         drop(free);
@@ -310,7 +313,7 @@ mod tests {
             "inferlb:\n  listen: 127.0.0.1:{listen}\n  admin_listen: 127.0.0.1:{admin}\n  \
              replicas:\n    - {{id: a, address: \"127.0.0.1:9\"}}\n"
         );
-        config::parse(&text, None).expect("conf").inferlb
+        inferlb::conf::parse(&text, None).expect("conf").inferlb
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use inferlb::affinity::AffinityTable;
+use inferlb::fleet::affinity::AffinityTable;
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

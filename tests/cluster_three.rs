@@ -603,7 +603,7 @@ fn a_sibling_reaching_another_instance_goes_to_the_replica_holding_its_history()
 
     // An instance that starts later adopts the indexes saved in Redis (every 10 s, by the
     // instance of the lowest id), and sends each family's next sibling home too.
-    let version = inferlb::api::prompt::HASH_VERSION;
+    let version = inferlb::protocol::api::prompt::HASH_VERSION;
     let saved = wait_until(Duration::from_secs(30), || {
         (0..2).all(|i| f.redis.exists(&format!("inferlb:v{version}:index:gpu{i}")))
     });

@@ -4,8 +4,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use inferlb::api::prompt::{Link, CHUNK_BYTES};
-use inferlb::index::{PrefixIndex, BYTES_PER_TOKEN};
+use inferlb::fleet::index::{PrefixIndex, BYTES_PER_TOKEN};
+use inferlb::protocol::api::prompt::{Link, CHUNK_BYTES};
 
 struct Counting;
 

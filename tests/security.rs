@@ -481,7 +481,7 @@ fn the_path_a_replica_receives_is_the_path_inferlb_checked() {
         let path = path
             .strip_prefix(&b"http://evil.example:9"[..])
             .unwrap_or(path);
-        let expected = inferlb::edge::normalise(path).ok();
+        let expected = inferlb::protocol::edge::normalise(path).ok();
         for keyed in [true, false] {
             let id = format!("p{i}-{keyed}");
             let mut bytes = b"POST ".to_vec();

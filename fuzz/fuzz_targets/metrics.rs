@@ -5,13 +5,13 @@
 
 use std::sync::LazyLock;
 
-use inferlb::load::{parse, MAX_CACHE_TOKENS, MAX_REQUESTS};
-use inferlb::registry::Registry;
+use inferlb::fleet::poll::{parse, MAX_CACHE_TOKENS, MAX_REQUESTS};
+use inferlb::fleet::registry::Registry;
 use inferlb::routing::{cost::cost, Candidate};
 use libfuzzer_sys::fuzz_target;
 
 static FLEET: LazyLock<Registry> = LazyLock::new(|| {
-    let conf = inferlb::config::parse(
+    let conf = inferlb::conf::parse(
         "inferlb:\n  replicas:\n    - {id: a, address: \"127.0.0.1:1\"}\n",
         None,
     )

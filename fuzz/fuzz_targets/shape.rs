@@ -1,9 +1,9 @@
 //! Any bytes: classifying never panics, and the JSON-end scanner agrees whatever the split.
 #![no_main]
 
-use inferlb::body::JsonEnd;
-use inferlb::api::{classify, Family};
-use inferlb::shape::Shape;
+use inferlb::protocol::body::JsonEnd;
+use inferlb::protocol::api::{classify, Family};
+use inferlb::protocol::api::shape::Shape;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

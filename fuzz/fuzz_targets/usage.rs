@@ -2,8 +2,8 @@
 //! never panics and its counts stay in bounds (the fuzz profile builds with overflow checks).
 #![no_main]
 
-use inferlb::api::Family;
-use inferlb::usage::{UsageReader, MAX_TOKENS};
+use inferlb::protocol::api::Family;
+use inferlb::protocol::usage::{UsageReader, MAX_TOKENS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

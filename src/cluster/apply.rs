@@ -3,8 +3,8 @@
 
 use super::sync::ClusterSync;
 use super::{Change, Peers, Table};
-use crate::affinity::AffinityTable;
-use crate::config::{check_replica, ReplicaConf};
+use crate::conf::{check_replica, ReplicaConf};
+use crate::fleet::affinity::AffinityTable;
 
 impl ClusterSync {
     pub(super) fn table(&self, t: Table) -> &AffinityTable {

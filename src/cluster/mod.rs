@@ -54,8 +54,8 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::api::prompt::Link;
-use crate::metrics::METRICS;
+use crate::protocol::api::prompt::Link;
+use crate::telemetry::metrics::METRICS;
 
 pub use peers::{Load, Peers};
 pub use sync::ClusterSync;
@@ -236,7 +236,7 @@ impl Cluster {
 
     /// A replica added (its checked conf entry) or removed through this instance's admin API
     /// (already applied here): shared, and never lost.
-    pub async fn replica(&self, id: &str, conf: Option<&crate::config::ReplicaConf>) -> Applied {
+    pub async fn replica(&self, id: &str, conf: Option<&crate::conf::ReplicaConf>) -> Applied {
         let conf = conf.and_then(|c| serde_json::to_string(c).ok());
         self.set_runtime(id, conf.as_deref());
         self.hold(Change::Replica {
@@ -392,13 +392,6 @@ impl Cluster {
 }
 
 /// The default instance id: host name and pid.
-pub fn default_instance_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into());
-    format!("{host}-{}", std::process::id())
-}
-
 /// A message on the updates channel: `sender|kind|...`, the sender being `instance#nonce`;
 /// pure, so both ends are tested here.
 /// Replica ids are letters, digits, `-`, `_` and `.` (the conf checks it), so `|`, `;`, `=`,
@@ -728,5 +721,16 @@ mod tests {
         assert!(c.drops_logged.load(Ordering::Relaxed));
         c.set_connected(false);
         assert!(!c.drops_logged.load(Ordering::Relaxed), "a new outage");
+    }
+}
+
+/// The fleet's changes reach the other instances through the cluster.
+impl crate::fleet::events::Listener for Cluster {
+    fn load_changed(&self) {
+        Cluster::load_changed(self);
+    }
+
+    fn prefilled(&self, replica: &Arc<str>, links: &[Link]) {
+        Cluster::prefilled(self, replica, links);
     }
 }

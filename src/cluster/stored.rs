@@ -10,9 +10,9 @@ use redis::aio::MultiplexedConnection;
 
 use super::sync::{bounded, ClusterSync, Failed};
 use super::{encode, Change, Subject, Table};
-use crate::api::prompt::HASH_VERSION;
-use crate::registry::Registry;
-use crate::replica::Replica;
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::Replica;
+use crate::protocol::api::prompt::HASH_VERSION;
 
 /// How often the lowest-ranked instance saves each changed prefix index to Redis, for
 /// instances that start later.

@@ -17,8 +17,8 @@ use super::stored::{
     drain_key, pin_key, pins_channel, removed_key, replica_key, save_indexes_every, DRAINS,
 };
 use super::{decode, encode, encode_load, sender, Change, Cluster, Load, Message, Peers};
-use crate::affinity::AffinityTable;
-use crate::registry::Registry;
+use crate::fleet::affinity::AffinityTable;
+use crate::fleet::registry::Registry;
 
 /// Every Redis round trip is bounded by this; slower counts as down.
 const TIMEOUT: Duration = Duration::from_secs(1);
@@ -36,7 +36,7 @@ pub struct ClusterSync {
     /// Taken once, when the service starts.
     pub changes: Mutex<Option<mpsc::Receiver<Change>>>,
     /// The cluster's Redis (see `ClusterConf::client`).
-    pub redis: crate::config::ClusterConf,
+    pub redis: crate::conf::ClusterConf,
     pub registry: Arc<Registry>,
     pub affinity: Arc<AffinityTable>,
     pub stored: Arc<AffinityTable>,
@@ -377,7 +377,7 @@ impl BackgroundService for ClusterSync {
         let Some(mut rx) = self.changes.lock().ok().and_then(|mut c| c.take()) else {
             return;
         };
-        self.registry.share_with(&self.cluster);
+        self.registry.listen(self.cluster.clone());
         let mut pending: Vec<Change> = Vec::new();
         let mut backoff = Duration::from_millis(250);
         loop {
@@ -408,7 +408,7 @@ impl BackgroundService for ClusterSync {
 mod tests {
     use super::*;
     use crate::cluster::Table;
-    use crate::metrics::METRICS;
+    use crate::telemetry::metrics::METRICS;
 
     /// A flood of pins during an outage: the first [`super::super::QUEUE`] are kept, the rest
     /// dropped and counted (prefilled prompts are neither).

@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-use super::conf::Budget;
 use super::metrics::METRICS;
 use super::queue::{Full, Pushed};
 use super::{budget, policy};
 use super::{Admission, Overload, Pass, State, TooMany, Verdict, Waiter, Who};
+use crate::conf::overload::Budget;
 
 /// What admission decided under its first lock: an answer at once, or a place in the queue.
 enum Entered {

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use super::conf::Budget;
+use crate::conf::overload::Budget;
 
 const SLICES: usize = 10;
 /// Where keys go when the table is full of keys with requests in flight.

@@ -1,5 +1,5 @@
 //! The overload metrics, registered through pingora-prometheus's re-export like the others
-//! (`crate::metrics`), so they appear in the same scrape.
+//! (`crate::telemetry::metrics`), so they appear in the same scrape.
 
 use std::sync::LazyLock;
 

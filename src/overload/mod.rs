@@ -18,7 +18,6 @@
 
 mod admit;
 pub mod budget;
-pub mod conf;
 pub mod metrics;
 mod pass;
 pub mod policy;
@@ -33,14 +32,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-pub use conf::OverloadConf;
+pub use crate::conf::overload::OverloadConf;
 use metrics::METRICS;
 pub use pass::Pass;
 use policy::{Drain, Limits, ReplicaLoad};
 use queue::Queue;
 pub use who::Who;
 
-use crate::registry::Registry;
+use crate::fleet::registry::Registry;
 
 /// How often the queue is looked at while it holds requests (a replica's prefill ends at a
 /// first byte, which nothing here is told of).

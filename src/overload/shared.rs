@@ -52,7 +52,7 @@ async fn bounded<T>(f: impl std::future::Future<Output = redis::RedisResult<T>>)
 #[derive(Debug, Clone)]
 pub struct Sharing {
     /// The cluster's Redis, opened as the shared state opens it.
-    pub redis: crate::config::ClusterConf,
+    pub redis: crate::conf::ClusterConf,
     pub instance: String,
 }
 

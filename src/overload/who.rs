@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, LazyLock};
 
-use super::conf::{key_id, Budget, OverloadConf};
+use crate::conf::overload::{key_id, Budget, OverloadConf};
 
 /// Who sent a request, as overload protection counts it.
 #[derive(Debug, Clone)]
@@ -66,7 +66,7 @@ pub(super) fn identify(c: &OverloadConf, headers: &http::HeaderMap) -> Who {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::overload::conf;
+    use crate::conf::overload as conf;
 
     fn conf() -> OverloadConf {
         let raw: conf::RawOverload = serde_yaml::from_str(

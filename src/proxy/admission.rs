@@ -6,10 +6,10 @@ use pingora_proxy::Session;
 
 use super::answers::{self, Refusal};
 use super::{request, stored_key, Balancer, Ctx};
-use crate::api::classify;
-use crate::body::{BodyLimits, BodyReplay};
 use crate::cluster::Table;
 use crate::overload::Admission;
+use crate::protocol::api::classify;
+use crate::protocol::body::{BodyLimits, BodyReplay};
 
 impl Balancer {
     /// What the request head alone settles: its size, its key, and whether its (normalised)
@@ -92,7 +92,7 @@ impl Balancer {
             None => {
                 let among = self.registry.reachable();
                 let timeout = self.conf.stored_lookup_timeout;
-                let found = crate::probe::stored_response(&among, &id, timeout).await?;
+                let found = crate::fleet::probe::stored_response(&among, &id, timeout).await?;
                 self.remember(Table::Stored, stored_key(&id), &found.id);
                 found
             }
@@ -118,7 +118,7 @@ impl Balancer {
     /// answer a list a client would take for "no models".
     pub(super) async fn models_now(&self) -> Vec<String> {
         let among = self.registry.reachable();
-        crate::probe::learn_models(&among, self.conf.health.timeout).await;
+        crate::fleet::probe::learn_models(&among, self.conf.health.timeout).await;
         self.registry.all_models()
     }
 

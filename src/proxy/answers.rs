@@ -7,8 +7,8 @@ use pingora_core::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 
-use crate::api::Family;
-use crate::metrics::METRICS;
+use crate::protocol::api::Family;
+use crate::telemetry::metrics::METRICS;
 
 /// A request answered before any replica saw it.
 #[derive(Debug, Clone)]

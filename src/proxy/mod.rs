@@ -1,5 +1,5 @@
 //! The `ProxyHttp` impl: the request's life in hook order. Each hook delegates: the body to
-//! [`crate::body`], the decision to [`crate::routing`], what a failure means to [`failover`],
+//! [`crate::protocol::body`], the decision to [`crate::routing`], what a failure means to [`failover`],
 //! inferlb's own answers to [`answers`]; it holds no policy.
 
 mod admission;
@@ -20,17 +20,17 @@ use pingora_core::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 
-use crate::affinity::AffinityTable;
-use crate::api::{Family, RequestInfo};
-use crate::body::BodyReplay;
 use crate::cluster::Cluster;
-use crate::config::Config;
-use crate::metrics::METRICS;
-use crate::registry::Registry;
-use crate::replica::{InFlight, QueuedPrefill, Replica};
-use crate::routing::{Policy, Route};
-use crate::shape::Shape;
-use crate::usage::{Usage, UsageReader};
+use crate::conf::Config;
+use crate::fleet::affinity::AffinityTable;
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::{InFlight, QueuedPrefill, Replica};
+use crate::protocol::api::shape::Shape;
+use crate::protocol::api::{Family, RequestInfo};
+use crate::protocol::body::BodyReplay;
+use crate::protocol::usage::{Usage, UsageReader};
+use crate::routing::{Route, Router};
+use crate::telemetry::metrics::METRICS;
 use errors::{failure_of, reason, Seen};
 use failover::Failure;
 pub use request::stored_key;
@@ -42,7 +42,7 @@ pub struct Balancer {
     stored: Arc<AffinityTable>,
     /// Other instances to share pins with, when the conf names a cluster.
     cluster: Option<Arc<Cluster>>,
-    policy: Policy,
+    policy: Router,
     conf: Arc<Config>,
     /// Attempts allowed for one request (Pingora's `max_retries`).
     max_attempts: u32,
@@ -63,10 +63,7 @@ impl Balancer {
         leaving: Arc<AtomicBool>,
     ) -> Balancer {
         Balancer {
-            policy: Policy {
-                mode: conf.routing,
-                spill_margin: conf.spill_margin,
-            },
+            policy: Router::new(conf.routing, conf.spill_margin),
             overload: crate::overload::Overload::from_conf(
                 conf.overload.clone(),
                 conf.cluster
@@ -205,7 +202,7 @@ impl ProxyHttp for Balancer {
             Some(r) => Some(r),
             None => {
                 let path = session.req_header().uri.path();
-                let named = crate::api::stored_response_path(path).map(str::to_owned);
+                let named = crate::protocol::api::stored_response_path(path).map(str::to_owned);
                 self.find_owner(named, ctx).await
             }
         };

@@ -12,12 +12,12 @@ use pingora_proxy::Session;
 use super::errors::{failure_of, reason, Seen};
 use super::failover::{self, Attempt, Failure, Retry, Verdict};
 use super::{stored_key, Balancer, Ctx, NOT_CHAT};
-use crate::access;
 use crate::cluster::Table;
-use crate::metrics::{code_class, METRICS};
-use crate::registry::Registry;
-use crate::replica::{InFlight, Replica};
-use crate::routing::{self, Mode, Route};
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::{InFlight, Replica};
+use crate::routing::{self, Route};
+use crate::telemetry::access;
+use crate::telemetry::metrics::{code_class, METRICS};
 
 impl Balancer {
     /// Records a pin here, and shares it with the cluster when there is one.
@@ -37,8 +37,8 @@ impl Balancer {
     pub(super) fn choose(&self, ctx: &mut Ctx) -> Option<(Arc<Replica>, Route)> {
         let shape = ctx.info.as_ref().map_or(&NOT_CHAT, |i| &i.shape);
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
-        // Only the cost policy looks at what each replica holds and has queued.
-        let cost = self.policy.mode == Mode::PrefillCost;
+        // Only a policy that weighs prefill looks at what each replica holds and has queued.
+        let cost = self.policy.weighs_prefill();
         let links = if cost { shape.links() } else { &[] };
         let fleet = self.registry.all();
         let candidates = Registry::candidates(&fleet, &ctx.tried, model, links);
@@ -48,9 +48,9 @@ impl Balancer {
             Some(owner) => routing::stored(&owner.id, &candidates),
             None => self
                 .policy
-                .decide(shape, ctx.session, &candidates, served_by, tick),
+                .decide(shape, ctx.session, &candidates, &served_by, tick),
         }?;
-        let replica = decision.replica.clone();
+        let replica = fleet.iter().find(|r| *r.id == *decision.replica)?.clone();
         // Other instances learn where this prompt went now, not after the answer: a client's
         // next turn may reach one of them as soon as this answer ends.
         if let Some(c) = &self.cluster {
@@ -60,7 +60,7 @@ impl Balancer {
         }
         // Overload protection reads queued prefill whatever the policy.
         if cost || self.overload.is_some() {
-            let held = candidates.iter().find(|c| Arc::ptr_eq(c.handle, &replica));
+            let held = candidates.iter().find(|c| c.id == &*replica.id);
             let cached = held.map_or(0, |c| c.cached_tokens);
             ctx.prefill = Some(replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));
         }
@@ -204,7 +204,7 @@ impl Balancer {
             // request with the same prefix arriving meanwhile would not find it in its cache
             // (a same-prefix burst must spread, not queue behind its first request).
             if let Some(prefill) = ctx.prefill.take() {
-                if self.policy.mode == Mode::PrefillCost {
+                if self.policy.weighs_prefill() {
                     prefill.prefilled(ctx.info.as_ref().map_or(&[][..], |i| i.shape.links()));
                 }
             }

@@ -6,7 +6,7 @@ use pingora_http::RequestHeader;
 use subtle::ConstantTimeEq;
 
 use super::answers::Refusal;
-use crate::edge::PathRule;
+use crate::protocol::edge::PathRule;
 
 /// HTTP/1.1 pipelining (RFC 9112 9.3.2): a next request the client sent before this one's
 /// answer waits its turn on the connection instead of closing it, and a request waiting under
@@ -101,7 +101,7 @@ pub fn header_bytes(req: &RequestHeader) -> usize {
 /// is compared in constant time, so timing does not reveal how much of a key matched. `keys`
 /// is a slice so that a reloaded list can be handed in as it is.
 pub fn authorized(keys: &[String], public: &[PathRule], path: &str, req: &RequestHeader) -> bool {
-    if keys.is_empty() || crate::edge::any(public, path) {
+    if keys.is_empty() || crate::protocol::edge::any(public, path) {
         return true;
     }
     let given = req
@@ -119,19 +119,19 @@ pub fn authorized(keys: &[String], public: &[PathRule], path: &str, req: &Reques
 
 /// Whether `path` (normalised) is ever forwarded: the defaults, or the conf's `forward_paths`.
 pub fn forwarded(extra: &[PathRule], path: &str) -> bool {
-    crate::edge::forwarded_by_default(path) || crate::edge::any(extra, path)
+    crate::protocol::edge::forwarded_by_default(path) || crate::protocol::edge::any(extra, path)
 }
 
-/// The request target in the form the replica routes on ([`crate::edge::normalise`]), read
+/// The request target in the form the replica routes on ([`crate::protocol::edge::normalise`]), read
 /// from the bytes as they came (not the URI's rendering of them): an origin-form target, or
 /// the path and query of an absolute-form one.
-pub fn normalised_target(req: &RequestHeader) -> Result<String, crate::edge::Refused> {
+pub fn normalised_target(req: &RequestHeader) -> Result<String, crate::protocol::edge::Refused> {
     let raw = req.raw_path();
     if !req.raw_path_is_utf8() {
         return Err("the request target has a non-ASCII byte");
     }
     if raw.first() == Some(&b'/') {
-        return crate::edge::normalise(raw);
+        return crate::protocol::edge::normalise(raw);
     }
     let absolute = [&b"http://"[..], b"https://"]
         .iter()
@@ -140,7 +140,7 @@ pub fn normalised_target(req: &RequestHeader) -> Result<String, crate::edge::Ref
         return Err("the request target must be a path (origin-form) or an http(s) URL");
     }
     let path = req.uri.path_and_query().map_or("/", |p| p.as_str());
-    crate::edge::normalise(path.as_bytes())
+    crate::protocol::edge::normalise(path.as_bytes())
 }
 
 /// At the edge, before anything else reads the request: its framing checked (equal
@@ -235,10 +235,10 @@ pub fn framing(req: &RequestHeader, raw_head: Option<&[u8]>) -> Result<Option<u6
     Ok(length.filter(|_| values > 1))
 }
 
-/// The body without the members a client may not send ([`crate::api::strip::STEERING`]):
+/// The body without the members a client may not send ([`crate::protocol::api::strip::STEERING`]):
 /// `None` when it has none; a 400 when it may and cannot be read.
 pub fn without_steering(body: &[u8]) -> Result<Option<bytes::Bytes>, Refusal> {
-    use crate::api::strip::{strip_members, Stripped, STEERING};
+    use crate::protocol::api::strip::{strip_members, Stripped, STEERING};
     match strip_members(body, &STEERING) {
         Stripped::Unchanged => Ok(None),
         Stripped::Body(b) => Ok(Some(b.into())),

@@ -1,49 +1,25 @@
 //! The routing policies: (request shape, a snapshot of the replicas) → a replica id.
 //!
-//! Pure: no clock, no network, no Pingora types, no shared state. The caller hands in a
-//! snapshot, a way to look up which replica served a prefix, and a tick from its counter; it
-//! updates its own state (in-flight counts, the affinity table) after the decision. So every
-//! decision here can be replayed in a unit test.
+//! Pure: no clock, no network, no Pingora types, no shared state, and nothing from the fleet:
+//! the caller hands in [`Candidate`]s (numbers and an id per replica), a way to look up which
+//! replica served a prefix, and a tick from its counter; it updates its own state (in-flight
+//! counts, the affinity table) after the decision. So every decision here can be replayed in
+//! a unit test.
 //!
-//! Replicas are named by their configured id, never by a position in a list.
+//! One [`Policy`] per file, built by [`Router::new`] from the conf's name for it. Replicas are
+//! named by their configured id, never by a position in a list.
 
 use std::fmt;
+use std::sync::Arc;
 
-use crate::shape::Shape;
+use crate::conf::Mode;
+use crate::protocol::api::shape::Shape;
 
 mod adaptive;
-pub mod cost;
+mod hashed;
+pub mod prefill_cost;
+mod roundrobin;
 mod spread;
-
-/// Which policy the balancer runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// Shape ignored: a plain counter over live replicas.
-    RoundRobin,
-    /// Every request pinned by a hash of its prefix (sends a same-prefix burst to one card).
-    Affinity,
-    /// Continuations go back to the replica that served their prefix; the rest spreads.
-    Adaptive,
-    /// The replica with the least prefill to do for this request, its queue included.
-    #[serde(rename = "prefill_cost")]
-    PrefillCost,
-}
-
-impl std::str::FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "roundrobin" => Ok(Mode::RoundRobin),
-            "affinity" => Ok(Mode::Affinity),
-            "adaptive" => Ok(Mode::Adaptive),
-            "prefill_cost" => Ok(Mode::PrefillCost),
-            other => Err(format!(
-                "unknown routing mode {other:?}: expected roundrobin, affinity, adaptive or prefill_cost"
-            )),
-        }
-    }
-}
 
 /// Why a replica was chosen; it names the response header and the metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -87,18 +63,17 @@ impl fmt::Display for Route {
     }
 }
 
-/// One replica as the policy sees it at decision time. `handle` is the caller's own name for
-/// it (the balancer's replica, a test's string); the decision hands it back untouched.
+/// One replica as a policy sees it at decision time, named by its id.
 #[derive(Debug, Clone, Copy)]
-pub struct Candidate<'a, H> {
-    pub handle: H,
+pub struct Candidate<'a> {
     pub id: &'a str,
     /// Healthy, not demoted, not drained, and not already tried by this request.
     pub available: bool,
     /// Healthy, not demoted and not tried, drained or not: it can still serve what it stores.
     pub reachable: bool,
     pub in_flight: usize,
-    /// Tokens of this request's prompt it likely holds in its prefix cache (`prefill_cost`).
+    /// Tokens of this request's prompt it likely holds in its prefix cache (filled in only
+    /// for a policy that [`Policy::weighs_prefill`]).
     pub cached_tokens: u64,
     /// Prefill tokens already queued on it: requests that have not produced a first token.
     pub queued_tokens: u64,
@@ -106,65 +81,99 @@ pub struct Candidate<'a, H> {
     pub running: usize,
 }
 
+/// The replica chosen, by id, and why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decision<H> {
-    pub replica: H,
+pub struct Decision<'a> {
+    pub replica: &'a str,
     pub route: Route,
 }
 
-/// The policy and its one tunable.
-#[derive(Debug, Clone, Copy)]
-pub struct Policy {
-    pub mode: Mode,
-    /// A pinned continuation spills when its replica has at least this many more requests in
-    /// flight than the least busy available one. `None`: never spill.
-    pub spill_margin: Option<usize>,
+/// Which replica (by id) served the prompt or the session whose hash is the argument.
+pub type ServedBy<'a> = &'a dyn Fn(u64) -> Option<Arc<str>>;
+
+/// What a policy is asked about one request.
+pub struct Ask<'a> {
+    pub shape: &'a Shape,
+    /// The request's session key, which names its home before any prompt prefix does.
+    pub session: Option<u64>,
+    pub served_by: ServedBy<'a>,
+    /// A fresh value of the caller's counter: it breaks ties and drives round-robin.
+    pub tick: u64,
 }
 
-impl Policy {
+/// A routing policy: one per file in this folder.
+pub trait Policy: Send + Sync + fmt::Debug {
+    /// Its name in the conf (`inferlb.routing`).
+    fn name(&self) -> &'static str;
+
+    /// Whether it weighs prefill: the caller then fills in each candidate's `cached_tokens`
+    /// (a prefix-index lookup per replica), counts the chosen replica's queued prefill at
+    /// once, and records the prompt in its index when the prefill is over. Others skip all
+    /// three.
+    fn weighs_prefill(&self) -> bool {
+        false
+    }
+
+    /// Chooses among `available`, which is never empty.
+    fn choose<'c, 'a>(
+        &self,
+        ask: &Ask<'_>,
+        available: &[&'c Candidate<'a>],
+    ) -> (&'c Candidate<'a>, Route);
+}
+
+/// The policy the conf names.
+#[derive(Debug)]
+pub struct Router {
+    policy: Box<dyn Policy>,
+}
+
+impl Router {
+    /// The factory: the policy called `mode` in the conf. `spill_margin` is adaptive's one
+    /// tunable: a pinned continuation spills when its replica has at least this many more
+    /// requests in flight than the least busy available one (`None`: never).
+    pub fn new(mode: Mode, spill_margin: Option<usize>) -> Router {
+        let policy: Box<dyn Policy> = match mode {
+            Mode::RoundRobin => Box::new(roundrobin::RoundRobin),
+            Mode::Affinity => Box::new(hashed::Hashed),
+            Mode::Adaptive => Box::new(adaptive::Adaptive { spill_margin }),
+            Mode::PrefillCost => Box::new(prefill_cost::PrefillCost),
+        };
+        debug_assert_eq!(policy.name(), mode.name());
+        Router { policy }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// See [`Policy::weighs_prefill`].
+    pub fn weighs_prefill(&self) -> bool {
+        self.policy.weighs_prefill()
+    }
+
     /// Chooses a replica, or `None` when no candidate is available.
-    ///
-    /// `served_by(h)` answers which replica (by id) served the prompt whose hash is `h`, or
-    /// the session whose key is `h`; `session` is the request's session key, which names its
-    /// home before any prompt prefix does. `tick` is a fresh value of the caller's counter (it
-    /// breaks ties and drives roundrobin).
-    pub fn decide<H: Copy, S: AsRef<str>>(
+    pub fn decide<'a>(
         &self,
         shape: &Shape,
         session: Option<u64>,
-        candidates: &[Candidate<'_, H>],
-        served_by: impl Fn(u64) -> Option<S>,
+        candidates: &[Candidate<'a>],
+        served_by: ServedBy<'_>,
         tick: u64,
-    ) -> Option<Decision<H>> {
-        let available: Vec<&Candidate<'_, H>> = candidates.iter().filter(|c| c.available).collect();
+    ) -> Option<Decision<'a>> {
+        let available: Vec<&Candidate<'a>> = candidates.iter().filter(|c| c.available).collect();
         if available.is_empty() {
             return None;
         }
-        let (replica, route) = match self.mode {
-            Mode::RoundRobin => (spread::round_robin(&available, tick), Route::RoundRobin),
-            Mode::Affinity => (
-                spread::rendezvous(&available, shape.affinity_key()),
-                Route::Hashed,
-            ),
-            Mode::Adaptive => {
-                let homes = session.into_iter().chain(shape.strict_prefixes());
-                adaptive::decide(self.spill_margin, homes, &available, served_by, tick)
-            }
-            Mode::PrefillCost => {
-                // The session names its home outright; an exact continuation with the tokens
-                // of the prefix its home served.
-                let session_home = session.and_then(&served_by).map(|id| (id, 0));
-                let home = session_home.or_else(|| {
-                    shape
-                        .strict_prefix_links()
-                        .find_map(|l| served_by(l.hash).map(|id| (id, l.bytes / 4)))
-                });
-                let home = home.as_ref().map(|(id, tokens)| (id.as_ref(), *tokens));
-                cost::decide(shape.prompt_tokens(), home, &available, tick)
-            }
+        let ask = Ask {
+            shape,
+            session,
+            served_by,
+            tick,
         };
+        let (chosen, route) = self.policy.choose(&ask, &available);
         Some(Decision {
-            replica: replica.handle,
+            replica: chosen.id,
             route,
         })
     }
@@ -172,10 +181,10 @@ impl Policy {
 
 /// A request about a stored response goes to the replica that stores it, drained or not, and
 /// nowhere else: `None` when that replica cannot be reached.
-pub fn stored<H: Copy>(owner: &str, candidates: &[Candidate<'_, H>]) -> Option<Decision<H>> {
+pub fn stored<'a>(owner: &str, candidates: &[Candidate<'a>]) -> Option<Decision<'a>> {
     let c = candidates.iter().find(|c| c.id == owner && c.reachable)?;
     Some(Decision {
-        replica: c.handle,
+        replica: c.id,
         route: Route::Stored,
     })
 }

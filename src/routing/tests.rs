@@ -1,9 +1,9 @@
 //! Table and property tests of the policies, replayed on a stand-in for the balancer's state.
 
 use super::*;
-use crate::api::{classify as classify_in, Family};
+use crate::protocol::api::{classify as classify_in, Family};
 
-pub(super) fn classify(body: &[u8]) -> crate::api::RequestInfo {
+pub(super) fn classify(body: &[u8]) -> crate::protocol::api::RequestInfo {
     classify_in(Family::Chat, body)
 }
 use proptest::prelude::*;
@@ -11,7 +11,8 @@ use std::collections::HashMap;
 
 /// A test stand-in for the balancer's state: replicas, in-flight counts, the served table.
 struct Bench {
-    policy: Policy,
+    mode: Mode,
+    spill_margin: Option<usize>,
     ids: Vec<String>,
     down: Vec<String>,
     in_flight: HashMap<String, usize>,
@@ -24,10 +25,8 @@ struct Bench {
 impl Bench {
     fn new(mode: Mode, ids: &[&str]) -> Self {
         Bench {
-            policy: Policy {
-                mode,
-                spill_margin: None,
-            },
+            mode,
+            spill_margin: None,
             ids: ids.iter().map(|s| s.to_string()).collect(),
             down: vec![],
             in_flight: HashMap::new(),
@@ -40,11 +39,10 @@ impl Bench {
     /// Decides, then does what the caller does: count in flight, record what was served.
     fn route(&mut self, body: &[u8]) -> Option<(String, Route)> {
         let info = classify(body);
-        let candidates: Vec<Candidate<&str>> = self
+        let candidates: Vec<Candidate> = self
             .ids
             .iter()
             .map(|id| Candidate {
-                handle: id.as_str(),
                 id,
                 available: !self.down.contains(id),
                 reachable: !self.down.contains(id),
@@ -55,11 +53,12 @@ impl Bench {
             })
             .collect();
         let served = &self.served;
-        let d = self.policy.decide(
+        let served_by = |h| served.get(&h).map(|s| Arc::from(s.as_str()));
+        let d = Router::new(self.mode, self.spill_margin).decide(
             &info.shape,
             self.session,
             &candidates,
-            |h| served.get(&h).map(|s| s.as_str()),
+            &served_by,
             self.tick,
         )?;
         let (replica, route) = (d.replica.to_string(), d.route);
@@ -214,7 +213,7 @@ fn ids_not_positions_name_replicas() {
 #[test]
 fn a_hot_replica_spills_a_continuation_when_far_busier() {
     let mut b = Bench::new(Mode::Adaptive, &["gpu0", "gpu1"]);
-    b.policy.spill_margin = Some(3);
+    b.spill_margin = Some(3);
     let (home, _) = b.route(&chat(&["t0"])).expect("test fixture");
     b.finish_all();
     b.in_flight.insert(home.clone(), 2);
@@ -272,7 +271,7 @@ proptest! {
         mode in prop_oneof![Just(Mode::Adaptive), Just(Mode::Affinity), Just(Mode::RoundRobin)],
     ) {
         let mut b = Bench::new(mode, &["r0", "r1", "r2", "r3"]);
-        b.policy.spill_margin = Some(2);
+        b.spill_margin = Some(2);
         let mut history: Vec<String> = vec![];
         for (flags, bytes, kind) in ops {
             b.down = b.ids.iter().enumerate().filter(|(i, _)| flags & (1 << i) != 0).map(|(_, id)| id.clone()).collect();
@@ -321,7 +320,6 @@ fn a_session_key_pins_unrelated_prompts_to_its_first_replica() {
 #[test]
 fn a_stored_response_goes_to_its_owner_drained_or_not_and_nowhere_else() {
     let c = |id: &'static str, available: bool, reachable: bool| Candidate {
-        handle: id,
         id,
         available,
         reachable,

@@ -1,0 +1,165 @@
+//! One replica's entry in the conf (or added through the admin API, or shared by another
+//! instance) and its checks: id, address and scheme, SNI, cache size, discovery.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::conf::secrets::{Redacted, Secret};
+
+/// Serialised (for the other instances of a cluster, through Redis) without its key: only
+/// where each instance reads it (`api_key_env`, `api_key_file`).
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConf {
+    /// A stable name: metrics, logs, headers and the affinity table use it.
+    pub id: String,
+    /// host:port of the replica's OpenAI-compatible server; `https://host:port` for one
+    /// behind TLS (`http://` is allowed and means plain).
+    pub address: String,
+    /// With `https://`: the name sent as SNI and checked against its certificate; default,
+    /// the address's host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sni: Option<String>,
+    /// Connections to it are TLS (`address` is `https://`); set by validation.
+    #[serde(skip)]
+    pub tls: bool,
+    /// Its key written in the conf: accepted, with a warning (it belongs in a file or the
+    /// environment); refused by the admin API. Never serialised.
+    #[serde(default, skip_serializing)]
+    pub api_key: Option<Redacted>,
+    /// The environment variable holding its key (read by each instance from its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+    /// The file holding its key, read again when it changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_file: Option<PathBuf>,
+    /// Sent to this replica as `Authorization: Bearer ...` in place of the client's: read by
+    /// validation from whichever of the three is set.
+    #[serde(skip)]
+    pub key: Option<Arc<Secret>>,
+    /// The models it serves; when omitted, learnt from its `/v1/models` by the health checks.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// `address`, resolved once by validation.
+    #[serde(skip)]
+    pub socket: Option<SocketAddr>,
+    /// Its prefix cache's capacity in tokens; when omitted, learnt from its `/metrics`.
+    #[serde(default)]
+    pub cache_tokens: Option<u64>,
+    /// `dns`: `address` is a name for several replicas (a headless Service), re-resolved on an
+    /// interval; each address becomes a replica `{id}-{ip}-{port}`.
+    #[serde(default)]
+    pub discover: Option<Discover>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Discover {
+    Dns,
+}
+
+/// Checks one replica entry (of the conf, `key` naming it, or added through the admin API)
+/// and resolves its address once; an entry discovered by DNS is resolved later.
+pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
+    use std::net::ToSocketAddrs;
+    let valid_id = !r.id.is_empty()
+        && r.id.len() <= 128
+        && r.id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    if !valid_id {
+        return Err(format!(
+            "{key}.id: {:?} must be non-empty letters, digits, '-', '_' or '.'",
+            r.id
+        ));
+    }
+    if let Some(t) = r.cache_tokens {
+        if !(1024..=1_000_000_000).contains(&t) {
+            return Err(format!(
+                "{key}.cache_tokens: {t} is not a cache size (1024 to 1e9 tokens)"
+            ));
+        }
+    }
+    r.key = match (&r.api_key, &r.api_key_env, &r.api_key_file) {
+        (None, None, None) => None,
+        (Some(k), None, None) => Some(Secret::literal(&k.0)),
+        (None, Some(name), None) => {
+            Some(Secret::from_env(name).map_err(|e| format!("{key}.api_key_env: {e}"))?)
+        }
+        (None, None, Some(path)) => {
+            Some(Secret::from_file(path).map_err(|e| format!("{key}.api_key_file: {e}"))?)
+        }
+        _ => {
+            return Err(format!(
+                "{key}: one of api_key, api_key_env and api_key_file, not several"
+            ))
+        }
+    };
+    let (tls, host_port) = split_address(&r.address).map_err(|e| format!("{key}.address: {e}"))?;
+    r.tls = tls;
+    if tls && r.sni.is_none() {
+        let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
+        r.sni = Some(
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+        );
+    }
+    if let Some(sni) = &r.sni {
+        if !tls {
+            return Err(format!("{key}.sni: only for an https:// address"));
+        }
+        if sni.is_empty() || rustls_pki_types::ServerName::try_from(sni.as_str()).is_err() {
+            return Err(format!(
+                "{key}.sni: {sni:?} is not a host name or IP address"
+            ));
+        }
+    }
+    if r.discover.is_some() {
+        // Found later, and again and again: a name with no address yet is fine.
+        let host_port = host_port.rsplit_once(':');
+        if !host_port.is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()) {
+            return Err(format!(
+                "{key}.address: {:?} must be host:port to discover by DNS",
+                r.address
+            ));
+        }
+        return Ok(());
+    }
+    match host_port.to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(socket)) => {
+            r.socket = Some(socket);
+            Ok(())
+        }
+        _ => Err(format!(
+            "{key}.address: {:?} is not a reachable host:port",
+            r.address
+        )),
+    }
+}
+
+/// A replica address's scheme and `host:port`: `host:port` and `http://host:port` are plain,
+/// `https://host:port` is TLS.
+pub fn split_address(address: &str) -> Result<(bool, &str), String> {
+    let (tls, rest) = if let Some(rest) = address.strip_prefix("https://") {
+        (true, rest)
+    } else if let Some(rest) = address.strip_prefix("http://") {
+        (false, rest)
+    } else if address.contains("://") {
+        return Err(format!(
+            "{address:?}: only http:// and https:// are understood"
+        ));
+    } else {
+        (false, address)
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('/') {
+        return Err(format!(
+            "{address:?}: a replica is host:port, without a path"
+        ));
+    }
+    Ok((tls, rest))
+}

@@ -1,0 +1,504 @@
+//! Secrets kept out of the conf: a value read from a file or an environment variable
+//! ([`Secret`]), and the client keys ([`KeyList`]). Neither ever prints its value (Debug says
+//! where it comes from), so a secret cannot reach a log through a `{:?}`.
+//!
+//! A file is read again when it changes ([`SecretsReloader`] polls every file-backed secret
+//! alive, like the TLS certificate reloader): a rotated Kubernetes Secret takes effect without a
+//! restart. A file that cannot be read, or reads as nothing usable, keeps the value in use.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
+
+/// A string never printed: a key written in the conf, as deserialised.
+#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Redacted(pub String);
+
+impl std::fmt::Debug for Redacted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+#[derive(Clone, PartialEq, Eq)]
+enum Source {
+    File(PathBuf),
+    Env(String),
+    Conf,
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::File(p) => write!(f, "file {}", p.display()),
+            Source::Env(n) => write!(f, "environment variable {n}"),
+            Source::Conf => f.write_str("the conf"),
+        }
+    }
+}
+
+/// One secret value (a token, a password): from a file (surrounding whitespace trimmed, so a
+/// trailing newline is not part of it), an environment variable, or, for compatibility, the
+/// conf itself. Never empty.
+pub struct Secret {
+    source: Source,
+    value: ArcSwap<String>,
+    /// The file's bytes last read, to notice a change whatever the mtime says (Kubernetes swaps
+    /// a Secret's files by renaming a symlinked directory).
+    loaded: Mutex<Vec<u8>>,
+}
+
+impl Secret {
+    /// Reads `path` now; it is read again when it changes (see [`SecretsReloader`]).
+    pub fn from_file(path: impl Into<PathBuf>) -> Result<Arc<Secret>, String> {
+        let path = path.into();
+        let bytes = read(&path)?;
+        let value = one_value(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        let s = Arc::new(Secret {
+            source: Source::File(path),
+            value: ArcSwap::from_pointee(value),
+            loaded: Mutex::new(bytes),
+        });
+        watch(Arc::downgrade(&s) as Weak<dyn Watched>);
+        Ok(s)
+    }
+
+    /// Reads the variable `name` of this process's environment, once.
+    pub fn from_env(name: &str) -> Result<Arc<Secret>, String> {
+        let value = std::env::var(name)
+            .map_err(|e| format!("environment variable {name}: {e}"))
+            .and_then(|v| {
+                one_value(v.as_bytes()).map_err(|e| format!("environment variable {name}: {e}"))
+            })?;
+        Ok(Arc::new(Secret {
+            source: Source::Env(name.to_string()),
+            value: ArcSwap::from_pointee(value),
+            loaded: Mutex::new(vec![]),
+        }))
+    }
+
+    /// A value written in the conf (kept for compatibility; `Config::warnings` says so).
+    pub fn literal(value: &str) -> Arc<Secret> {
+        Arc::new(Secret {
+            source: Source::Conf,
+            value: ArcSwap::from_pointee(value.to_string()),
+            loaded: Mutex::new(vec![]),
+        })
+    }
+
+    /// The value in use now.
+    pub fn current(&self) -> Arc<String> {
+        self.value.load_full()
+    }
+
+    /// Where it comes from, for messages: `file /run/x`, `environment variable X`, `the conf`.
+    pub fn source(&self) -> String {
+        self.source.to_string()
+    }
+}
+
+impl PartialEq for Secret {
+    fn eq(&self, other: &Secret) -> bool {
+        self.source == other.source
+            && (self.source != Source::Conf || self.current() == other.current())
+    }
+}
+impl Eq for Secret {}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Secret({})", self.source)
+    }
+}
+
+impl Watched for Secret {
+    fn reload(&self) -> Result<bool, String> {
+        let Source::File(path) = &self.source else {
+            return Ok(false);
+        };
+        let bytes = read(path)?;
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if *loaded == bytes {
+            return Ok(false);
+        }
+        let value = one_value(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        self.value.store(Arc::new(value));
+        *loaded = bytes;
+        Ok(true)
+    }
+
+    fn name(&self) -> String {
+        self.source()
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+/// A single secret's text: trimmed, non-empty, one line of visible characters. The messages
+/// never quote the value.
+fn one_value(bytes: &[u8]) -> Result<String, String> {
+    let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())?;
+    let v = text.trim();
+    if v.is_empty() {
+        return Err("empty".into());
+    }
+    if v.chars().any(|c| c.is_control()) {
+        return Err("more than one line, or control characters".into());
+    }
+    Ok(v.to_string())
+}
+
+/// The shortest client key accepted.
+pub const MIN_KEY_CHARS: usize = 8;
+
+/// One client key's check; the message names `at` and never quotes the key.
+pub fn check_key(key: &str, at: &str) -> Result<(), String> {
+    if key.chars().count() < MIN_KEY_CHARS {
+        return Err(format!(
+            "{at}: each key must be at least {MIN_KEY_CHARS} characters"
+        ));
+    }
+    if key.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "{at}: a key may not contain spaces or control characters"
+        ));
+    }
+    Ok(())
+}
+
+/// The keys of an `api_keys_file`: one a line; blank lines and `#` comments are ignored.
+pub fn parse_key_file(text: &str) -> Result<Vec<String>, String> {
+    let mut keys = vec![];
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        check_key(line, &format!("line {}", i + 1))?;
+        keys.push(line.to_string());
+    }
+    Ok(keys)
+}
+
+/// The keys of an `api_keys_env` variable: separated by commas or newlines, each trimmed.
+pub fn parse_key_env(text: &str) -> Result<Vec<String>, String> {
+    let mut keys = vec![];
+    for (i, key) in text
+        .split([',', '\n'])
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .enumerate()
+    {
+        check_key(key, &format!("key {}", i + 1))?;
+        keys.push(key.to_string());
+    }
+    Ok(keys)
+}
+
+/// The client keys: those of the conf and of the environment, fixed at start, and those of a
+/// file, read again when it changes. Read per request, cheaply ([`KeyList::current`]).
+pub struct KeyList {
+    fixed: Vec<String>,
+    file: Option<PathBuf>,
+    current: ArcSwap<Vec<String>>,
+    loaded: Mutex<Vec<u8>>,
+    sources: String,
+    /// Some keys are written in the conf.
+    in_conf: bool,
+}
+
+impl KeyList {
+    /// No keys: every request passes.
+    pub fn none() -> Arc<KeyList> {
+        Arc::new(KeyList {
+            fixed: vec![],
+            file: None,
+            current: ArcSwap::from_pointee(vec![]),
+            loaded: Mutex::new(vec![]),
+            sources: String::new(),
+            in_conf: false,
+        })
+    }
+
+    /// The keys of `literal` (the conf), the variable `env` and the file `file`; `key` is the
+    /// conf section, for messages. A file or variable named but holding no key is refused: an
+    /// empty list would open the API.
+    pub fn new(
+        literal: &[String],
+        env: Option<&str>,
+        file: Option<&Path>,
+        key: &str,
+    ) -> Result<Arc<KeyList>, String> {
+        let mut fixed = vec![];
+        let mut sources = vec![];
+        for (i, k) in literal.iter().enumerate() {
+            check_key(k, &format!("{key}.api_keys[{i}]"))?;
+            fixed.push(k.clone());
+        }
+        if !literal.is_empty() {
+            sources.push("the conf".to_string());
+        }
+        if let Some(name) = env {
+            let at = format!("{key}.api_keys_env: environment variable {name}");
+            let text = std::env::var(name).map_err(|e| format!("{at}: {e}"))?;
+            let keys = parse_key_env(&text).map_err(|e| format!("{at}: {e}"))?;
+            if keys.is_empty() {
+                return Err(format!("{at}: no key in it"));
+            }
+            fixed.extend(keys);
+            sources.push(format!("environment variable {name}"));
+        }
+        let mut loaded = vec![];
+        let mut from_file = vec![];
+        if let Some(path) = file {
+            let at = format!("{key}.api_keys_file");
+            loaded = read(path).map_err(|e| format!("{at}: {e}"))?;
+            from_file = file_keys(&loaded, path).map_err(|e| format!("{at}: {e}"))?;
+            sources.push(format!("file {}", path.display()));
+        }
+        let list = Arc::new(KeyList {
+            current: ArcSwap::from_pointee([fixed.clone(), from_file].concat()),
+            fixed,
+            file: file.map(Path::to_path_buf),
+            loaded: Mutex::new(loaded),
+            sources: sources.join(", "),
+            in_conf: !literal.is_empty(),
+        });
+        if file.is_some() {
+            watch(Arc::downgrade(&list) as Weak<dyn Watched>);
+        }
+        Ok(list)
+    }
+
+    /// The keys accepted now; empty: no key is needed.
+    pub fn current(&self) -> arc_swap::Guard<Arc<Vec<String>>> {
+        self.current.load()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.current.load().is_empty()
+    }
+
+    /// Some keys are written in the conf itself (`api_keys:`).
+    pub fn in_conf(&self) -> bool {
+        self.in_conf
+    }
+}
+
+/// The keys of a key file's bytes; none at all is an error.
+fn file_keys(bytes: &[u8], path: &Path) -> Result<Vec<String>, String> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
+    let keys = parse_key_file(text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if keys.is_empty() {
+        return Err(format!(
+            "{}: no key in it (an empty list would let every client in)",
+            path.display()
+        ));
+    }
+    Ok(keys)
+}
+
+impl std::fmt::Debug for KeyList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "KeyList({} keys from {:?})",
+            self.current.load().len(),
+            self.sources
+        )
+    }
+}
+
+impl Watched for KeyList {
+    fn reload(&self) -> Result<bool, String> {
+        let Some(path) = &self.file else {
+            return Ok(false);
+        };
+        let bytes = read(path)?;
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if *loaded == bytes {
+            return Ok(false);
+        }
+        let keys = file_keys(&bytes, path)?;
+        self.current
+            .store(Arc::new([self.fixed.clone(), keys].concat()));
+        *loaded = bytes;
+        Ok(true)
+    }
+
+    fn name(&self) -> String {
+        match &self.file {
+            Some(p) => format!("api_keys_file {}", p.display()),
+            None => "api keys".into(),
+        }
+    }
+}
+
+/// Something read from a file that may change.
+trait Watched: Send + Sync {
+    /// Reads it again: whether it changed; an error keeps what is in use.
+    fn reload(&self) -> Result<bool, String>;
+    /// What it is, for the log (never its value).
+    fn name(&self) -> String;
+}
+
+/// Every file-backed secret alive: each registers itself when made, and is forgotten once
+/// dropped (a replica removed takes its key with it).
+static WATCHED: LazyLock<Mutex<Vec<Weak<dyn Watched>>>> = LazyLock::new(Default::default);
+
+fn watch(w: Weak<dyn Watched>) {
+    WATCHED.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+}
+
+/// Reads every file-backed secret again: what changed, and what could not be read (by name).
+pub fn reload_all() -> (Vec<String>, Vec<(String, String)>) {
+    let alive: Vec<Arc<dyn Watched>> = {
+        let mut all = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.iter().filter_map(Weak::upgrade).collect()
+    };
+    let (mut changed, mut failed) = (vec![], vec![]);
+    for w in alive {
+        match w.reload() {
+            Ok(true) => changed.push(w.name()),
+            Ok(false) => {}
+            Err(e) => failed.push((w.name(), e)),
+        }
+    }
+    (changed, failed)
+}
+
+/// Polls the secret files every `interval` and swaps in what changed.
+pub struct SecretsReloader {
+    pub interval: Duration,
+}
+
+#[async_trait]
+impl BackgroundService for SecretsReloader {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        // Logged once per state, not on every tick of a lasting problem.
+        let mut failing: Vec<String> = vec![];
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tick.tick() => {}
+            }
+            let Ok((changed, failed)) = tokio::task::spawn_blocking(reload_all).await else {
+                continue;
+            };
+            let m = &crate::telemetry::metrics::METRICS.secret_reloads;
+            for name in changed {
+                m.with_label_values(&["changed"]).inc();
+                log::warn!("secret reloaded from {name}");
+            }
+            let now: Vec<String> = failed.iter().map(|(n, _)| n.clone()).collect();
+            for (name, e) in &failed {
+                m.with_label_values(&["failed"]).inc();
+                if !failing.contains(name) {
+                    log::error!("secret not reloaded, the one in use is kept: {e}");
+                }
+            }
+            failing = now;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_files_and_variables_parse_and_never_quote_a_key() {
+        let ok: [(&str, &[&str]); 4] = [
+            (
+                "k1-abcdefgh\n\n  # a comment\nk2-abcdefgh  \n",
+                &["k1-abcdefgh", "k2-abcdefgh"],
+            ),
+            ("", &[]),
+            ("# only a comment\n\n", &[]),
+            ("\r\nk3-abcdefgh\r\n", &["k3-abcdefgh"]),
+        ];
+        for (text, want) in ok {
+            assert_eq!(parse_key_file(text).unwrap(), want, "{text:?}");
+        }
+        for (text, needle) in [
+            ("k1-abcdefgh\nshort\n", "line 2"),
+            ("has a space-in-it\n", "spaces"),
+        ] {
+            let e = parse_key_file(text).unwrap_err();
+            assert!(e.contains(needle), "{e}");
+            assert!(!e.contains("short") || needle != "line 2", "{e}");
+        }
+        assert_eq!(
+            parse_key_env("k1-abcdefgh, k2-abcdefgh\nk3-abcdefgh,,").unwrap(),
+            ["k1-abcdefgh", "k2-abcdefgh", "k3-abcdefgh"]
+        );
+        let e = parse_key_env("k1-abcdefgh,tiny").unwrap_err();
+        assert!(e.contains("key 2") && !e.contains("tiny"), "{e}");
+    }
+
+    #[test]
+    fn one_value_is_trimmed_and_never_empty() {
+        assert_eq!(one_value(b"  s3cret-value\n").unwrap(), "s3cret-value");
+        for bad in [&b""[..], b" \n", b"two\nlines", b"\xff"] {
+            assert!(one_value(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_changed_file_is_read_again_and_a_bad_one_keeps_the_old_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "first-secret\n").unwrap();
+        let s = Secret::from_file(&path).unwrap();
+        assert_eq!(*s.current(), "first-secret");
+        assert_eq!(s.reload(), Ok(false));
+        std::fs::write(&path, "second-secret").unwrap();
+        assert_eq!(s.reload(), Ok(true));
+        assert_eq!(*s.current(), "second-secret");
+        std::fs::write(&path, "\n").unwrap();
+        assert!(s.reload().is_err());
+        assert_eq!(*s.current(), "second-secret");
+        std::fs::remove_file(&path).unwrap();
+        assert!(s.reload().is_err());
+        assert_eq!(*s.current(), "second-secret");
+        assert!(!format!("{s:?}").contains("second-secret"));
+
+        let keys = dir.path().join("keys");
+        std::fs::write(&keys, "client-key-1\n").unwrap();
+        let list = KeyList::new(&["conf-key-123".into()], None, Some(&keys), "inferlb").unwrap();
+        assert_eq!(**list.current(), ["conf-key-123", "client-key-1"]);
+        for bad in ["", "# all commented out\n", "client-key-2\nshort\n"] {
+            std::fs::write(&keys, bad).unwrap();
+            assert!(list.reload().is_err(), "{bad:?}");
+            assert_eq!(
+                **list.current(),
+                ["conf-key-123", "client-key-1"],
+                "{bad:?}"
+            );
+        }
+        std::fs::write(&keys, "client-key-2\n").unwrap();
+        assert_eq!(list.reload(), Ok(true));
+        assert_eq!(**list.current(), ["conf-key-123", "client-key-2"]);
+        let shown = format!("{list:?}");
+        assert!(
+            !shown.contains("client-key") && !shown.contains("conf-key"),
+            "{shown}"
+        );
+        // An empty file at start is refused too.
+        std::fs::write(&keys, "\n").unwrap();
+        assert!(KeyList::new(&[], None, Some(&keys), "inferlb").is_err());
+    }
+}

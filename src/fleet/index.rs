@@ -1,0 +1,229 @@
+//! The prefix index: per replica, the chained chunk hashes of every prompt it was sent, bounded
+//! by its cache capacity in tokens and evicted least recently used first, as the replica's own
+//! prefix cache evicts. Lookup gives the tokens of the longest prefix of a prompt the replica
+//! likely still holds.
+//!
+//! A link's hash names the whole prompt up to it (see `api::prompt`), so holding link `i`
+//! means the replica was sent everything before it: the held links of a prompt are a leading
+//! run, found by binary search. One lock per replica, held for that search or for one
+//! prompt's links: work bounded by the prompt, never by the index.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use lru::LruCache;
+
+use crate::protocol::api::prompt::Link;
+
+/// Bytes of prompt per token, as the estimate everywhere else in inferlb.
+pub const BYTES_PER_TOKEN: u64 = 4;
+
+pub struct PrefixIndex {
+    inner: Mutex<Held>,
+    capacity_tokens: AtomicU64,
+    /// Prompts recorded so far: tells whether it changed since a given moment.
+    records: AtomicU64,
+}
+
+struct Held {
+    /// Link hash → the tokens it covers beyond the previous link.
+    links: LruCache<u64, u32>,
+    tokens: u64,
+}
+
+impl PrefixIndex {
+    pub fn new(capacity_tokens: u64) -> PrefixIndex {
+        PrefixIndex {
+            inner: Mutex::new(Held {
+                links: LruCache::unbounded(),
+                tokens: 0,
+            }),
+            capacity_tokens: AtomicU64::new(capacity_tokens),
+            records: AtomicU64::new(0),
+        }
+    }
+
+    pub fn capacity_tokens(&self) -> u64 {
+        self.capacity_tokens.load(Ordering::Relaxed)
+    }
+
+    /// A new capacity (learnt from the replica); takes effect at the next record.
+    pub fn set_capacity_tokens(&self, tokens: u64) {
+        self.capacity_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Tokens of the longest prefix of `links` this replica likely holds.
+    ///
+    /// Most replicas of a large fleet hold none of a prompt, and the one that served it holds
+    /// all of it: the first link and the last answer those in one lookup each, and only a
+    /// partial hit pays for the binary search.
+    pub fn cached_tokens(&self, links: &[Link]) -> u64 {
+        let Ok(held) = self.inner.lock() else {
+            return 0;
+        };
+        let tokens = |n: usize| links[n - 1].bytes / BYTES_PER_TOKEN;
+        match (links.first(), links.last()) {
+            (Some(first), _) if !held.links.contains(&first.hash) => 0,
+            (_, Some(last)) if held.links.contains(&last.hash) => tokens(links.len()),
+            (None, _) => 0,
+            _ => tokens(1 + links[1..].partition_point(|l| held.links.contains(&l.hash))),
+        }
+    }
+
+    /// The replica was sent the prompt `links`: each link becomes most recently used, and the
+    /// least recently used go while over capacity. Links are touched from the last to the
+    /// first, so a prompt's tail goes before its beginning, as vLLM evicts a sequence's later
+    /// blocks first.
+    pub fn record(&self, links: &[Link]) {
+        self.records.fetch_add(1, Ordering::Relaxed);
+        let capacity = self.capacity_tokens();
+        let Ok(mut held) = self.inner.lock() else {
+            return;
+        };
+        for (i, l) in links.iter().enumerate().rev() {
+            let before = i.checked_sub(1).map_or(0, |p| links[p].bytes);
+            let tokens = (l.bytes.saturating_sub(before) / BYTES_PER_TOKEN).max(1) as u32;
+            // A link held already covers the same tokens, unless another instance's index
+            // (or a save) counted it otherwise: the total follows whichever is put last.
+            let before = held.links.put(l.hash, tokens).map_or(0, u64::from);
+            held.tokens = held.tokens + u64::from(tokens) - before;
+        }
+        while held.tokens > capacity {
+            match held.links.pop_lru() {
+                Some((_, t)) => held.tokens -= u64::from(t),
+                None => break,
+            }
+        }
+    }
+
+    /// Prompts recorded since it was made; a different count means it changed.
+    pub fn records(&self) -> u64 {
+        self.records.load(Ordering::Relaxed)
+    }
+
+    /// Up to `most` of the most recently used links, least recent first, as (hash, tokens):
+    /// what [`Self::restore`] takes. The lock is held for `most` entries at most.
+    pub fn recent(&self, most: usize) -> Vec<(u64, u32)> {
+        let Ok(held) = self.inner.lock() else {
+            return vec![];
+        };
+        let mut v: Vec<(u64, u32)> = held
+            .links
+            .iter()
+            .take(most)
+            .map(|(h, t)| (*h, *t))
+            .collect();
+        v.reverse();
+        v
+    }
+
+    /// Adds links another instance's [`Self::recent`] gave, least recent first, under the same
+    /// capacity.
+    pub fn restore(&self, links: &[(u64, u32)]) {
+        let capacity = self.capacity_tokens();
+        let Ok(mut held) = self.inner.lock() else {
+            return;
+        };
+        for &(hash, tokens) in links {
+            if let Some(before) = held.links.put(hash, tokens) {
+                held.tokens -= u64::from(before);
+            }
+            held.tokens += u64::from(tokens);
+        }
+        while held.tokens > capacity {
+            match held.links.pop_lru() {
+                Some((_, t)) => held.tokens -= u64::from(t),
+                None => break,
+            }
+        }
+    }
+
+    /// (links held, tokens they cover).
+    pub fn size(&self) -> (usize, u64) {
+        self.inner
+            .lock()
+            .map_or((0, 0), |h| (h.links.len(), h.tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::api::prompt::{PromptHasher, CHUNK_BYTES};
+
+    fn prompt(parts: &[&str]) -> Vec<Link> {
+        let mut h = PromptHasher::new("m");
+        for p in parts {
+            h.begin_part("user");
+            h.text(p);
+        }
+        h.finish()
+    }
+
+    #[test]
+    fn the_longest_held_prefix_in_tokens() {
+        let idx = PrefixIndex::new(1_000_000);
+        let history = "h".repeat(8 * CHUNK_BYTES);
+        let a = prompt(&[&history, "question a"]);
+        assert_eq!(idx.cached_tokens(&a), 0);
+        idx.record(&a);
+        assert_eq!(idx.cached_tokens(&a), a.last().expect("links").bytes / 4);
+        // A sibling that shares the history: held up to the history's end.
+        let b = prompt(&[&history, "question b"]);
+        let history_end = a.iter().find(|l| l.part_end).expect("a part end").bytes / 4;
+        assert_eq!(idx.cached_tokens(&b), history_end);
+        // An edit inside the history: held up to the last whole chunk before it.
+        let mut edited = history.clone();
+        edited.replace_range(5 * CHUNK_BYTES..5 * CHUNK_BYTES + 1, "X");
+        let c = prompt(&[&edited, "question a"]);
+        let held = idx.cached_tokens(&c);
+        assert!(
+            held >= 4 * CHUNK_BYTES as u64 / 4 && held <= 5 * CHUNK_BYTES as u64 / 4,
+            "{held}"
+        );
+    }
+
+    #[test]
+    fn what_one_index_holds_restores_into_another_in_the_same_order() {
+        let a = PrefixIndex::new(1_000_000);
+        let p: Vec<Vec<Link>> = (0..3)
+            .map(|i| prompt(&[&format!("{i}").repeat(3 * CHUNK_BYTES)]))
+            .collect();
+        p.iter().for_each(|l| a.record(l));
+        let b = PrefixIndex::new(1_000_000);
+        b.restore(&a.recent(usize::MAX));
+        assert_eq!(b.size(), a.size());
+        for l in &p {
+            assert_eq!(b.cached_tokens(l), a.cached_tokens(l));
+        }
+        // Restored least recent first: with room for two prompts, the oldest goes.
+        let small = PrefixIndex::new(2 * 3 * CHUNK_BYTES as u64 / 4 + 10);
+        small.restore(&a.recent(usize::MAX));
+        assert_eq!(small.cached_tokens(&p[0]), 0);
+        assert!(small.cached_tokens(&p[2]) > 0);
+        // A bounded read takes the most recent.
+        let last = a.recent(p[2].len());
+        let c = PrefixIndex::new(1_000_000);
+        c.restore(&last);
+        assert_eq!(c.cached_tokens(&p[2]), a.cached_tokens(&p[2]));
+        assert_eq!(c.cached_tokens(&p[0]), 0);
+    }
+
+    #[test]
+    fn capacity_bounds_it_and_the_least_recent_go_first() {
+        // Room for about two 4-chunk prompts.
+        let idx = PrefixIndex::new(2 * 4 * CHUNK_BYTES as u64 / 4 + 10);
+        let p: Vec<Vec<Link>> = (0..3)
+            .map(|i| prompt(&[&format!("{i}").repeat(4 * CHUNK_BYTES - 8)]))
+            .collect();
+        idx.record(&p[0]);
+        idx.record(&p[1]);
+        idx.record(&p[0]); // p0 used again: p1 is now the least recent
+        idx.record(&p[2]);
+        assert!(idx.cached_tokens(&p[0]) > 0);
+        assert_eq!(idx.cached_tokens(&p[1]), 0);
+        assert!(idx.cached_tokens(&p[2]) > 0);
+        let (_, tokens) = idx.size();
+        assert!(tokens <= idx.capacity_tokens(), "{tokens}");
+    }
+}

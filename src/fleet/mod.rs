@@ -1,0 +1,15 @@
+//! The replicas: each one's endpoint, health, load and cache model ([`replica`]), the
+//! [`registry`] that holds them, the background tasks that watch them ([`health`], [`poll`],
+//! [`discovery`]), and the conversation pins ([`affinity`], kept across restarts by
+//! [`pins_file`]). Changes other layers care about leave through [`events`].
+
+pub mod affinity;
+pub mod discovery;
+pub mod events;
+pub mod health;
+pub mod index;
+pub mod pins_file;
+pub mod poll;
+pub mod probe;
+pub mod registry;
+pub mod replica;

@@ -1,0 +1,305 @@
+//! Each replica's own view of its load, read from its `/metrics` several times a second:
+//! requests waiting and running (all its clients, every balancer in front of it), and its
+//! prefix cache's capacity (`vllm:cache_config_info`). A replica whose `/metrics` is missing,
+//! slow or malformed falls back to this process's own counts, logged once per transition;
+//! never an error for a request.
+//!
+//! A replica's numbers are not trusted: each is clamped where it is read (see the bounds
+//! below), so a page claiming `1e19` requests waiting makes the replica look very busy, never
+//! wraps its cost around to look idle.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::join_all;
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
+
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::Replica;
+
+/// The most requests waiting (or running) a replica is believed to report, all its samples
+/// summed; more reads as this many. No server queues a million requests.
+pub const MAX_REQUESTS: u64 = crate::fleet::replica::MAX_REPORTED_REQUESTS;
+/// The largest prefix cache a replica is believed to report, in tokens (10^10: a hundred
+/// times the largest GPU pools of 2026).
+pub const MAX_CACHE_TOKENS: u64 = 10_000_000_000;
+
+/// What a vLLM `/metrics` page says about load and cache size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reported {
+    pub waiting: u64,
+    pub running: u64,
+    /// `num_gpu_blocks` x `block_size`, when the page has `vllm:cache_config_info`.
+    pub cache_tokens: Option<u64>,
+}
+
+/// Reads the Prometheus text of a vLLM replica (SGLang's names too); `None` when it has
+/// neither a waiting nor a running gauge, or a load sample that is not a number of requests
+/// (NaN, infinite, negative). Samples of several models add up, to [`MAX_REQUESTS`] at most;
+/// the cache size is at most [`MAX_CACHE_TOKENS`].
+pub fn parse(text: &str) -> Option<Reported> {
+    let mut r = Reported::default();
+    let (mut waiting, mut running) = (false, false);
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let name = series.split('{').next().unwrap_or("");
+        let value = || requests(value);
+        match name {
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                r.waiting = (r.waiting + value()?).min(MAX_REQUESTS);
+                waiting = true;
+            }
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                r.running = (r.running + value()?).min(MAX_REQUESTS);
+                running = true;
+            }
+            "vllm:cache_config_info" => {
+                let blocks = label(series, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok());
+                let size = label(series, "block_size").and_then(|v| v.parse::<u64>().ok());
+                if let (Some(b), Some(s)) = (blocks, size) {
+                    r.cache_tokens = Some(b.saturating_mul(s).min(MAX_CACHE_TOKENS));
+                }
+            }
+            _ => {}
+        }
+    }
+    (waiting || running).then_some(r)
+}
+
+/// A sample's value as a count of requests, at most [`MAX_REQUESTS`]; `None` when it is not
+/// a number, or NaN, infinite (`1e400` parses as infinite) or negative.
+fn requests(value: &str) -> Option<u64> {
+    let v = value.trim().parse::<f64>().ok()?;
+    // `as` saturates; the `min` keeps the sum of a page's samples (each at most the bound)
+    // far from overflow.
+    (v.is_finite() && v >= 0.0).then(|| (v as u64).min(MAX_REQUESTS))
+}
+
+/// The value of label `key` in a series like `name{a="1",key="2"}`.
+fn label<'t>(series: &'t str, key: &str) -> Option<&'t str> {
+    let labels = series.split_once('{')?.1.strip_suffix('}')?;
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+pub struct LoadReader {
+    pub registry: Arc<Registry>,
+    pub interval: Duration,
+}
+
+impl LoadReader {
+    async fn read(&self, r: &Replica) {
+        let page =
+            crate::fleet::probe::get(r, "/metrics", self.interval.max(Duration::from_millis(200)))
+                .await
+                .filter(|(status, _)| *status == 200);
+        let reported = page.and_then(|(_, body)| parse(&String::from_utf8_lossy(&body)));
+        r.set_reported_load(reported.map(|x| (x.waiting, x.running)));
+        if let Some(tokens) = reported.and_then(|x| x.cache_tokens) {
+            if !r.cache_configured && tokens != r.index.capacity_tokens() && tokens > 0 {
+                log::info!("replica {} caches {tokens} tokens (its /metrics)", r.id);
+                r.index.set_capacity_tokens(tokens);
+            }
+        }
+        let ok = reported.is_some();
+        if r.note_metrics_read(ok) {
+            if ok {
+                log::info!("replica {}: load read from its /metrics again", r.id);
+            } else {
+                log::warn!(
+                    "replica {}: /metrics missing, slow or not vLLM's: routing on this process's own counts",
+                    r.id
+                );
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl BackgroundService for LoadReader {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tick.tick() => {}
+            }
+            let fleet = self.registry.all();
+            join_all(fleet.iter().map(|r| self.read(r))).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn vllm_metrics_give_load_and_cache_size() {
+        let page = r#"# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="0",model_name="n"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="12500"} 1.0
+vllm:prefix_cache_hits_total{model_name="m"} 1.2e6
+"#;
+        assert_eq!(
+            parse(page),
+            Some(Reported {
+                waiting: 4,
+                running: 7,
+                cache_tokens: Some(200_000)
+            })
+        );
+    }
+
+    #[test]
+    fn pages_without_load_or_with_garbage_are_none() {
+        assert_eq!(parse(""), None);
+        assert_eq!(parse("not prometheus at all"), None);
+        assert_eq!(parse("vllm:num_requests_waiting NaN"), None);
+        assert_eq!(parse("vllm:num_requests_waiting{a=\"1\"} -3"), None);
+        let no_cache = parse("vllm:num_requests_running 2").expect("load");
+        assert_eq!((no_cache.running, no_cache.cache_tokens), (2, None));
+        assert_eq!(label("x{a=\"1\",b=\"two\"}", "b"), Some("two"));
+        assert_eq!(label("x", "b"), None);
+    }
+
+    /// A number a replica reports is clamped where it is read: no sum of samples wraps, NaN,
+    /// infinities and negative counts refuse the page (local counts are used instead).
+    #[test]
+    fn hostile_numbers_are_clamped_or_refused() {
+        let max = MAX_REQUESTS;
+        let rows: &[(&str, Option<(u64, u64)>)] = &[
+            ("vllm:num_requests_waiting 1e19\nvllm:num_requests_waiting 1e19", Some((max, 0))),
+            // 2^63 twice: wraps to exactly 0 when added unchecked.
+            (
+                "vllm:num_requests_waiting 9223372036854775808\nvllm:num_requests_waiting 9223372036854775808",
+                Some((max, 0)),
+            ),
+            ("vllm:num_requests_running 18446744073709551615", Some((0, max))),
+            ("vllm:num_requests_running 1e300\nsglang:num_running_reqs 1e300", Some((0, max))),
+            ("vllm:num_requests_waiting 1000001", Some((max, 0))),
+            ("vllm:num_requests_waiting 1000000", Some((max, 0))),
+            ("vllm:num_requests_waiting 999999\nvllm:num_requests_waiting 2", Some((max, 0))),
+            ("vllm:num_requests_waiting 2.9", Some((2, 0))),
+            ("vllm:num_requests_waiting -0", Some((0, 0))),
+            ("vllm:num_requests_waiting 1e-300", Some((0, 0))),
+            ("vllm:num_requests_waiting -1", None),
+            ("vllm:num_requests_waiting NaN", None),
+            ("vllm:num_requests_waiting +Inf", None),
+            ("vllm:num_requests_waiting inf", None),
+            ("vllm:num_requests_waiting 1e400", None),
+            ("vllm:num_requests_waiting -1e400", None),
+            ("vllm:num_requests_waiting 0x10", None),
+            ("vllm:num_requests_running 3\nvllm:num_requests_waiting NaN", None),
+        ];
+        for (page, want) in rows {
+            assert_eq!(
+                parse(page).map(|r| (r.waiting, r.running)),
+                *want,
+                "{page:?}"
+            );
+        }
+        let cache = |blocks: &str, size: &str| {
+            parse(&format!(
+                "vllm:num_requests_running 1\nvllm:cache_config_info{{block_size=\"{size}\",num_gpu_blocks=\"{blocks}\"}} 1"
+            ))
+            .and_then(|r| r.cache_tokens)
+        };
+        assert_eq!(cache("18446744073709551615", "16"), Some(MAX_CACHE_TOKENS));
+        assert_eq!(cache("4294967296", "4294967296"), Some(MAX_CACHE_TOKENS));
+        assert_eq!(cache("18446744073709551616", "16"), None, "not a u64");
+        assert_eq!(cache("-1", "16"), None);
+        assert_eq!(cache("1e9", "16"), None);
+        assert_eq!(cache("100", "16"), Some(1600));
+    }
+
+    /// A replica whose page claims an absurd load (2^63 requests waiting and running, twice:
+    /// unchecked, the sums wrap to 0) looks busier than a busy one, never idle: under
+    /// `prefill_cost` it gets no traffic while the busy one has room. Before, it got all.
+    #[test]
+    fn a_replica_reporting_absurd_load_is_not_preferred() {
+        use crate::conf::Mode;
+        use crate::protocol::api::{classify, Family};
+        use crate::routing::Router;
+
+        let reg = crate::fleet::registry::test_registry(&["load-busy", "load-absurd"]);
+        let fleet = reg.all();
+        let absurd = "vllm:num_requests_waiting 9223372036854775808\n\
+            vllm:num_requests_waiting 9223372036854775808\n\
+            vllm:num_requests_running 9223372036854775808\n\
+            vllm:num_requests_running 9223372036854775808\n";
+        let busy = "vllm:num_requests_waiting 8\nvllm:num_requests_running 24\n";
+        for (r, page) in fleet.iter().zip([busy, absurd]) {
+            // Requests sent from here averaged 2,000 uncached tokens.
+            drop(r.queue_prefill(2_000));
+            let reported = parse(page).expect("a load page");
+            r.set_reported_load(Some((reported.waiting, reported.running)));
+        }
+        let policy = Router::new(Mode::PrefillCost, None);
+        let mut got = [0usize; 2];
+        for i in 0..20 {
+            let body = format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"question {i}"}}]}}"#
+            );
+            let info = classify(Family::Chat, body.as_bytes());
+            let links = info.shape.links();
+            let candidates = Registry::candidates(&fleet, &[], None, links);
+            let d = policy
+                .decide(&info.shape, None, &candidates, &|_| None, i)
+                .expect("a replica");
+            got[fleet
+                .iter()
+                .position(|r| *r.id == *d.replica)
+                .expect("ours")] += 1;
+        }
+        assert!(got[1] <= got[0], "busy {} absurd {}", got[0], got[1]);
+        assert_eq!(got, [20, 0]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+        /// Whatever the page (load lines with any number-like text, any bytes), reading it
+        /// never panics and what it gives stays in bounds.
+        #[test]
+        fn any_page_reads_within_bounds(
+            lines in prop::collection::vec(
+                (
+                    prop::sample::select(vec![
+                        "vllm:num_requests_waiting",
+                        "vllm:num_requests_running",
+                        "sglang:num_queue_reqs",
+                        "sglang:num_running_reqs",
+                        "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1\"}",
+                        "other",
+                    ]),
+                    prop_oneof![
+                        any::<f64>().prop_map(|v| v.to_string()),
+                        any::<u64>().prop_map(|v| v.to_string()),
+                        "[-+0-9.eEinfatyNI]{0,12}",
+                        "\\PC{0,16}",
+                    ],
+                ),
+                0..12,
+            ),
+            junk in "\\PC{0,64}",
+        ) {
+            let mut page: String = lines.iter().map(|(n, v)| format!("{n} {v}\n")).collect();
+            page.push_str(&junk);
+            if let Some(r) = parse(&page) {
+                prop_assert!(r.waiting <= MAX_REQUESTS && r.running <= MAX_REQUESTS);
+                prop_assert!(r.cache_tokens.is_none_or(|t| t <= MAX_CACHE_TOKENS));
+            }
+        }
+    }
+}

@@ -1,0 +1,442 @@
+//! One replica and everything that belongs to it alone: its address (resolved once), the peer
+//! the proxy connects to, its health as the checks see it, demotion by the data path, drain by
+//! the admin API, requests in flight, and the models it serves.
+//!
+//! Health and demotion are per replica, never per address: two replicas may share an address
+//! (two names for one server, or a DNS name that resolves like another), and each is checked,
+//! demoted and re-admitted on its own.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_load_balancing::Backend;
+
+use crate::conf::{ReplicaConf, UpstreamConf};
+use crate::fleet::events::Listener;
+use crate::fleet::index::PrefixIndex;
+use crate::telemetry::metrics::ReplicaGauges;
+
+mod load;
+
+use load::Load;
+pub use load::{InFlight, QueuedPrefill, MAX_REPORTED_REQUESTS};
+
+/// The cache capacity assumed for a replica that neither the conf nor its `/metrics` sizes.
+pub const DEFAULT_CACHE_TOKENS: u64 = 1_000_000;
+
+pub struct Replica {
+    /// The configured id: metrics, logs, headers and the affinity table name it.
+    pub id: Arc<str>,
+    /// As configured (`host:port`, or `https://host:port`).
+    pub address: String,
+    /// `host:port` of `address`: sent as `Host`.
+    pub host: String,
+    /// `address`, resolved once at start.
+    pub socket: SocketAddr,
+    /// What the proxy connects to, with the upstream timeouts set.
+    pub peer: HttpPeer,
+    /// What the health check probes.
+    pub backend: Backend,
+    /// Sent to it in place of the client's key (read from its secret at each use, so a
+    /// rotated file takes effect).
+    pub api_key: Option<Arc<crate::conf::secrets::Secret>>,
+    /// The conf fixed `models`: never replaced by what the replica says.
+    pub models_configured: bool,
+    health: Mutex<Health>,
+    /// `health.healthy`, readable without the lock on the request path.
+    healthy: AtomicBool,
+    /// Set when a connection to it failed; cleared by the next health check that *started*
+    /// after the failure and passed (see `demotions`).
+    demoted: AtomicBool,
+    /// Counts demotions, so a check that began before a failure cannot clear it.
+    demotions: AtomicU64,
+    draining: AtomicBool,
+    in_flight: AtomicUsize,
+    /// The models it serves: from the conf, or learnt from its /v1/models (empty: unknown,
+    /// so it is not excluded from any model's pool).
+    models: RwLock<Arc<[String]>>,
+    /// Passing health checks since start: models are re-learnt every so often.
+    checks_passed: AtomicU64,
+    /// What it was sent, bounded by its cache capacity.
+    pub index: PrefixIndex,
+    /// The conf fixed `cache_tokens`: never replaced by what the replica says.
+    pub cache_configured: bool,
+    /// The `discover: dns` entry that found it; None for one configured or added by hand.
+    pub origin: Option<String>,
+    load: Load,
+    /// The other instances, told of each change of its load and of what it prefilled.
+    listener: OnceLock<Arc<dyn Listener>>,
+}
+
+/// Consecutive check results, as Pingora's checker counts them: `threshold` results against
+/// the current state flip it; one result agreeing with it resets the count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Health {
+    pub healthy: bool,
+    pub against: usize,
+}
+
+impl Health {
+    /// The state after one check; `true` in the second place when it flipped.
+    pub fn observe(self, ok: bool, failures: usize, successes: usize) -> (Health, bool) {
+        if ok == self.healthy {
+            return (Health { against: 0, ..self }, false);
+        }
+        let threshold = if ok { successes } else { failures };
+        let against = self.against + 1;
+        if against >= threshold.max(1) {
+            (
+                Health {
+                    healthy: ok,
+                    against: 0,
+                },
+                true,
+            )
+        } else {
+            (Health { against, ..self }, false)
+        }
+    }
+}
+
+impl Replica {
+    /// A configured replica, healthy until the checks say otherwise. `conf` was validated:
+    /// its address resolved.
+    pub fn new(conf: &ReplicaConf, upstream: &UpstreamConf) -> Replica {
+        Replica::build(conf, upstream, true, None)
+    }
+
+    /// A replica that appeared at runtime: it takes requests after its first passing check.
+    pub fn joining(conf: &ReplicaConf, upstream: &UpstreamConf, origin: Option<&str>) -> Replica {
+        Replica::build(conf, upstream, false, origin)
+    }
+
+    fn build(
+        conf: &ReplicaConf,
+        upstream: &UpstreamConf,
+        healthy: bool,
+        origin: Option<&str>,
+    ) -> Replica {
+        let socket = conf
+            .socket
+            .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)));
+        let sni = conf.sni.clone().unwrap_or_default();
+        let mut peer = HttpPeer::new(socket, conf.tls, sni);
+        if conf.tls {
+            // Verification stays on (Pingora's default): a replica whose certificate does not
+            // check out fails to connect, and is demoted like any other connect failure.
+            peer.options.ca = upstream.tls.ca.clone();
+            peer.client_cert_key = upstream.tls.client.clone();
+        }
+        let o = &mut peer.options;
+        o.connection_timeout = Some(upstream.connect_timeout);
+        o.total_connection_timeout = Some(upstream.connect_timeout);
+        o.read_timeout = Some(upstream.read_timeout);
+        o.write_timeout = Some(upstream.write_timeout);
+        o.idle_timeout = Some(upstream.idle_timeout);
+        let backend = Backend {
+            addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(socket),
+            weight: 1,
+            ext: Default::default(),
+        };
+        Replica {
+            id: Arc::from(conf.id.as_str()),
+            address: conf.address.clone(),
+            host: crate::conf::split_address(&conf.address)
+                .map_or_else(|_| conf.address.clone(), |(_, h)| h.to_string()),
+            socket,
+            peer,
+            backend,
+            api_key: conf.key.clone(),
+            models_configured: !conf.models.is_empty(),
+            // Healthy until the checks say otherwise, as Pingora's checker starts.
+            health: Mutex::new(Health {
+                healthy,
+                against: 0,
+            }),
+            healthy: AtomicBool::new(healthy),
+            demoted: AtomicBool::new(false),
+            demotions: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            models: RwLock::new(Arc::from(conf.models.clone())),
+            checks_passed: AtomicU64::new(0),
+            index: PrefixIndex::new(conf.cache_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
+            cache_configured: conf.cache_tokens.is_some(),
+            origin: origin.map(str::to_owned),
+            load: Load::default(),
+            listener: OnceLock::new(),
+        }
+    }
+
+    /// Requests in flight on it from this process.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+    pub fn is_demoted(&self) -> bool {
+        self.demoted.load(Ordering::Relaxed)
+    }
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+    /// Healthy by the checks and not demoted: it can serve what it already holds.
+    pub fn is_reachable(&self) -> bool {
+        self.is_healthy() && !self.is_demoted()
+    }
+    /// Healthy by the checks, not demoted by a failed connection, not drained.
+    pub fn is_live(&self) -> bool {
+        self.is_healthy() && !self.is_demoted() && !self.is_draining()
+    }
+
+    pub fn models(&self) -> Arc<[String]> {
+        self.models
+            .read()
+            .map(|m| m.clone())
+            .unwrap_or_else(|_| Arc::from(vec![]))
+    }
+    pub fn set_models(&self, models: Vec<String>) {
+        if let Ok(mut m) = self.models.write() {
+            if **m != *models {
+                log::info!("replica {} serves {:?}", self.id, models);
+                *m = Arc::from(models);
+            }
+        }
+    }
+    /// Whether it may serve `model` (a replica whose models are unknown may).
+    pub fn serves(&self, model: &str) -> bool {
+        let models = self.models();
+        models.is_empty() || models.iter().any(|m| m == model)
+    }
+
+    /// A connection to it failed: it gets no new requests until a health check passes.
+    pub fn demote(&self) {
+        self.demotions.fetch_add(1, Ordering::Relaxed);
+        self.demoted.store(true, Ordering::Relaxed);
+    }
+
+    /// The demotion count before a health check starts; pass it to [`Self::observe_check`].
+    pub fn demotions(&self) -> u64 {
+        self.demotions.load(Ordering::Relaxed)
+    }
+
+    /// Records one health check that started at demotion count `before`. A pass re-admits a
+    /// replica demoted before the check began. Returns the new health when it flipped, and the
+    /// number of checks passed before this one.
+    pub fn observe_check(
+        &self,
+        ok: bool,
+        before: u64,
+        failures: usize,
+        successes: usize,
+    ) -> (Option<bool>, u64) {
+        if ok && self.demotions() == before && self.demoted.swap(false, Ordering::Relaxed) {
+            log::info!("replica {} re-admitted: health check passed", self.id);
+        }
+        let flipped = match self.health.lock() {
+            Ok(mut h) => {
+                let (next, flipped) = h.observe(ok, failures, successes);
+                *h = next;
+                self.healthy.store(next.healthy, Ordering::Relaxed);
+                flipped.then_some(next.healthy)
+            }
+            Err(_) => None,
+        };
+        let passed = if ok {
+            self.checks_passed.fetch_add(1, Ordering::Relaxed)
+        } else {
+            self.checks_passed.load(Ordering::Relaxed)
+        };
+        (flipped, passed)
+    }
+
+    /// Takes it out of rotation (or puts it back). In-flight requests finish; pinned
+    /// conversations move on their next turn. An undrained replica re-enters only after a
+    /// health check that started after the undrain passes: it was probably restarted.
+    pub fn set_draining(&self, draining: bool) {
+        let was = self.draining.swap(draining, Ordering::Relaxed);
+        if was && !draining {
+            self.demote();
+            log::warn!(
+                "replica {} undrained: back after its next passing health check",
+                self.id
+            );
+        } else if !was && draining {
+            log::warn!("replica {} draining", self.id);
+        }
+    }
+}
+
+/// Its gauges, read at each scrape from the state itself.
+impl ReplicaGauges for Replica {
+    fn up(&self) -> bool {
+        self.is_reachable()
+    }
+    fn in_flight(&self) -> usize {
+        Replica::in_flight(self)
+    }
+    fn draining(&self) -> bool {
+        self.is_draining()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (start, results, failures, successes) → (healthy, flipped) after each result.
+    type Row = (
+        Health,
+        &'static [bool],
+        usize,
+        usize,
+        &'static [(bool, bool)],
+    );
+
+    #[test]
+    fn health_flips_after_the_threshold_of_consecutive_results() {
+        let up = Health {
+            healthy: true,
+            against: 0,
+        };
+        let rows: &[Row] = &[
+            // one failure of two: still up; a pass resets the count
+            (
+                up,
+                &[false, true, false],
+                2,
+                1,
+                &[(true, false), (true, false), (true, false)],
+            ),
+            // two in a row: down, flipped once
+            (
+                up,
+                &[false, false, false],
+                2,
+                1,
+                &[(true, false), (false, true), (false, false)],
+            ),
+            // one pass brings it back with successes = 1
+            (
+                Health {
+                    healthy: false,
+                    against: 0,
+                },
+                &[true],
+                2,
+                1,
+                &[(true, true)],
+            ),
+            // a threshold of 0 acts as 1
+            (up, &[false], 0, 0, &[(false, true)]),
+        ];
+        for (start, results, failures, successes, expect) in rows {
+            let mut h = *start;
+            for (i, (ok, want)) in results.iter().zip(expect.iter()).enumerate() {
+                let (next, flipped) = h.observe(*ok, *failures, *successes);
+                assert_eq!(
+                    (next.healthy, flipped),
+                    *want,
+                    "{start:?} {results:?} step {i}"
+                );
+                h = next;
+            }
+        }
+    }
+
+    fn replica(id: &str, address: &str) -> Replica {
+        let conf = ReplicaConf {
+            id: id.into(),
+            address: address.into(),
+            api_key: None,
+            models: vec![],
+            socket: address.parse().ok(),
+            cache_tokens: None,
+            discover: None,
+            sni: None,
+            tls: false,
+            ..ReplicaConf::default()
+        };
+        let upstream = crate::conf::UpstreamConf {
+            connect_timeout: std::time::Duration::from_secs(1),
+            read_timeout: std::time::Duration::from_secs(1),
+            write_timeout: std::time::Duration::from_secs(1),
+            idle_timeout: std::time::Duration::from_secs(1),
+            tls: Default::default(),
+        };
+        Replica::new(&conf, &upstream)
+    }
+
+    #[test]
+    fn a_check_that_began_before_a_demotion_does_not_readmit() {
+        let r = replica("a", "127.0.0.1:1");
+        let before = r.demotions();
+        r.demote();
+        r.observe_check(true, before, 2, 1);
+        assert!(r.is_demoted(), "the check started before the failure");
+        let before = r.demotions();
+        r.observe_check(true, before, 2, 1);
+        assert!(!r.is_demoted() && r.is_live());
+    }
+
+    #[test]
+    fn replicas_sharing_an_address_keep_their_own_state() {
+        let (a, b) = (replica("a", "127.0.0.1:1"), replica("b", "127.0.0.1:1"));
+        a.demote();
+        b.demote();
+        let (ba, bb) = (a.demotions(), b.demotions());
+        a.observe_check(true, ba, 2, 1);
+        b.observe_check(true, bb, 2, 1);
+        assert!(a.is_live() && b.is_live());
+        b.set_draining(true);
+        assert!(a.is_live() && !b.is_live());
+    }
+
+    #[test]
+    fn queued_prefill_is_local_until_the_replica_reports_more() {
+        let r = Arc::new(replica("a", "127.0.0.1:1"));
+        let a = r.queue_prefill(1000);
+        let _flight = r.start();
+        let _flight2 = r.start();
+        assert_eq!((r.queued_tokens(), r.running()), (1000, 1));
+        // The replica reports 3 waiting (one is ours) and 5 running: two others at the mean.
+        r.set_reported_load(Some((3, 5)));
+        assert_eq!((r.queued_tokens(), r.running()), (3000, 5));
+        drop(a);
+        assert_eq!(r.queued_tokens(), 3 * 1000, "now three others, at the mean");
+        r.set_reported_load(None);
+        assert_eq!(
+            (r.queued_tokens(), r.running()),
+            (0, 2),
+            "stale: local counts only"
+        );
+    }
+
+    /// Sums and products of reported and shared counts saturate: the largest counts read as
+    /// the busiest replica, never wrap around to an idle one. Unchecked, a peer's `u64::MAX`
+    /// queued tokens plus this process's 1,000 wrapped to 999.
+    #[test]
+    fn absurd_counts_saturate_instead_of_wrapping() {
+        let r = Arc::new(replica("a", "127.0.0.1:1"));
+        let _queued = r.queue_prefill(1000);
+        let _flight = r.start();
+        r.set_peer_load(u64::MAX, 0, u64::MAX);
+        assert_eq!(r.queued_tokens(), u64::MAX);
+        assert_eq!(r.in_flight_everywhere(), usize::MAX);
+        assert_eq!(r.running(), usize::MAX);
+        r.set_peer_load(0, 0, 0);
+        // A report past the bound counts as the bound, times the mean request.
+        r.set_reported_load(Some((u64::MAX, u64::MAX)));
+        assert_eq!(
+            (r.queued_tokens(), r.running()),
+            (
+                1000 + (MAX_REPORTED_REQUESTS - 1) * 1000,
+                MAX_REPORTED_REQUESTS as usize
+            )
+        );
+    }
+}

@@ -1,0 +1,8 @@
+//! What a request says, read without I/O: the API families and their prompt model ([`api`]),
+//! bounded bodies and their replay for retries ([`body`]), the request target as normalised
+//! at the edge ([`edge`]), and the token usage replicas report ([`usage`]).
+
+pub mod api;
+pub mod body;
+pub mod edge;
+pub mod usage;
