@@ -514,6 +514,17 @@ pub fn decode(message: &str) -> Option<(&str, Message)> {
     (!instance.is_empty()).then_some((instance, Message::Change(change)))
 }
 
+/// The fleet's changes reach the other instances through the cluster.
+impl crate::fleet::events::Listener for Cluster {
+    fn load_changed(&self) {
+        Cluster::load_changed(self);
+    }
+
+    fn prefilled(&self, replica: &Arc<str>, links: &[Link]) {
+        Cluster::prefilled(self, replica, links);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -721,16 +732,5 @@ mod tests {
         assert!(c.drops_logged.load(Ordering::Relaxed));
         c.set_connected(false);
         assert!(!c.drops_logged.load(Ordering::Relaxed), "a new outage");
-    }
-}
-
-/// The fleet's changes reach the other instances through the cluster.
-impl crate::fleet::events::Listener for Cluster {
-    fn load_changed(&self) {
-        Cluster::load_changed(self);
-    }
-
-    fn prefilled(&self, replica: &Arc<str>, links: &[Link]) {
-        Cluster::prefilled(self, replica, links);
     }
 }
