@@ -143,10 +143,10 @@ impl Admin {
             .map(|r| {
                 serde_json::json!({
                     "id": &*r.id,
-                    "address": r.address,
-                    "healthy": r.is_healthy(),
-                    "demoted": r.is_demoted(),
-                    "draining": r.is_draining(),
+                    "address": r.endpoint.address,
+                    "healthy": r.health.is_healthy(),
+                    "demoted": r.health.is_demoted(),
+                    "draining": r.health.is_draining(),
                     "live": r.is_live(),
                     "in_flight": r.in_flight(),
                 })
@@ -217,7 +217,7 @@ impl ServeHttp for Admin {
                     log::info!(
                         "admin: {caller} removed replica {} at {}",
                         gone.id,
-                        gone.address
+                        gone.endpoint.address
                     );
                     let applied = match &self.cluster {
                         Some(c) => Some(c.replica(id, None).await),
@@ -237,7 +237,7 @@ impl ServeHttp for Admin {
                         log::info!(
                             "admin: {caller} {action}ed replica {} at {}",
                             r.id,
-                            r.address
+                            r.endpoint.address
                         );
                         r.set_draining(draining);
                         let applied = match &self.cluster {

@@ -39,14 +39,14 @@ impl ClusterSync {
             }
             Change::Drain { replica, draining } => {
                 if let Some(r) = self.registry.get(&replica) {
-                    if r.is_draining() != draining {
+                    if r.health.is_draining() != draining {
                         r.set_draining(draining);
                     }
                 }
             }
             Change::Prefilled { replica, links } => {
                 if let Some(r) = self.registry.get(&replica) {
-                    r.index.record(&links);
+                    r.cache.index.record(&links);
                 }
             }
             Change::Replica { id, conf: None } => {

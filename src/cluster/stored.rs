@@ -234,10 +234,12 @@ impl ClusterSync {
             draining,
         })
         .await;
-        if r.index.size().0 == 0 {
+        if r.cache.index.size().0 == 0 {
             let saved: Option<Vec<u8>> =
                 bounded(redis::cmd("GET").arg(index_key(&r.id)).query_async(conn)).await?;
-            r.index.restore(&links_from(&saved.unwrap_or_default()));
+            r.cache
+                .index
+                .restore(&links_from(&saved.unwrap_or_default()));
         }
         Ok(())
     }
@@ -262,11 +264,11 @@ pub(super) async fn save_indexes_every(
             continue;
         }
         for r in registry.all().iter() {
-            let records = r.index.records();
+            let records = r.cache.index.records();
             if records == 0 || saved.get(&r.id) == Some(&records) {
                 continue;
             }
-            let bytes = links_to(&r.index.recent(INDEX_SAVED_LINKS));
+            let bytes = links_to(&r.cache.index.recent(INDEX_SAVED_LINKS));
             let mut set = redis::cmd("SET");
             set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
             if let Err(e) = bounded(set.query_async::<()>(&mut conn)).await {

@@ -49,7 +49,11 @@ impl HealthChecker {
         match checks.get(&r.id) {
             Some((made_for, check)) if made_for.ptr_eq(&Arc::downgrade(r)) => check.clone(),
             _ => {
-                let check = Arc::new(http_check(&self.conf, &r.host, Some(&r.peer)));
+                let check = Arc::new(http_check(
+                    &self.conf,
+                    &r.endpoint.host,
+                    Some(&r.endpoint.peer),
+                ));
                 checks.insert(r.id.clone(), (Arc::downgrade(r), check.clone()));
                 check
             }
@@ -57,11 +61,11 @@ impl HealthChecker {
     }
 
     async fn check(&self, r: &Arc<Replica>) {
-        let before = r.demotions();
-        let ok = if r.peer.is_tls() {
-            self.tls_check(r).check(&r.backend).await
+        let before = r.health.demotions();
+        let ok = if r.endpoint.peer.is_tls() {
+            self.tls_check(r).check(&r.endpoint.backend).await
         } else {
-            self.http.check(&r.backend).await
+            self.http.check(&r.endpoint.backend).await
         };
         if let Err(e) = &ok {
             log::debug!("health check of {} failed: {e}", r.id);
@@ -73,12 +77,12 @@ impl HealthChecker {
             Some(true) => log::warn!(
                 "replica {} ({}) is up: health check passed",
                 r.id,
-                r.address
+                r.endpoint.address
             ),
             Some(false) => log::warn!(
                 "replica {} ({}) is down: health check failed",
                 r.id,
-                r.address
+                r.endpoint.address
             ),
             None => {}
         }

@@ -10,6 +10,7 @@ pub mod health;
 pub mod index;
 pub mod pins_file;
 pub mod poll;
+pub mod pool;
 pub mod probe;
 pub mod registry;
 pub mod replica;

@@ -102,9 +102,9 @@ impl LoadReader {
         let reported = page.and_then(|(_, body)| parse(&String::from_utf8_lossy(&body)));
         r.set_reported_load(reported.map(|x| (x.waiting, x.running)));
         if let Some(tokens) = reported.and_then(|x| x.cache_tokens) {
-            if !r.cache_configured && tokens != r.index.capacity_tokens() && tokens > 0 {
+            if !r.cache.configured && tokens != r.cache.index.capacity_tokens() && tokens > 0 {
                 log::info!("replica {} caches {tokens} tokens (its /metrics)", r.id);
-                r.index.set_capacity_tokens(tokens);
+                r.cache.index.set_capacity_tokens(tokens);
             }
         }
         let ok = reported.is_some();

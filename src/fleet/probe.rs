@@ -34,12 +34,12 @@ pub(crate) async fn get(r: &Replica, path: &str, timeout: Duration) -> Option<(u
 
 async fn exchange(r: &Replica, path: &str) -> Option<(u16, Vec<u8>)> {
     let mut req = RequestHeader::build("GET", path.as_bytes(), None).ok()?;
-    req.insert_header("host", &r.host).ok()?;
-    if let Some(k) = &r.api_key {
+    req.insert_header("host", &r.endpoint.host).ok()?;
+    if let Some(k) = &r.endpoint.api_key {
         req.insert_header("authorization", format!("Bearer {}", k.current()))
             .ok()?;
     }
-    let (mut session, _reused) = CONNECTOR.get_http_session(&r.peer).await.ok()?;
+    let (mut session, _reused) = CONNECTOR.get_http_session(&r.endpoint.peer).await.ok()?;
     session.write_request_header(Box::new(req)).await.ok()?;
     session.finish_request_body().await.ok()?;
     session.read_response_header().await.ok()?;
@@ -53,7 +53,11 @@ async fn exchange(r: &Replica, path: &str) -> Option<(u16, Vec<u8>)> {
     }
     if session.response_done() {
         CONNECTOR
-            .release_http_session(session, &r.peer, r.peer.options.idle_timeout)
+            .release_http_session(
+                session,
+                &r.endpoint.peer,
+                r.endpoint.peer.options.idle_timeout,
+            )
             .await;
     }
     Some((status, body))

@@ -13,7 +13,7 @@ use arc_swap::ArcSwap;
 
 use crate::conf::{ReplicaConf, UpstreamConf};
 use crate::fleet::events::Listener;
-use crate::fleet::replica::Replica;
+use crate::fleet::replica::{Prompt, Replica};
 use crate::protocol::api::prompt::Link;
 use crate::routing::Candidate;
 use crate::telemetry::metrics;
@@ -85,7 +85,7 @@ impl Registry {
         log::warn!(
             "replica {} ({}) added: joins after a passing health check",
             r.id,
-            r.address
+            r.endpoint.address
         );
         Ok(r)
     }
@@ -101,7 +101,7 @@ impl Registry {
         // Its series go with it: a removed replica is not `up`, and DNS churn does not grow
         // the scrape without bound.
         metrics::forget(&gone.id, &gone);
-        log::warn!("replica {} ({}) removed", gone.id, gone.address);
+        log::warn!("replica {} ({}) removed", gone.id, gone.endpoint.address);
         Some(gone)
     }
 
@@ -117,7 +117,8 @@ impl Registry {
     ) -> Vec<Candidate<'a>> {
         fleet
             .iter()
-            .filter(|r| model.is_none_or(|m| r.serves(m)))
+            // The model's pool, of replicas that serve a request whole (every one, today).
+            .filter(|r| r.role.serves_whole() && model.is_none_or(|m| r.serves(m)))
             .map(|r| {
                 let fresh = !tried.iter().any(|t| Arc::ptr_eq(t, r));
                 Candidate {
@@ -128,7 +129,7 @@ impl Registry {
                     cached_tokens: if links.is_empty() {
                         0
                     } else {
-                        r.index.cached_tokens(links)
+                        r.cache.likely_cached(Prompt::of_links(links))
                     },
                     queued_tokens: r.queued_tokens(),
                     running: r.running(),

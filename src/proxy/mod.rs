@@ -229,7 +229,7 @@ impl ProxyHttp for Balancer {
                 .conf
                 .admin
                 .allowed_networks
-                .check_peer(replica.peer.address())
+                .check_peer(replica.endpoint.peer.address())
             else {
                 break;
             };
@@ -248,7 +248,7 @@ impl ProxyHttp for Balancer {
             let e = Error::explain(ErrorType::HTTPStatus(503), "no live replica");
             return Err(e);
         };
-        let peer = Box::new(replica.peer.clone());
+        let peer = Box::new(replica.endpoint.peer.clone());
         ctx.attempts += 1;
         ctx.route = Some(route);
         // Replacing the guard releases the previous attempt's in-flight count.
@@ -272,8 +272,8 @@ impl ProxyHttp for Balancer {
             upstream.insert_header("content-length", ctx.body.bytes().len().to_string())?;
         }
         if let Some(r) = ctx.current() {
-            upstream.insert_header("host", &r.host)?;
-            if let Some(key) = &r.api_key {
+            upstream.insert_header("host", &r.endpoint.host)?;
+            if let Some(key) = &r.endpoint.api_key {
                 upstream.insert_header("authorization", format!("Bearer {}", key.current()))?;
             }
         }

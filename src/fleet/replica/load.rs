@@ -20,6 +20,8 @@ pub const MAX_REPORTED_REQUESTS: u64 = 1_000_000;
 /// Prefill queued and decodes running, as this process sees them and as the replica reports.
 #[derive(Default)]
 pub(super) struct Load {
+    /// Requests in flight on it from this process.
+    in_flight: AtomicUsize,
     /// Uncached prompt tokens of requests sent from here that have no first byte yet.
     queued_tokens: AtomicU64,
     /// How many such requests.
@@ -40,6 +42,11 @@ pub(super) struct Load {
 }
 
 impl Replica {
+    /// Requests in flight on it from this process.
+    pub fn in_flight(&self) -> usize {
+        self.load.in_flight.load(Ordering::Relaxed)
+    }
+
     /// Requests in flight on it from this process and from the other instances of a cluster.
     pub fn in_flight_everywhere(&self) -> usize {
         let peers = self.load.peer_in_flight.load(Ordering::Relaxed);
@@ -62,7 +69,7 @@ impl Replica {
 
     /// Counts a request in flight until the guard drops.
     pub fn start(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.load.in_flight.fetch_add(1, Ordering::Relaxed);
         self.changed();
         InFlight(self.clone())
     }
@@ -173,7 +180,7 @@ pub struct QueuedPrefill {
 impl QueuedPrefill {
     /// Its prefill is over: the replica now holds the prompt's `links` in its cache.
     pub fn prefilled(self, links: &[crate::protocol::api::prompt::Link]) {
-        self.replica.index.record(links);
+        self.replica.cache.prefilled(links);
         if let Some(c) = self.replica.listener.get() {
             c.prefilled(&self.replica.id, links);
         }
@@ -200,7 +207,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.load.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.0.changed();
     }
 }

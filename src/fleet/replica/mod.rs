@@ -1,103 +1,58 @@
-//! One replica and everything that belongs to it alone: its address (resolved once), the peer
-//! the proxy connects to, its health as the checks see it, demotion by the data path, drain by
-//! the admin API, requests in flight, and the models it serves.
+//! One replica and what belongs to it alone, as separate parts it owns:
+//!
+//! - its [`Endpoint`]: address, `Host`, socket, the peer the proxy connects to, its key; fixed
+//!   at creation;
+//! - its [`HealthState`]: the health checks' verdict, demotion by the data path, drain by the
+//!   admin API;
+//! - its load (`load`): requests in flight and prefill queued, here and as reported;
+//! - its [`CacheModel`]: how much of a prompt it likely holds;
+//! - the models it serves, and its [`Role`] in its pool.
 //!
 //! Health and demotion are per replica, never per address: two replicas may share an address
 //! (two names for one server, or a DNS name that resolves like another), and each is checked,
 //! demoted and re-admitted on its own.
 
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
-
-use pingora_core::upstreams::peer::HttpPeer;
-use pingora_load_balancing::Backend;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::conf::{ReplicaConf, UpstreamConf};
 use crate::fleet::events::Listener;
-use crate::fleet::index::PrefixIndex;
+use crate::fleet::pool::Role;
 use crate::telemetry::metrics::ReplicaGauges;
 
+mod cache;
+mod endpoint;
+mod health;
 mod load;
 
+pub use cache::{CacheModel, CacheSource, Freshness, Prompt, DEFAULT_CACHE_TOKENS};
+pub use endpoint::Endpoint;
+pub use health::{Health, HealthState};
 use load::Load;
 pub use load::{InFlight, QueuedPrefill, MAX_REPORTED_REQUESTS};
-
-/// The cache capacity assumed for a replica that neither the conf nor its `/metrics` sizes.
-pub const DEFAULT_CACHE_TOKENS: u64 = 1_000_000;
 
 pub struct Replica {
     /// The configured id: metrics, logs, headers and the affinity table name it.
     pub id: Arc<str>,
-    /// As configured (`host:port`, or `https://host:port`).
-    pub address: String,
-    /// `host:port` of `address`: sent as `Host`.
-    pub host: String,
-    /// `address`, resolved once at start.
-    pub socket: SocketAddr,
-    /// What the proxy connects to, with the upstream timeouts set.
-    pub peer: HttpPeer,
-    /// What the health check probes.
-    pub backend: Backend,
-    /// Sent to it in place of the client's key (read from its secret at each use, so a
-    /// rotated file takes effect).
-    pub api_key: Option<Arc<crate::conf::secrets::Secret>>,
+    /// Where it is and how to reach it; never changes (a moved replica is a new one).
+    pub endpoint: Endpoint,
+    /// Its part in its pool: `plain` for every replica today.
+    pub role: Role,
+    pub health: HealthState,
+    /// How much of a prompt it likely holds.
+    pub cache: CacheModel,
     /// The conf fixed `models`: never replaced by what the replica says.
     pub models_configured: bool,
-    health: Mutex<Health>,
-    /// `health.healthy`, readable without the lock on the request path.
-    healthy: AtomicBool,
-    /// Set when a connection to it failed; cleared by the next health check that *started*
-    /// after the failure and passed (see `demotions`).
-    demoted: AtomicBool,
-    /// Counts demotions, so a check that began before a failure cannot clear it.
-    demotions: AtomicU64,
-    draining: AtomicBool,
-    in_flight: AtomicUsize,
     /// The models it serves: from the conf, or learnt from its /v1/models (empty: unknown,
     /// so it is not excluded from any model's pool).
     models: RwLock<Arc<[String]>>,
     /// Passing health checks since start: models are re-learnt every so often.
     checks_passed: AtomicU64,
-    /// What it was sent, bounded by its cache capacity.
-    pub index: PrefixIndex,
-    /// The conf fixed `cache_tokens`: never replaced by what the replica says.
-    pub cache_configured: bool,
     /// The `discover: dns` entry that found it; None for one configured or added by hand.
     pub origin: Option<String>,
     load: Load,
-    /// The other instances, told of each change of its load and of what it prefilled.
+    /// Told of each change of its load and of what it prefilled (the cluster, if any).
     listener: OnceLock<Arc<dyn Listener>>,
-}
-
-/// Consecutive check results, as Pingora's checker counts them: `threshold` results against
-/// the current state flip it; one result agreeing with it resets the count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Health {
-    pub healthy: bool,
-    pub against: usize,
-}
-
-impl Health {
-    /// The state after one check; `true` in the second place when it flipped.
-    pub fn observe(self, ok: bool, failures: usize, successes: usize) -> (Health, bool) {
-        if ok == self.healthy {
-            return (Health { against: 0, ..self }, false);
-        }
-        let threshold = if ok { successes } else { failures };
-        let against = self.against + 1;
-        if against >= threshold.max(1) {
-            (
-                Health {
-                    healthy: ok,
-                    against: 0,
-                },
-                true,
-            )
-        } else {
-            (Health { against, ..self }, false)
-        }
-    }
 }
 
 impl Replica {
@@ -118,79 +73,29 @@ impl Replica {
         healthy: bool,
         origin: Option<&str>,
     ) -> Replica {
-        let socket = conf
-            .socket
-            .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)));
-        let sni = conf.sni.clone().unwrap_or_default();
-        let mut peer = HttpPeer::new(socket, conf.tls, sni);
-        if conf.tls {
-            // Verification stays on (Pingora's default): a replica whose certificate does not
-            // check out fails to connect, and is demoted like any other connect failure.
-            peer.options.ca = upstream.tls.ca.clone();
-            peer.client_cert_key = upstream.tls.client.clone();
-        }
-        let o = &mut peer.options;
-        o.connection_timeout = Some(upstream.connect_timeout);
-        o.total_connection_timeout = Some(upstream.connect_timeout);
-        o.read_timeout = Some(upstream.read_timeout);
-        o.write_timeout = Some(upstream.write_timeout);
-        o.idle_timeout = Some(upstream.idle_timeout);
-        let backend = Backend {
-            addr: pingora_core::protocols::l4::socket::SocketAddr::Inet(socket),
-            weight: 1,
-            ext: Default::default(),
-        };
         Replica {
             id: Arc::from(conf.id.as_str()),
-            address: conf.address.clone(),
-            host: crate::conf::split_address(&conf.address)
-                .map_or_else(|_| conf.address.clone(), |(_, h)| h.to_string()),
-            socket,
-            peer,
-            backend,
-            api_key: conf.key.clone(),
-            models_configured: !conf.models.is_empty(),
+            endpoint: Endpoint::new(conf, upstream),
+            role: Role::Plain,
             // Healthy until the checks say otherwise, as Pingora's checker starts.
-            health: Mutex::new(Health {
-                healthy,
-                against: 0,
-            }),
-            healthy: AtomicBool::new(healthy),
-            demoted: AtomicBool::new(false),
-            demotions: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
-            in_flight: AtomicUsize::new(0),
+            health: HealthState::new(healthy),
+            cache: CacheModel::estimate(conf.cache_tokens),
+            models_configured: !conf.models.is_empty(),
             models: RwLock::new(Arc::from(conf.models.clone())),
             checks_passed: AtomicU64::new(0),
-            index: PrefixIndex::new(conf.cache_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
-            cache_configured: conf.cache_tokens.is_some(),
             origin: origin.map(str::to_owned),
             load: Load::default(),
             listener: OnceLock::new(),
         }
     }
 
-    /// Requests in flight on it from this process.
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Relaxed)
-    }
-
-    pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
-    }
-    pub fn is_demoted(&self) -> bool {
-        self.demoted.load(Ordering::Relaxed)
-    }
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
-    }
     /// Healthy by the checks and not demoted: it can serve what it already holds.
     pub fn is_reachable(&self) -> bool {
-        self.is_healthy() && !self.is_demoted()
+        self.health.is_reachable()
     }
     /// Healthy by the checks, not demoted by a failed connection, not drained.
     pub fn is_live(&self) -> bool {
-        self.is_healthy() && !self.is_demoted() && !self.is_draining()
+        self.health.is_live()
     }
 
     pub fn models(&self) -> Arc<[String]> {
@@ -215,18 +120,12 @@ impl Replica {
 
     /// A connection to it failed: it gets no new requests until a health check passes.
     pub fn demote(&self) {
-        self.demotions.fetch_add(1, Ordering::Relaxed);
-        self.demoted.store(true, Ordering::Relaxed);
+        self.health.demote();
     }
 
-    /// The demotion count before a health check starts; pass it to [`Self::observe_check`].
-    pub fn demotions(&self) -> u64 {
-        self.demotions.load(Ordering::Relaxed)
-    }
-
-    /// Records one health check that started at demotion count `before`. A pass re-admits a
-    /// replica demoted before the check began. Returns the new health when it flipped, and the
-    /// number of checks passed before this one.
+    /// Records one health check that started at demotion count `before` (see
+    /// [`HealthState::observe_check`]). Returns the new health when it flipped, and the number
+    /// of checks passed before this one.
     pub fn observe_check(
         &self,
         ok: bool,
@@ -234,18 +133,10 @@ impl Replica {
         failures: usize,
         successes: usize,
     ) -> (Option<bool>, u64) {
-        if ok && self.demotions() == before && self.demoted.swap(false, Ordering::Relaxed) {
+        if self.health.readmits(ok, before) {
             log::info!("replica {} re-admitted: health check passed", self.id);
         }
-        let flipped = match self.health.lock() {
-            Ok(mut h) => {
-                let (next, flipped) = h.observe(ok, failures, successes);
-                *h = next;
-                self.healthy.store(next.healthy, Ordering::Relaxed);
-                flipped.then_some(next.healthy)
-            }
-            Err(_) => None,
-        };
+        let flipped = self.health.observe_check(ok, failures, successes);
         let passed = if ok {
             self.checks_passed.fetch_add(1, Ordering::Relaxed)
         } else {
@@ -258,15 +149,13 @@ impl Replica {
     /// conversations move on their next turn. An undrained replica re-enters only after a
     /// health check that started after the undrain passes: it was probably restarted.
     pub fn set_draining(&self, draining: bool) {
-        let was = self.draining.swap(draining, Ordering::Relaxed);
-        if was && !draining {
-            self.demote();
-            log::warn!(
+        match self.health.set_draining(draining) {
+            Some(false) => log::warn!(
                 "replica {} undrained: back after its next passing health check",
                 self.id
-            );
-        } else if !was && draining {
-            log::warn!("replica {} draining", self.id);
+            ),
+            Some(true) => log::warn!("replica {} draining", self.id),
+            None => {}
         }
     }
 }
@@ -280,7 +169,7 @@ impl ReplicaGauges for Replica {
         Replica::in_flight(self)
     }
     fn draining(&self) -> bool {
-        self.is_draining()
+        self.health.is_draining()
     }
 }
 
@@ -374,13 +263,16 @@ mod tests {
     #[test]
     fn a_check_that_began_before_a_demotion_does_not_readmit() {
         let r = replica("a", "127.0.0.1:1");
-        let before = r.demotions();
+        let before = r.health.demotions();
         r.demote();
         r.observe_check(true, before, 2, 1);
-        assert!(r.is_demoted(), "the check started before the failure");
-        let before = r.demotions();
+        assert!(
+            r.health.is_demoted(),
+            "the check started before the failure"
+        );
+        let before = r.health.demotions();
         r.observe_check(true, before, 2, 1);
-        assert!(!r.is_demoted() && r.is_live());
+        assert!(!r.health.is_demoted() && r.is_live());
     }
 
     #[test]
@@ -388,7 +280,7 @@ mod tests {
         let (a, b) = (replica("a", "127.0.0.1:1"), replica("b", "127.0.0.1:1"));
         a.demote();
         b.demote();
-        let (ba, bb) = (a.demotions(), b.demotions());
+        let (ba, bb) = (a.health.demotions(), b.health.demotions());
         a.observe_check(true, ba, 2, 1);
         b.observe_check(true, bb, 2, 1);
         assert!(a.is_live() && b.is_live());
