@@ -34,7 +34,7 @@ pub enum Failure {
 
 /// The circumstances of one failed attempt.
 #[derive(Debug, Clone, Copy)]
-pub struct Attempt {
+pub struct Failed {
     pub failure: Failure,
     /// A response byte already went to the client.
     pub client_got_bytes: bool,
@@ -71,7 +71,7 @@ pub fn status_fails_over(status: u16) -> bool {
     matches!(status, 502 | 503)
 }
 
-pub fn verdict(a: &Attempt) -> Verdict {
+pub fn verdict(a: &Failed) -> Verdict {
     const END: Verdict = Verdict {
         demote: false,
         retry: Retry::No,
@@ -144,8 +144,8 @@ mod tests {
     /// (what failed, client got bytes, body replayable, attempt of 4) → verdict, final status.
     type Row = (Failure, bool, bool, u32, Verdict, Option<u16>, &'static str);
 
-    fn attempt(failure: Failure, client_got_bytes: bool, body_replayable: bool, n: u32) -> Attempt {
-        Attempt {
+    fn attempt(failure: Failure, client_got_bytes: bool, body_replayable: bool, n: u32) -> Failed {
+        Failed {
             failure,
             client_got_bytes,
             body_replayable,
@@ -196,7 +196,7 @@ mod tests {
             (ReadTimeout, END),
             (StalePooled, SAME),
         ] {
-            let a = Attempt {
+            let a = Failed {
                 stateful: true,
                 ..attempt(failure, false, true, 1)
             };

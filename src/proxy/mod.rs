@@ -4,9 +4,12 @@
 
 mod admission;
 pub mod answers;
+mod attempt;
 mod errors;
 pub mod failover;
 mod outcome;
+
+use attempt::{Attempt, Choice};
 pub mod request;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,7 +27,7 @@ use crate::cluster::Cluster;
 use crate::conf::Config;
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::{InFlight, QueuedPrefill, Replica};
+use crate::fleet::replica::Replica;
 use crate::protocol::api::shape::Shape;
 use crate::protocol::api::{Family, RequestInfo};
 use crate::protocol::body::BodyReplay;
@@ -105,13 +108,10 @@ pub struct Ctx {
     stored_id: Option<String>,
     /// This answer's stored response id was recorded.
     id_learnt: bool,
-    /// Replicas this request already tried, in order; the last one is the current attempt.
+    /// Replicas given up on, in order: no later attempt of this request goes to them.
     tried: Vec<Arc<Replica>>,
-    in_flight: Option<InFlight>,
-    /// The current attempt's prefill, queued on its replica until the first byte.
-    prefill: Option<QueuedPrefill>,
-    route: Option<Route>,
-    attempts: u32,
+    /// The current (or last) try; each try replaces it whole.
+    attempt: Option<Attempt>,
     /// Set once the first response byte went to the client: nothing is retried after it.
     first_byte_at: Option<Instant>,
     failovers: u32,
@@ -130,8 +130,14 @@ impl Ctx {
         self.request_id.to_str().unwrap_or("-")
     }
 
+    /// The replica the current attempt holds a place on.
     fn current(&self) -> Option<&Arc<Replica>> {
-        self.in_flight.as_ref().map(InFlight::replica)
+        self.attempt.as_ref().and_then(Attempt::current)
+    }
+
+    /// Why the last attempt's replica was chosen.
+    fn route(&self) -> Option<Route> {
+        self.attempt.as_ref().map(|a| a.route)
     }
 }
 
@@ -154,10 +160,7 @@ impl ProxyHttp for Balancer {
             stored_id: None,
             id_learnt: false,
             tried: Vec::new(),
-            in_flight: None,
-            prefill: None,
-            route: None,
-            attempts: 0,
+            attempt: None,
             first_byte_at: None,
             failovers: 0,
             last_failure: None,
@@ -224,7 +227,7 @@ impl ProxyHttp for Balancer {
         // A replica at an address outside admin.allowed_networks (one shared by an instance
         // with another conf) is passed over as if it refused the connection; each is tried once.
         let mut passes = self.registry.all().len();
-        while let Some((replica, _)) = &chosen {
+        while let Some(Choice { replica, .. }) = &chosen {
             let Err(why) = self
                 .conf
                 .admin
@@ -239,21 +242,20 @@ impl ProxyHttp for Balancer {
             chosen = if passes > 0 { self.choose(ctx) } else { None };
         }
         ctx.overload.routed();
-        let Some((replica, route)) = chosen else {
+        let Some(choice) = chosen else {
             let (path, tried) = (session.req_header().uri.path(), ctx.tried.len());
             log::warn!("no live replica for {path} (tried {tried})");
             // No replica holds this request any more.
-            ctx.in_flight = None;
-            ctx.prefill = None;
+            if let Some(a) = &mut ctx.attempt {
+                a.end();
+            }
             let e = Error::explain(ErrorType::HTTPStatus(503), "no live replica");
             return Err(e);
         };
-        let peer = Box::new(replica.endpoint.peer.clone());
-        ctx.attempts += 1;
-        ctx.route = Some(route);
-        // Replacing the guard releases the previous attempt's in-flight count.
-        ctx.in_flight = Some(replica.start());
-        ctx.tried.push(replica);
+        let peer = Box::new(choice.replica.endpoint.peer.clone());
+        let n = ctx.attempt.as_ref().map_or(0, |a| a.n) + 1;
+        // The new attempt replaces the last one whole, releasing what it held.
+        ctx.attempt = Some(Attempt::start(n, choice));
         Ok(peer)
     }
 
@@ -287,7 +289,8 @@ impl ProxyHttp for Balancer {
         _end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        ctx.body.substitute(ctx.attempts, body);
+        ctx.body
+            .substitute(ctx.attempt.as_ref().map_or(0, |a| a.n), body);
         Ok(())
     }
 
@@ -320,16 +323,18 @@ impl ProxyHttp for Balancer {
         if let Some(r) = ctx.current() {
             resp.insert_header("x-inferlb-replica", &*r.id)?;
         }
-        if let Some(route) = ctx.route {
+        if let Some(route) = ctx.route() {
             let route = http::HeaderValue::from_static(route.as_str());
             resp.insert_header("x-inferlb-route", route)?;
         }
         resp.insert_header("x-request-id", ctx.request_id.clone())?;
         if !resp.status.is_success() {
             // An error answer ends the prefill without the replica holding the prompt.
-            ctx.prefill = None;
+            if let Some(a) = &mut ctx.attempt {
+                a.refused();
+            }
         }
-        if resp.status.is_success() && ctx.route.is_some() {
+        if resp.status.is_success() && ctx.route().is_some() {
             let sse = resp
                 .headers
                 .get("content-type")
@@ -357,7 +362,7 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        let verdict = failover::verdict(&self.attempt(session, ctx, Failure::Connect));
+        let verdict = failover::verdict(&self.failed(session, ctx, Failure::Connect));
         self.apply(session, ctx, &mut e, verdict);
         e
     }
@@ -372,7 +377,7 @@ impl ProxyHttp for Balancer {
     ) -> Box<Error> {
         let mut e = e.more_context(format!("peer: {peer}"));
         let failure = failure_of(&e, Seen::Proxying { client_reused });
-        let verdict = failover::verdict(&self.attempt(session, ctx, failure));
+        let verdict = failover::verdict(&self.failed(session, ctx, failure));
         self.apply(session, ctx, &mut e, verdict);
         e
     }

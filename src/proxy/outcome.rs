@@ -9,12 +9,12 @@ use bytes::Bytes;
 use pingora_core::Error;
 use pingora_proxy::Session;
 
+use super::attempt::{Attempt, Choice};
 use super::errors::{failure_of, reason, Seen};
-use super::failover::{self, Attempt, Failure, Retry, Verdict};
+use super::failover::{self, Failed, Failure, Retry, Verdict};
 use super::{stored_key, Balancer, Ctx, NOT_CHAT};
 use crate::cluster::Table;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::{InFlight, Replica};
 use crate::routing::{self, Route};
 use crate::telemetry::access;
 use crate::telemetry::metrics::{code_class, METRICS};
@@ -32,9 +32,9 @@ impl Balancer {
     }
 
     /// The replica for the next attempt and why; `None` when no replica can take it. Under
-    /// `prefill_cost` the chosen replica's queued prefill accounts for it at once, so the next
-    /// request of a burst sees it; its index, once the prefill is over.
-    pub(super) fn choose(&self, ctx: &mut Ctx) -> Option<(Arc<Replica>, Route)> {
+    /// a policy that weighs prefill the chosen replica's queued prefill accounts for it at
+    /// once, so the next request of a burst sees it; its index, once the prefill is over.
+    pub(super) fn choose(&self, ctx: &Ctx) -> Option<Choice> {
         let shape = ctx.info.as_ref().map_or(&NOT_CHAT, |i| &i.shape);
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
         // Only a policy that weighs prefill looks at what each replica holds and has queued.
@@ -59,12 +59,16 @@ impl Balancer {
             }
         }
         // Overload protection reads queued prefill whatever the policy.
-        if cost || self.overload.is_some() {
+        let prefill = (cost || self.overload.is_some()).then(|| {
             let held = candidates.iter().find(|c| c.id == &*replica.id);
             let cached = held.map_or(0, |c| c.cached_tokens);
-            ctx.prefill = Some(replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));
-        }
-        Some((replica, decision.route))
+            replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached))
+        });
+        Some(Choice {
+            replica,
+            route: decision.route,
+            prefill,
+        })
     }
 
     /// The status and message a request that failed before any byte ends with; `None` when
@@ -124,6 +128,7 @@ impl Balancer {
     /// whether Pingora tries again.
     pub(super) fn apply(&self, session: &Session, ctx: &mut Ctx, e: &mut Error, v: Verdict) {
         let replica = ctx.current().cloned();
+        let n = ctx.attempt.as_ref().map_or(0, |a| a.n);
         if let (true, Some(r)) = (v.demote, &replica) {
             r.demote();
         }
@@ -138,26 +143,28 @@ impl Balancer {
                     r.id,
                     why,
                     session.req_header().uri.path(),
-                    ctx.attempts,
+                    n,
                     e
                 );
+                // Given up on: the next attempt goes elsewhere.
+                ctx.tried.push(r.clone());
             }
             (Retry::Same, Some(r)) => {
                 // Not tried in earnest: it may be chosen again.
-                ctx.tried.pop();
                 log::debug!("stale pooled connection to {}, retrying", r.id);
             }
+            (Retry::No, Some(r)) => ctx.tried.push(r.clone()),
             _ => {}
         }
         e.set_retry(v.retry != Retry::No);
     }
 
-    pub(super) fn attempt(&self, session: &mut Session, ctx: &Ctx, failure: Failure) -> Attempt {
-        Attempt {
+    pub(super) fn failed(&self, session: &mut Session, ctx: &Ctx, failure: Failure) -> Failed {
+        Failed {
             failure,
             client_got_bytes: session.response_written().is_some() || ctx.first_byte_at.is_some(),
             body_replayable: ctx.body.replayable(session),
-            attempt: ctx.attempts,
+            attempt: ctx.attempt.as_ref().map_or(0, |a| a.n),
             max_attempts: self.max_attempts,
             stateful: ctx.owner.is_some(),
         }
@@ -178,7 +185,7 @@ impl Balancer {
                 ctx.usage = reader.finish();
             }
             // A stream announces its id first; a JSON answer has it once finished.
-            let replica = ctx.in_flight.as_ref().map(InFlight::replica);
+            let replica = ctx.attempt.as_ref().and_then(Attempt::current);
             if let (false, Some(id), Some(r)) = (ctx.id_learnt, reader.response_id(), replica) {
                 self.remember(Table::Stored, stored_key(id), &r.id);
                 ctx.id_learnt = true;
@@ -203,12 +210,12 @@ impl Balancer {
             // The replica holds the prompt once its prefill is over, not when it was sent: a
             // request with the same prefix arriving meanwhile would not find it in its cache
             // (a same-prefix burst must spread, not queue behind its first request).
-            if let Some(prefill) = ctx.prefill.take() {
+            if let Some(prefill) = ctx.attempt.as_mut().and_then(Attempt::answering) {
                 if self.policy.weighs_prefill() {
                     prefill.prefilled(ctx.info.as_ref().map_or(&[][..], |i| i.shape.links()));
                 }
             }
-            let route = ctx.route.map_or("none", Route::as_str);
+            let route = ctx.route().map_or("none", Route::as_str);
             METRICS
                 .ttfb
                 .with_label_values(&[route])
@@ -219,12 +226,14 @@ impl Balancer {
     /// The request is over: count it, remember what was served, write the access log.
     pub(super) fn finish(&self, session: &Session, e: Option<&Error>, ctx: &mut Ctx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        // Taking the guards releases the counts now, not when Pingora drops the ctx.
-        ctx.prefill = None;
-        let served_by = ctx.in_flight.take().map(|f| f.replica().clone());
+        // Ending the attempt releases its counts now, not when Pingora drops the ctx.
+        let served_by = ctx.current().cloned();
+        if let Some(a) = &mut ctx.attempt {
+            a.end();
+        }
         let replica = served_by.as_ref().map_or("none", |r| &*r.id);
-        let route = ctx.route.map_or("none", Route::as_str);
-        if ctx.route.is_some() {
+        let route = ctx.route().map_or("none", Route::as_str);
+        if ctx.route().is_some() {
             METRICS
                 .requests
                 .with_label_values(&[replica, route, code_class(status)])
@@ -248,7 +257,7 @@ impl Balancer {
             model: ctx.info.as_ref().and_then(|i| i.model.as_deref()),
             route,
             replica,
-            attempts: ctx.attempts,
+            attempts: ctx.attempt.as_ref().map_or(0, |a| a.n),
             failovers: ctx.failovers,
             status,
             ttfb_ms: ctx
