@@ -19,7 +19,7 @@ use crate::routing::Candidate;
 use crate::telemetry::metrics;
 
 /// The replicas at one moment.
-pub type Fleet = Arc<Vec<Arc<Replica>>>;
+pub type Snapshot = Arc<Vec<Arc<Replica>>>;
 
 pub struct Registry {
     list: ArcSwap<Vec<Arc<Replica>>>,
@@ -56,7 +56,7 @@ impl Registry {
     }
 
     /// A snapshot of the replicas.
-    pub fn all(&self) -> Fleet {
+    pub fn all(&self) -> Snapshot {
         self.list.load_full()
     }
 

@@ -88,7 +88,7 @@ impl Overload {
             .with_label_values(&[pass.label(), "prompt"])
             .inc_by(tokens);
         let go_now = !self.conf.limits_load() || {
-            let mut fleet = self.fleet(model, &s.transit);
+            let mut fleet = self.replica_loads(model, &s.transit);
             s.queue.is_empty() && self.limits.place(&mut fleet, tokens)
         };
         if go_now {

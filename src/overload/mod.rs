@@ -174,7 +174,7 @@ impl Overload {
 
     /// The load now of each replica that may serve `model`, with what was let go for it but
     /// is not counted on a replica yet.
-    fn fleet(
+    fn replica_loads(
         &self,
         model: Option<&str>,
         transit: &HashMap<u64, (u64, Option<Arc<str>>)>,
@@ -225,7 +225,7 @@ impl Overload {
             return;
         }
         // The common case under load, at the cost of one look at the replicas: nothing fits.
-        if self.limits.saturated(&self.fleet(None, &s.transit)) {
+        if self.limits.saturated(&self.replica_loads(None, &s.transit)) {
             return;
         }
         // Each model's replicas, looked at once a pump; a placement adds to them, and a model
@@ -239,7 +239,7 @@ impl Overload {
             }
             let fleet = fleets
                 .entry(model.clone())
-                .or_insert_with(|| self.fleet(model.as_deref(), &s.transit));
+                .or_insert_with(|| self.replica_loads(model.as_deref(), &s.transit));
             let placed = self.limits.place(fleet, e.tokens);
             if !placed {
                 full.insert(model.clone());

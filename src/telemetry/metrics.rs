@@ -27,17 +27,17 @@ pub trait ReplicaGauges: Send + Sync {
     fn draining(&self) -> bool;
 }
 
-type Fleet = HashMap<Arc<str>, Weak<dyn ReplicaGauges>>;
+type Tracked = HashMap<Arc<str>, Weak<dyn ReplicaGauges>>;
 
 /// The replicas the registry holds, by id.
-static FLEET: LazyLock<RwLock<Fleet>> = LazyLock::new(Default::default);
+static TRACKED: LazyLock<RwLock<Tracked>> = LazyLock::new(Default::default);
 
-fn fleet() -> RwLockReadGuard<'static, Fleet> {
-    FLEET.read().unwrap_or_else(|e| e.into_inner())
+fn tracked() -> RwLockReadGuard<'static, Tracked> {
+    TRACKED.read().unwrap_or_else(|e| e.into_inner())
 }
 
-fn fleet_mut() -> RwLockWriteGuard<'static, Fleet> {
-    FLEET.write().unwrap_or_else(|e| e.into_inner())
+fn tracked_mut() -> RwLockWriteGuard<'static, Tracked> {
+    TRACKED.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Replica `id` is in the registry: it has series from now on (it replaces an earlier
@@ -45,13 +45,13 @@ fn fleet_mut() -> RwLockWriteGuard<'static, Fleet> {
 pub fn track<R: ReplicaGauges + 'static>(id: &Arc<str>, replica: &Arc<R>) {
     LazyLock::force(&METRICS);
     let weak: Weak<dyn ReplicaGauges> = Arc::downgrade(replica) as _;
-    fleet_mut().insert(id.clone(), weak);
+    tracked_mut().insert(id.clone(), weak);
 }
 
 /// Replica `id` left the registry: every series that names it goes. Nothing happens when
 /// `replica` is no longer the one tracked under `id` (a replica of that id was added since).
 pub fn forget<R: ReplicaGauges + 'static>(id: &str, replica: &Arc<R>) {
-    let mut fleet = fleet_mut();
+    let mut fleet = tracked_mut();
     let ours = fleet
         .get(id)
         .is_some_and(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(replica)));
@@ -90,7 +90,7 @@ impl ReplicaCounters {
     pub fn with_label_values<V: AsRef<str> + std::fmt::Debug>(&self, vals: &[V]) -> IntCounter {
         // Under the read lock: `forget` (write lock) cannot run between the check and the
         // series' creation.
-        let fleet = fleet();
+        let fleet = tracked();
         match vals.first().map(AsRef::as_ref) {
             Some(id) if id == NO_REPLICA || fleet.contains_key(id) => {
                 self.0.with_label_values(vals)
@@ -160,7 +160,7 @@ impl Collector for ReplicaGaugeFamilies {
         let _one = self.filling.lock().unwrap_or_else(|e| e.into_inner());
         let vecs = [&self.up, &self.in_flight, &self.draining];
         vecs.iter().for_each(|v| v.reset());
-        for (id, r) in fleet().iter() {
+        for (id, r) in tracked().iter() {
             let Some(r) = r.upgrade() else { continue };
             let id: &str = id;
             self.up.with_label_values(&[id]).set(r.up() as i64);
