@@ -18,6 +18,8 @@ use pingora_core::server::configuration::ServerConf;
 use serde_yaml::{Mapping, Value};
 
 mod admin;
+#[cfg(test)]
+mod doc_check;
 mod mode;
 pub mod netpolicy;
 pub mod overload;

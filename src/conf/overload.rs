@@ -5,10 +5,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The section as written; see the README's "Overload and fairness" for each key.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawOverload {
     #[serde(default)]
@@ -37,7 +37,7 @@ pub struct RawOverload {
     max_keys: i64,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawBudget {
     #[serde(default)]
@@ -46,11 +46,12 @@ pub struct RawBudget {
     tokens_per_minute: Option<i64>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawKey {
     /// The label metrics and logs use: never the key itself.
     name: String,
+    #[serde(serialize_with = "crate::conf::secrets::redact")]
     key: String,
     #[serde(default)]
     class: Option<String>,

@@ -26,6 +26,17 @@ impl std::fmt::Debug for Redacted {
     }
 }
 
+/// What a secret written in the conf serialises as (`serialize_with` on a raw conf field): the
+/// marker its `Debug` shows, never a byte of it.
+pub(crate) fn redact<T: ?Sized, S: serde::Serializer>(_: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str("<redacted>")
+}
+
+/// As [`redact`], for a list of secrets: one marker per entry, so an empty list stays `[]`.
+pub(crate) fn redact_each<S: serde::Serializer>(v: &[String], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|_| "<redacted>"))
+}
+
 #[derive(Clone, PartialEq, Eq)]
 enum Source {
     File(PathBuf),

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::Mode;
 use super::{
@@ -17,8 +17,9 @@ use super::{
 };
 use crate::conf::secrets::Secret;
 
-/// The `inferlb:` section as written; see the README for each key.
-#[derive(Debug, Deserialize)]
+/// The `inferlb:` section as written; see the README for each key. Serialised only by the test
+/// that checks docs/configuration.md against these keys and defaults (client keys redacted).
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RawSection {
     listen: String,
@@ -35,6 +36,7 @@ pub(super) struct RawSection {
     affinity_capacity: usize,
     spill_margin: usize,
     state_file: Option<PathBuf>,
+    #[serde(serialize_with = "crate::conf::secrets::redact_each")]
     api_keys: Vec<String>,
     api_keys_file: Option<PathBuf>,
     api_keys_env: Option<String>,
@@ -92,7 +94,7 @@ impl Default for RawSection {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawHealth {
     path: String,
@@ -114,7 +116,7 @@ impl Default for RawHealth {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawUpstream {
     connect_timeout_seconds: f64,
@@ -140,9 +142,9 @@ impl Default for RawUpstream {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-struct RawCluster {
+pub(super) struct RawCluster {
     redis_url: String,
     #[serde(default)]
     instance_id: Option<String>,

@@ -18,7 +18,7 @@ use pingora_core::tls::{ClientHello, CryptoProvider, ResolvesServerCert};
 use pingora_core::utils::tls::{CertKey, WrappedX509};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// `inferlb.tls`: the listener serves TLS with this certificate chain and key (PEM).
 #[derive(Debug, Clone)]
@@ -29,7 +29,7 @@ pub struct TlsConf {
     pub reload_interval: Duration,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawTls {
     cert_file: PathBuf,
