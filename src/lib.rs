@@ -22,6 +22,8 @@ pub mod fleet;
 
 pub mod routing;
 
+pub mod link;
+
 pub mod cluster;
 
 pub mod overload;

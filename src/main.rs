@@ -89,12 +89,18 @@ fn main() {
     let registry_for_load = registry.clone();
     let registry_for_discovery = registry.clone();
 
-    let cluster = conf.cluster.as_ref().map(|c| {
-        let (handle, changes) = inferlb::cluster::Cluster::new(c.instance_id.clone());
+    // One link to the cluster's Redis, for its state and the shared budgets alike.
+    let link = conf.cluster.clone().map(inferlb::link::Link::new);
+    let link_service = link
+        .as_ref()
+        .map(|l| background_service("redis link", l.keeper()));
+    let cluster = conf.cluster.as_ref().zip(link.clone()).map(|(c, link)| {
+        let (handle, changes) =
+            inferlb::cluster::Cluster::new(c.instance_id.clone(), Some(link.clone()));
         let sync = inferlb::cluster::ClusterSync {
             cluster: handle.clone(),
             changes: std::sync::Mutex::new(Some(changes)),
-            redis: c.clone(),
+            link,
             registry: registry.clone(),
             affinity: affinity.clone(),
             stored: stored.clone(),
@@ -252,6 +258,9 @@ fn main() {
             interval: conf.secrets_reload_interval,
         },
     ));
+    if let Some(s) = link_service {
+        server.add_service(s);
+    }
     if let Some(s) = cluster_service {
         server.add_service(s);
     }

@@ -7,9 +7,10 @@
 //! times a second. Each instance keeps its own tables and applies the others' updates; it bootstraps
 //! from what Redis holds when it (re)connects. The request path never waits on Redis: it hands
 //! changes to a bounded queue ([`Cluster::pin`] never blocks, a full queue drops the change and
-//! counts it) and reads only local state. Redis down, slow or
-//! flapping: each instance goes on alone, logs each transition once, shows it in
-//! `inferlb_cluster_connected`, and resyncs when Redis is back.
+//! counts it) and reads only local state. Everything goes over the one link to Redis
+//! ([`crate::link`]). Redis down, slow or flapping: each instance goes on alone (the link logs
+//! each transition once, and shows it in `inferlb_redis_up`; `inferlb_cluster_connected` is 1
+//! while the cluster follows the others), and resyncs when the link is back.
 //!
 //! Pins may be lost (a full queue, or more than [`QUEUE`] changes during an outage: counted in
 //! `inferlb_cluster_dropped_total`, and logged once per outage); a lost pin costs one cold
@@ -39,12 +40,13 @@
 //!   (Redis lost its data), and then only if neither appeared meanwhile.
 //! - Replicas of the conf file are the operator's: a bootstrap never removes them.
 //!
-//! Keys carry the prompt hash version (`inferlb:v2:...`), so instances of two versions during
-//! a rolling upgrade never read each other's hashes as their own.
+//! Keys and channels that carry prompt hashes carry the hash version (`inferlb:v2:...`), so
+//! instances of two versions during a rolling upgrade never read each other's hashes as their
+//! own; the other channels carry their format's version (the link's versioning rule).
 
 mod apply;
 mod peers;
-mod stored;
+mod records;
 mod sync;
 
 use std::collections::HashMap;
@@ -57,7 +59,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::protocol::api::prompt::Link;
 use crate::telemetry::metrics::METRICS;
 
-pub use peers::{Load, Peers};
+pub use peers::{LoadReport, Peers};
 pub use sync::ClusterSync;
 
 /// Which shared table a pin belongs to.
@@ -109,7 +111,7 @@ pub enum Change {
     },
 }
 
-/// A message from another instance, as read off the updates channel.
+/// A message from another instance, as read off the link's channels.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
     Change(Change),
@@ -117,7 +119,7 @@ pub enum Message {
     /// not named carry none), or the replicas whose load changed since it last said.
     Load {
         snapshot: bool,
-        replicas: Vec<(String, Load)>,
+        replicas: Vec<(String, LoadReport)>,
     },
 }
 
@@ -181,14 +183,19 @@ pub struct Cluster {
     runtime: Mutex<HashMap<String, String>>,
     /// Changes were dropped during this outage, and that was logged.
     drops_logged: AtomicBool,
+    /// The link the state goes over (None in tests of the handle alone).
+    link: Option<Arc<crate::link::Link>>,
 }
 
 /// Changes queued while Redis is slow or away; past this they are dropped (and counted).
 const QUEUE: usize = 65_536;
 
 impl Cluster {
-    /// The handle and the receiving end for [`ClusterSync`].
-    pub fn new(instance: String) -> (Arc<Cluster>, mpsc::Receiver<Change>) {
+    /// The handle and the receiving end for [`ClusterSync`], whose changes go over `link`.
+    pub fn new(
+        instance: String,
+        link: Option<Arc<crate::link::Link>>,
+    ) -> (Arc<Cluster>, mpsc::Receiver<Change>) {
         let (tx, rx) = mpsc::channel(QUEUE);
         METRICS.cluster_connected.set(0);
         let nonce = {
@@ -212,8 +219,14 @@ impl Cluster {
             held_wake: tokio::sync::Notify::new(),
             runtime: Mutex::new(HashMap::new()),
             drops_logged: AtomicBool::new(false),
+            link,
         };
         (Arc::new(c), rx)
+    }
+
+    /// The link to the cluster's Redis, which the shared budgets use too.
+    pub fn link(&self) -> Option<&Arc<crate::link::Link>> {
+        self.link.as_ref()
     }
 
     pub fn pin(&self, table: Table, key: u64, replica: &Arc<str>) {
@@ -364,7 +377,8 @@ impl Cluster {
         self.connected.load(Ordering::Relaxed)
     }
 
-    /// Records a transition; true when it is one (to log it once).
+    /// Records whether the cluster follows the others now; true when that changed. The
+    /// link logs its own transitions: nothing is logged here.
     fn set_connected(&self, up: bool) -> bool {
         METRICS.cluster_connected.set(up as i64);
         let changed = self.connected.swap(up, Ordering::Relaxed) != up;
@@ -391,8 +405,7 @@ impl Cluster {
     }
 }
 
-/// The default instance id: host name and pid.
-/// A message on the updates channel: `sender|kind|...`, the sender being `instance#nonce`;
+/// A message on the link's channels: `sender|kind|...`, the sender being `instance#nonce`;
 /// pure, so both ends are tested here.
 /// Replica ids are letters, digits, `-`, `_` and `.` (the conf checks it), so `|`, `;`, `=`,
 /// `,` and `:` separate fields safely. Load travels in [`encode_load`].
@@ -421,7 +434,7 @@ pub fn encode(instance: &str, change: &Change) -> String {
 }
 
 /// Load per replica: `instance|load|gpu0=1,0,0;gpu1=...` (`loadsnap` for a snapshot).
-pub fn encode_load(instance: &str, snapshot: bool, replicas: &[(String, Load)]) -> String {
+pub fn encode_load(instance: &str, snapshot: bool, replicas: &[(String, LoadReport)]) -> String {
     let kind = if snapshot { "loadsnap" } else { "load" };
     let list: Vec<String> = replicas
         .iter()
@@ -498,7 +511,7 @@ pub fn decode(message: &str) -> Option<(&str, Message)> {
                     let mut n = n
                         .split(',')
                         .map(|v| v.parse::<i64>().ok().filter(|v| (0..1 << 48).contains(v)));
-                    let load = Load {
+                    let load = LoadReport {
                         in_flight: n.next()??,
                         waiting: n.next()??,
                         queued_tokens: n.next()??,
@@ -582,7 +595,7 @@ mod tests {
             let m = encode("host-1", &c);
             assert_eq!(decode(&m), Some(("host-1", Message::Change(c))), "{m}");
         }
-        let load = |in_flight, waiting, queued_tokens| Load {
+        let load = |in_flight, waiting, queued_tokens| LoadReport {
             in_flight,
             waiting,
             queued_tokens,
@@ -624,7 +637,10 @@ mod tests {
 
     #[test]
     fn a_sender_names_its_instance_and_its_process() {
-        let (a, b) = (Cluster::new("lb-a".into()).0, Cluster::new("lb-a".into()).0);
+        let (a, b) = (
+            Cluster::new("lb-a".into(), None).0,
+            Cluster::new("lb-a".into(), None).0,
+        );
         assert_eq!(
             (sender(a.sender()).0, sender(b.sender()).0),
             ("lb-a", "lb-a")
@@ -641,7 +657,7 @@ mod tests {
 
     #[test]
     fn a_full_queue_drops_and_never_blocks() {
-        let (c, mut rx) = Cluster::new("i".into());
+        let (c, mut rx) = Cluster::new("i".into(), None);
         let r: Arc<str> = Arc::from("gpu0");
         for k in 0..(QUEUE as u64 + 10) {
             c.pin(Table::Affinity, k, &r);
@@ -658,7 +674,7 @@ mod tests {
     /// its change was written.
     #[tokio::test]
     async fn operator_changes_are_held_until_written_and_the_latest_per_replica_wins() {
-        let (c, mut rx) = Cluster::new("i".into());
+        let (c, mut rx) = Cluster::new("i".into(), None);
         let (gpu0, gpu1): (Arc<str>, Arc<str>) = (Arc::from("gpu0"), Arc::from("gpu1"));
         // Pins fill the queue: the operator's changes do not go there.
         for k in 0..QUEUE as u64 {
@@ -724,7 +740,7 @@ mod tests {
 
     #[test]
     fn drops_are_logged_once_per_outage() {
-        let (c, _rx) = Cluster::new("i".into());
+        let (c, _rx) = Cluster::new("i".into(), None);
         c.set_connected(true);
         c.dropped(0);
         assert!(!c.drops_logged.load(Ordering::Relaxed));

@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-/// Load on one replica in the units the cost policy uses.
+/// What an instance reports of its load on one replica, in the units the cost policy uses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Load {
+pub struct LoadReport {
     /// Requests in flight.
     pub in_flight: i64,
     /// Requests without a first byte yet.
@@ -27,12 +27,12 @@ pub struct Peers {
 
 struct Peer {
     seen: Instant,
-    load: HashMap<String, Load>,
+    load: HashMap<String, LoadReport>,
 }
 
 impl Peers {
     /// A peer's snapshot: its whole load now, replacing what was known of it.
-    pub fn snapshot(&mut self, instance: &str, replicas: Vec<(String, Load)>, now: Instant) {
+    pub fn snapshot(&mut self, instance: &str, replicas: Vec<(String, LoadReport)>, now: Instant) {
         self.peers.insert(
             instance.to_string(),
             Peer {
@@ -43,7 +43,7 @@ impl Peers {
     }
 
     /// A peer's load on the replicas it names, as it is now; the others stay as they were.
-    pub fn update(&mut self, instance: &str, replicas: Vec<(String, Load)>, now: Instant) {
+    pub fn update(&mut self, instance: &str, replicas: Vec<(String, LoadReport)>, now: Instant) {
         let peer = self
             .peers
             .entry(instance.to_string())
@@ -85,8 +85,8 @@ impl Peers {
 mod tests {
     use super::*;
 
-    fn load(in_flight: i64, waiting: i64, queued_tokens: i64) -> Load {
-        Load {
+    fn load(in_flight: i64, waiting: i64, queued_tokens: i64) -> LoadReport {
+        LoadReport {
             in_flight,
             waiting,
             queued_tokens,

@@ -1,27 +1,24 @@
 //! The background side of the cluster: writes this instance's changes to Redis in batches,
-//! follows the others' on a pub/sub channel, bootstraps from Redis on every (re)connect, and
-//! shares each instance's load per replica. Nothing here is on the request path.
+//! follows the others' on the link's channels, bootstraps from Redis every time the link
+//! (re)connects, and shares each instance's load per replica. Everything goes over the
+//! [`Link`]: its control lane, bounded at 1 s, and its bulk lane for saved indexes. Nothing
+//! here is on the request path.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use futures::StreamExt;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
-use redis::aio::MultiplexedConnection;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
-use super::stored::{
-    drain_key, pin_key, pins_channel, removed_key, replica_key, save_indexes_every, DRAINS,
-};
-use super::{decode, encode, encode_load, sender, Change, Cluster, Load, Message, Peers};
+use super::records::{drain_key, pin_key, removed_key, replica_key, save_indexes_every};
+use super::{decode, encode, encode_load, sender, Change, Cluster, LoadReport, Message, Peers};
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
+use crate::link::{Channel, Failed, Lane, Link, Status};
 
-/// Every Redis round trip is bounded by this; slower counts as down.
-const TIMEOUT: Duration = Duration::from_secs(1);
 /// How often each instance publishes a snapshot of its load (changes go out as they happen),
 /// and looks for replicas that arrived since (DNS, another instance) to adopt what Redis holds
 /// for them.
@@ -30,13 +27,15 @@ const LOAD_EVERY: Duration = Duration::from_millis(250);
 const LOAD_TTL: Duration = Duration::from_secs(2);
 /// Changes written per round trip.
 const BATCH: usize = 512;
+/// The channels the cluster follows.
+const CHANNELS: [Channel; 3] = [Channel::Pins, Channel::Replicas, Channel::Load];
 
 pub struct ClusterSync {
     pub cluster: Arc<Cluster>,
     /// Taken once, when the service starts.
     pub changes: Mutex<Option<mpsc::Receiver<Change>>>,
-    /// The cluster's Redis (see `ClusterConf::client`).
-    pub redis: crate::conf::ClusterConf,
+    /// The link to the cluster's Redis (its keeper runs apart).
+    pub link: Arc<Link>,
     pub registry: Arc<Registry>,
     pub affinity: Arc<AffinityTable>,
     pub stored: Arc<AffinityTable>,
@@ -54,29 +53,9 @@ const ADD_REPLICA: &str = "redis.call('SET', KEYS[1], ARGV[1]) redis.call('DEL',
 const REMOVE_REPLICA: &str = "redis.call('DEL', KEYS[1]) redis.call('SET', KEYS[2], ARGV[1]) \
      redis.call('PUBLISH', ARGV[2], ARGV[3]) return 1";
 
-pub(super) type Failed = redis::RedisError;
-
-/// `f`, or a time-out error after [`TIMEOUT`].
-pub(super) async fn bounded<T>(
-    f: impl std::future::Future<Output = redis::RedisResult<T>>,
-) -> Result<T, Failed> {
-    match tokio::time::timeout(TIMEOUT, f).await {
-        Ok(r) => r,
-        Err(_) => Err(redis::RedisError::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            "redis did not answer in time",
-        ))),
-    }
-}
-
 impl ClusterSync {
     /// Writes this instance's changes; `first_writer_wins` after an outage.
-    async fn write(
-        &self,
-        conn: &mut MultiplexedConnection,
-        changes: &[Change],
-        first_writer_wins: bool,
-    ) -> Result<(), Failed> {
+    async fn write(&self, changes: &[Change], first_writer_wins: bool) -> Result<(), Failed> {
         let ttl = self.pin_ttl.as_secs().max(1);
         let mut pipe = redis::pipe();
         for c in changes {
@@ -93,7 +72,7 @@ impl ClusterSync {
                         .arg(pin_key(*table, *key))
                         .arg(&**replica)
                         .arg(ttl)
-                        .arg(pins_channel())
+                        .arg(Channel::Pins.name())
                         .arg(message)
                         .ignore();
                 }
@@ -109,7 +88,7 @@ impl ClusterSync {
                         .arg(ttl)
                         .ignore();
                     pipe.cmd("PUBLISH")
-                        .arg(pins_channel())
+                        .arg(Channel::Pins.name())
                         .arg(message)
                         .ignore();
                 }
@@ -119,7 +98,10 @@ impl ClusterSync {
                     } else {
                         pipe.cmd("DEL").arg(drain_key(replica)).ignore();
                     }
-                    pipe.cmd("PUBLISH").arg(DRAINS).arg(message).ignore();
+                    pipe.cmd("PUBLISH")
+                        .arg(Channel::Replicas.name())
+                        .arg(message)
+                        .ignore();
                 }
                 Change::Replica { id, conf } => {
                     let (script, value) = match conf {
@@ -137,13 +119,13 @@ impl ClusterSync {
                         .arg(replica_key(id))
                         .arg(removed_key(id))
                         .arg(value)
-                        .arg(DRAINS)
+                        .arg(Channel::Replicas.name())
                         .arg(message)
                         .ignore();
                 }
                 Change::Prefilled { .. } => {
                     pipe.cmd("PUBLISH")
-                        .arg(pins_channel())
+                        .arg(Channel::Pins.name())
                         .arg(message)
                         .ignore();
                 }
@@ -152,21 +134,20 @@ impl ClusterSync {
         if pipe.is_empty() {
             return Ok(());
         }
-        bounded(pipe.query_async::<()>(conn)).await
+        self.link.pipe(Lane::Control, &pipe).await
     }
 
     /// Publishes this instance's load on each replica whose load changed since `published`
     /// says, or on every replica (`full`: a snapshot, which also says it is alive).
     async fn publish_load(
         &self,
-        conn: &mut MultiplexedConnection,
-        published: &mut HashMap<Arc<str>, Load>,
+        published: &mut HashMap<Arc<str>, LoadReport>,
         full: bool,
     ) -> Result<(), Failed> {
-        let mut now: Vec<(String, Load)> = Vec::new();
+        let mut now: Vec<(String, LoadReport)> = Vec::new();
         for r in self.registry.all().iter() {
             let (queued_tokens, waiting) = r.local_prefill();
-            let load = Load {
+            let load = LoadReport {
                 in_flight: r.in_flight() as i64,
                 waiting: waiting as i64,
                 queued_tokens: queued_tokens as i64,
@@ -180,36 +161,31 @@ impl ClusterSync {
             return Ok(());
         }
         let message = encode_load(self.cluster.sender(), full, &now);
-        bounded(
-            redis::cmd("PUBLISH")
-                .arg(DRAINS)
-                .arg(message)
-                .query_async::<()>(conn),
-        )
-        .await
+        let mut publish = redis::cmd("PUBLISH");
+        publish.arg(Channel::Load.name()).arg(message);
+        self.link.query(Channel::Load.lane(), &publish).await
     }
 
-    /// One connected session, until Redis fails or the process stops (`Ok`).
+    /// One session on the link's connections of `generation`, until Redis fails, the link
+    /// reconnects (what was said meanwhile is missed: a new session bootstraps again) or the
+    /// process stops (`Ok`).
     async fn session(
         &self,
+        generation: u64,
+        status: &mut watch::Receiver<Status>,
         rx: &mut mpsc::Receiver<Change>,
         pending: &mut Vec<Change>,
         shutdown: &mut ShutdownWatch,
     ) -> Result<(), Failed> {
-        let client = self.redis.client()?;
-        let mut conn = bounded(client.get_multiplexed_async_connection()).await?;
-        let mut pubsub = bounded(client.get_async_pubsub()).await?;
-        bounded(pubsub.subscribe(&[pins_channel().as_str(), DRAINS])).await?;
-        if self.cluster.set_connected(true) {
-            log::warn!("cluster: connected to redis as {}", self.cluster.instance);
-        }
+        let mut messages = self.link.subscribe(&CHANNELS).await?;
+        self.cluster.set_connected(true);
         // What was changed here while Redis was away: the first writer wins. When Redis fails
         // again meanwhile, what is not written yet is kept for the next time.
         let mut outage: Vec<Change> = std::mem::take(pending);
         let mut written = 0;
         while written < outage.len() {
             let end = (written + BATCH).min(outage.len());
-            if let Err(e) = self.write(&mut conn, &outage[written..end], true).await {
+            if let Err(e) = self.write(&outage[written..end], true).await {
                 pending.extend(outage.drain(written..));
                 return Err(e);
             }
@@ -217,13 +193,12 @@ impl ClusterSync {
         }
         // The drains and replica changes made here meanwhile: the newest writes (see the rule
         // in the module above), before what Redis holds is adopted.
-        self.write_held(&mut conn).await?;
-        let adopted = self.bootstrap(&mut conn).await?;
+        self.write_held().await?;
+        let adopted = self.bootstrap().await?;
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         let mut known: HashSet<Arc<str>> =
             self.registry.all().iter().map(|r| r.id.clone()).collect();
-        let mut messages = pubsub.into_on_message();
         // The others' load, followed for as long as this session lasts; this instance's, as
         // last published.
         let mut peers = Peers::default();
@@ -232,7 +207,7 @@ impl ClusterSync {
         snapshot.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut saver = Aborting(tokio::spawn(save_indexes_every(
             self.registry.clone(),
-            conn.clone(),
+            self.link.clone(),
             self.pin_ttl,
         )));
         let mut batch = Vec::with_capacity(BATCH);
@@ -240,11 +215,14 @@ impl ClusterSync {
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return Ok(()),
+                s = status.changed() => {
+                    let now = *status.borrow();
+                    if s.is_err() || !now.up || now.generation != generation {
+                        return Err(Failed::Down);
+                    }
+                }
                 m = messages.next() => {
-                    let Some(m) = m else {
-                        return Err(redis::RedisError::from(std::io::Error::other("subscription closed")));
-                    };
-                    let payload: String = m.get_payload().unwrap_or_default();
+                    let (_, payload) = m?;
                     let decoded = decode(&payload).map(|(from, m)| (from, sender(from).0, m));
                     match decoded {
                         // Another process signing with this instance's id: said once.
@@ -282,32 +260,32 @@ impl ClusterSync {
                     }
                 }
                 _ = self.cluster.held_wake.notified() => {
-                    self.write_held(&mut conn).await?;
+                    self.write_held().await?;
                 }
                 n = rx.recv_many(&mut batch, BATCH) => {
                     if n == 0 {
                         return Ok(());
                     }
-                    self.write_or_keep(&mut conn, &mut batch, pending).await?;
+                    self.write_or_keep(&mut batch, pending).await?;
                 }
                 _ = self.cluster.load.notified() => {
-                    self.publish_load(&mut conn, &mut published, false).await?;
+                    self.publish_load(&mut published, false).await?;
                 }
                 _ = snapshot.tick() => {
-                    self.publish_load(&mut conn, &mut published, true).await?;
+                    self.publish_load(&mut published, true).await?;
                     if peers.expire(Instant::now(), LOAD_TTL) {
                         self.apply_peers(&peers);
                     }
                     self.registry.set_rank(peers.rank(&self.cluster.instance));
                     for r in self.registry.all().iter() {
                         if known.insert(r.id.clone()) {
-                            self.adopt(&mut conn, r, None).await?;
+                            self.adopt(r, None).await?;
                         }
                     }
                 }
                 failed = &mut saver.0 => {
                     return Err(failed.unwrap_or_else(|_| {
-                        redis::RedisError::from(std::io::Error::other("index saving stopped"))
+                        Failed::Broken("index saving stopped".into())
                     }));
                 }
             }
@@ -316,11 +294,11 @@ impl ClusterSync {
 
     /// Writes the drains and replica changes held, and lets go of those written; on an error
     /// they stay held, for the next session.
-    async fn write_held(&self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+    async fn write_held(&self) -> Result<(), Failed> {
         let held = self.cluster.held();
         for chunk in held.chunks(BATCH) {
             let changes: Vec<Change> = chunk.iter().map(|(_, c)| c.clone()).collect();
-            self.write(conn, &changes, false).await?;
+            self.write(&changes, false).await?;
             let seqs: Vec<u64> = chunk.iter().map(|(s, _)| *s).collect();
             self.cluster.written(&seqs);
         }
@@ -330,11 +308,10 @@ impl ClusterSync {
     /// Writes `batch` and empties it; when Redis fails, keeps what must outlive the outage.
     async fn write_or_keep(
         &self,
-        conn: &mut MultiplexedConnection,
         batch: &mut Vec<Change>,
         pending: &mut Vec<Change>,
     ) -> Result<(), Failed> {
-        let written = self.write(conn, batch, false).await;
+        let written = self.write(batch, false).await;
         if written.is_err() {
             self.cluster.dropped(keep(pending, batch.drain(..)));
         }
@@ -379,27 +356,57 @@ impl BackgroundService for ClusterSync {
         };
         self.registry.listen(self.cluster.clone());
         let mut pending: Vec<Change> = Vec::new();
+        let mut status = self.link.status();
+        let mut batch = Vec::with_capacity(BATCH);
+        // A session that ended while the link stayed up (Redis refused a command): the next
+        // one waits, from 250 ms to 2 s. The link's own outages have the link's backoff.
         let mut backoff = Duration::from_millis(250);
+        let mut ended_on: Option<u64> = None;
         loop {
-            match self.session(&mut rx, &mut pending, &mut shutdown).await {
+            // Until the link is up, what is changed here is kept, bounded, to write then.
+            let generation = loop {
+                tokio::select! {
+                    _ = shutdown.changed() => return,
+                    g = crate::link::up(&mut status) => break g,
+                    n = rx.recv_many(&mut batch, BATCH) => {
+                        if n == 0 {
+                            return;
+                        }
+                        self.cluster.dropped(keep(&mut pending, batch.drain(..)));
+                    }
+                }
+            };
+            if ended_on == Some(generation) {
+                tokio::select! {
+                    _ = shutdown.changed() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            } else {
+                backoff = Duration::from_millis(250);
+            }
+            match self
+                .session(
+                    generation,
+                    &mut status,
+                    &mut rx,
+                    &mut pending,
+                    &mut shutdown,
+                )
+                .await
+            {
                 Ok(()) => return,
                 Err(e) => {
-                    if self.cluster.set_connected(false) {
-                        log::warn!("cluster: redis unreachable ({e}); going on alone, retrying");
-                        backoff = Duration::from_millis(250);
+                    // The link said the outage (once); a refusal is the cluster's to say.
+                    if !e.is_outage() {
+                        log::warn!("cluster: {e}; starting over");
                     }
+                    self.cluster.set_connected(false);
                     // Peers' load is unknown now: count only what is seen here.
                     self.apply_peers(&Peers::default());
+                    ended_on = Some(generation);
                 }
             }
-            // Keep what is changed meanwhile, bounded, to write when Redis is back.
-            let dropped = keep(&mut pending, std::iter::from_fn(|| rx.try_recv().ok()));
-            self.cluster.dropped(dropped);
-            tokio::select! {
-                _ = shutdown.changed() => return,
-                _ = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 }
@@ -414,7 +421,7 @@ mod tests {
     /// dropped and counted (prefilled prompts are neither).
     #[test]
     fn pins_past_the_outage_bound_are_dropped_and_counted() {
-        let (cluster, _rx) = Cluster::new("i".into());
+        let (cluster, _rx) = Cluster::new("i".into(), None);
         let r: Arc<str> = Arc::from("gpu0");
         let pin = |key| Change::Pin {
             table: Table::Affinity,

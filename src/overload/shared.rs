@@ -2,9 +2,10 @@
 //! its keys used to per-key, per-slice counters and publishes its requests in flight per key;
 //! it reads back what the others used and counts it against the same budgets.
 //!
-//! Never on the request path: a task does it every [`EVERY`], each call bounded. When Redis is
-//! slow or gone, each instance counts only its own use (the others' part is forgotten) until it
-//! answers again. Not for routing state (`crate::cluster` shares that).
+//! Never on the request path: a task does it every [`EVERY`], on the link's budgets lane
+//! ([`crate::link::Lane::Budgets`], each exchange bounded at 0.5 s). When the link is down (it
+//! says so, once), each instance counts only its own use (the others' part is forgotten) until
+//! it is back. Not for routing state (`crate::cluster` shares that).
 //!
 //! Keys: `inferlb:overload:v1:t:{key}:{slice}` (tokens, INCRBY, expiring after two windows) and
 //! `inferlb:overload:v1:c:{key}` (a hash: instance → `requests:unix_ms`); `{key}` is the hash
@@ -15,14 +16,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use redis::aio::MultiplexedConnection;
-
 use super::budget::Remote;
 use super::metrics::METRICS;
 use super::Overload;
+use crate::link::{Lane, Link};
 
 const EVERY: Duration = Duration::from_millis(200);
-const CALL_LIMIT: Duration = Duration::from_millis(500);
 /// Another instance's requests in flight count while its report is this fresh.
 const FRESH_MS: u64 = 3_000;
 const SLICES: u64 = 10;
@@ -41,18 +40,11 @@ fn concurrency_key(key: u64) -> String {
     format!("inferlb:overload:v1:c:{key:016x}")
 }
 
-async fn bounded<T>(f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, ()> {
-    match tokio::time::timeout(CALL_LIMIT, f).await {
-        Ok(Ok(v)) => Ok(v),
-        _ => Err(()),
-    }
-}
-
 /// Where to share, and this instance's name there.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Sharing {
-    /// The cluster's Redis, opened as the shared state opens it.
-    pub redis: crate::conf::ClusterConf,
+    /// The link to the cluster's Redis, the one the cluster's state goes over.
+    pub link: Arc<Link>,
     pub instance: String,
 }
 
@@ -68,28 +60,21 @@ pub(super) async fn run(overload: Arc<Overload>, sharing: Sharing) {
     let slice_ms = (overload.conf.window.as_millis() as u64 / SLICES).max(1);
     let ttl = (overload.conf.window.as_secs() * 2).max(2);
     let mut own = Own::default();
-    let mut conn: Option<MultiplexedConnection> = None;
     let mut down = false;
     loop {
         tokio::time::sleep(EVERY).await;
-        if conn.is_none() {
-            conn = match sharing.redis.client() {
-                Ok(c) => bounded(c.get_multiplexed_async_connection()).await.ok(),
-                Err(_) => None,
-            };
-        }
         let (pending, concurrency) = {
             let mut s = overload.lock();
             (s.budgets.take_pending(), s.budgets.concurrency())
         };
-        let Some(c) = conn.as_mut() else {
+        if !sharing.link.is_up() {
             forget_others(&overload, &mut down);
             continue;
-        };
+        }
         let now = now_ms();
         let slice = now / slice_ms;
         match exchange(
-            c,
+            &sharing.link,
             &sharing.instance,
             &pending,
             &concurrency,
@@ -110,7 +95,6 @@ pub(super) async fn run(overload: Arc<Overload>, sharing: Sharing) {
             Err(()) => {
                 // What was not written is lost: each instance's count of its own stays exact,
                 // the others see a little less of it.
-                conn = None;
                 forget_others(&overload, &mut down);
             }
         }
@@ -120,7 +104,8 @@ pub(super) async fn run(overload: Arc<Overload>, sharing: Sharing) {
 
 fn forget_others(overload: &Overload, down: &mut bool) {
     if !std::mem::replace(down, true) {
-        log::warn!("overload budgets: Redis unreachable, counting this instance's use only");
+        // The link says the outage itself; this says what the budgets do about it, once.
+        log::warn!("overload budgets: counting this instance's use only until Redis is back");
     }
     METRICS.shared.set(0);
     overload.lock().budgets.set_remote(HashMap::new());
@@ -129,7 +114,7 @@ fn forget_others(overload: &Overload, down: &mut bool) {
 /// Writes this instance's use, reads everyone's: the others' part by key.
 #[allow(clippy::too_many_arguments)]
 async fn exchange(
-    c: &mut MultiplexedConnection,
+    link: &Link,
     instance: &str,
     pending: &[(u64, i64)],
     concurrency: &[(u64, u32)],
@@ -164,10 +149,12 @@ async fn exchange(
     }
     type Read = (Vec<Option<i64>>, HashMap<String, String>);
     let read: Vec<Read> = if keys.is_empty() {
-        bounded(pipe.query_async::<()>(c)).await?;
+        link.pipe::<()>(Lane::Budgets, &pipe)
+            .await
+            .map_err(|_| ())?;
         vec![]
     } else {
-        let flat: Vec<redis::Value> = bounded(pipe.query_async(c)).await?;
+        let flat: Vec<redis::Value> = link.pipe(Lane::Budgets, &pipe).await.map_err(|_| ())?;
         flat.chunks_exact(2)
             .map(|pair| {
                 let totals: Vec<Option<i64>> =

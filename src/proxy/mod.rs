@@ -69,12 +69,12 @@ impl Balancer {
             policy: Router::new(conf.routing, conf.spill_margin),
             overload: crate::overload::Overload::from_conf(
                 conf.overload.clone(),
-                conf.cluster
-                    .as_ref()
-                    .map(|c| crate::overload::shared::Sharing {
-                        redis: c.clone(),
-                        instance: c.instance_id.clone(),
-                    }),
+                cluster.as_ref().and_then(|c| c.link()).map(|link| {
+                    crate::overload::shared::Sharing {
+                        link: link.clone(),
+                        instance: link.instance().to_string(),
+                    }
+                }),
                 registry.clone(),
             ),
             registry,

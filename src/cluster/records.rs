@@ -6,12 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
-
-use super::sync::{bounded, ClusterSync, Failed};
+use super::sync::ClusterSync;
 use super::{encode, Change, Subject, Table};
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::Replica;
+use crate::link::{Channel, Failed, Lane, Link};
 use crate::protocol::api::prompt::HASH_VERSION;
 
 /// How often the lowest-ranked instance saves each changed prefix index to Redis, for
@@ -24,12 +23,9 @@ pub(super) fn pin_key(table: Table, key: u64) -> String {
     format!("inferlb:v{HASH_VERSION}:{}:{key:016x}", table.tag())
 }
 
-/// Pins and prefilled prompts: prompt hashes, so the channel carries the hash version.
-pub(super) fn pins_channel() -> String {
-    format!("inferlb:v{HASH_VERSION}:pins")
-}
-/// Drains, replicas and load: no hashes in them.
-pub(super) const DRAINS: &str = "inferlb:drains";
+// The channels are the link's (`crate::link::Channel`). The keys of drains, replicas and
+// tombstones hold no hashes and have kept their format, hence their names (see the link's
+// versioning rule): what an older version wrote stands after an upgrade.
 pub(super) fn drain_key(replica: &str) -> String {
     format!("inferlb:drain:{replica}")
 }
@@ -79,24 +75,17 @@ fn links_from(bytes: &[u8]) -> Vec<(u64, u32)> {
 
 impl ClusterSync {
     /// Every key matching `pattern`, at most `limit`.
-    pub(super) async fn scan(
-        conn: &mut MultiplexedConnection,
-        pattern: &str,
-        limit: usize,
-    ) -> Result<Vec<String>, Failed> {
+    pub(super) async fn scan(&self, pattern: &str, limit: usize) -> Result<Vec<String>, Failed> {
         let mut keys = Vec::new();
         let mut cursor: u64 = 0;
         loop {
-            let (next, batch): (u64, Vec<String>) = bounded(
-                redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(conn),
-            )
-            .await?;
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000);
+            let (next, batch): (u64, Vec<String>) = self.link.query(Lane::Control, &scan).await?;
             keys.extend(batch);
             cursor = next;
             if cursor == 0 || keys.len() >= limit {
@@ -108,17 +97,16 @@ impl ClusterSync {
 
     /// Adopts what Redis holds: pins of this hash version, replicas added at runtime, and for
     /// each replica its drain and saved index.
-    pub(super) async fn bootstrap(
-        &self,
-        conn: &mut MultiplexedConnection,
-    ) -> Result<usize, Failed> {
+    pub(super) async fn bootstrap(&self) -> Result<usize, Failed> {
         let mut adopted = 0;
         for table in [Table::Affinity, Table::Stored] {
             let pattern = format!("inferlb:v{HASH_VERSION}:{}:*", table.tag());
-            let keys = Self::scan(conn, &pattern, 1_000_000).await?;
+            let keys = self.scan(&pattern, 1_000_000).await?;
             for chunk in keys.chunks(500) {
-                let values: Vec<Option<String>> =
-                    bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
+                let values: Vec<Option<String>> = self
+                    .link
+                    .query(Lane::Control, redis::cmd("MGET").arg(chunk))
+                    .await?;
                 for (k, v) in chunk.iter().zip(values) {
                     let key = k
                         .rsplit(':')
@@ -137,11 +125,13 @@ impl ClusterSync {
             }
         }
         // Replicas added at runtime, before their pins and drains.
-        let added = Self::scan(conn, "inferlb:replica:*", 100_000).await?;
+        let added = self.scan("inferlb:replica:*", 100_000).await?;
         let mut shared: HashMap<String, String> = HashMap::new();
         for chunk in added.chunks(500) {
-            let values: Vec<Option<String>> =
-                bounded(redis::cmd("MGET").arg(chunk).query_async(conn)).await?;
+            let values: Vec<Option<String>> = self
+                .link
+                .query(Lane::Control, redis::cmd("MGET").arg(chunk))
+                .await?;
             for (k, conf) in chunk.iter().zip(values) {
                 if let Some(conf) = conf {
                     let id = k.trim_start_matches("inferlb:replica:").to_string();
@@ -149,8 +139,8 @@ impl ClusterSync {
                 }
             }
         }
-        let removed = Self::scan(conn, "inferlb:removed:*", 100_000).await?;
-        self.reconcile(conn, &shared, |id| removed.contains(&removed_key(id)))
+        let removed = self.scan("inferlb:removed:*", 100_000).await?;
+        self.reconcile(&shared, |id| removed.contains(&removed_key(id)))
             .await?;
         for (id, conf) in shared {
             self.apply(Change::Replica {
@@ -159,9 +149,9 @@ impl ClusterSync {
             })
             .await;
         }
-        let drained = Self::scan(conn, "inferlb:drain:*", 100_000).await?;
+        let drained = self.scan("inferlb:drain:*", 100_000).await?;
         for r in self.registry.all().iter() {
-            self.adopt(conn, r, Some(drained.contains(&drain_key(&r.id))))
+            self.adopt(r, Some(drained.contains(&drain_key(&r.id))))
                 .await?;
         }
         Ok(adopted)
@@ -173,7 +163,6 @@ impl ClusterSync {
     /// is in the module's comment; replicas of the conf file are never touched.
     async fn reconcile(
         &self,
-        conn: &mut MultiplexedConnection,
         shared: &HashMap<String, String>,
         removed: impl Fn(&str) -> bool,
     ) -> Result<(), Failed> {
@@ -207,9 +196,9 @@ impl ClusterSync {
                         .arg(replica_key(&id))
                         .arg(removed_key(&id))
                         .arg(&ours)
-                        .arg(DRAINS)
+                        .arg(Channel::Replicas.name())
                         .arg(message);
-                    bounded(eval.query_async::<()>(conn)).await?;
+                    self.link.query::<()>(Lane::Control, &eval).await?;
                 }
             }
         }
@@ -219,15 +208,14 @@ impl ClusterSync {
     /// Adopts what Redis holds for one replica: whether it is drained (`drained`, or asked
     /// here), and its saved index when its own is empty (a fuller one is fresher than a
     /// save). Also for a replica found after the bootstrap (DNS, another instance).
-    pub(super) async fn adopt(
-        &self,
-        conn: &mut MultiplexedConnection,
-        r: &Replica,
-        drained: Option<bool>,
-    ) -> Result<(), Failed> {
+    pub(super) async fn adopt(&self, r: &Replica, drained: Option<bool>) -> Result<(), Failed> {
         let draining = match drained {
             Some(d) => d,
-            None => bounded(redis::cmd("EXISTS").arg(drain_key(&r.id)).query_async(conn)).await?,
+            None => {
+                let mut exists = redis::cmd("EXISTS");
+                exists.arg(drain_key(&r.id));
+                self.link.query(Lane::Control, &exists).await?
+            }
         };
         self.apply(Change::Drain {
             replica: r.id.clone(),
@@ -235,8 +223,9 @@ impl ClusterSync {
         })
         .await;
         if r.cache.index.size().0 == 0 {
-            let saved: Option<Vec<u8>> =
-                bounded(redis::cmd("GET").arg(index_key(&r.id)).query_async(conn)).await?;
+            let mut get = redis::cmd("GET");
+            get.arg(index_key(&r.id));
+            let saved: Option<Vec<u8>> = self.link.query(Lane::Bulk, &get).await?;
             r.cache
                 .index
                 .restore(&links_from(&saved.unwrap_or_default()));
@@ -246,12 +235,12 @@ impl ClusterSync {
 }
 
 /// Every [`INDEX_EVERY`], while this instance has the lowest id of the cluster (rank 0), saves
-/// the recent links of each replica's index that changed since its last save; runs on its own
-/// clone of the connection, so a slow save never holds back the session. Returns the error
-/// that stopped it.
+/// the recent links of each replica's index that changed since its last save; on the link's
+/// bulk lane, so a slow save never holds back pins, drains or load. Returns the error that
+/// stopped it.
 pub(super) async fn save_indexes_every(
     registry: Arc<Registry>,
-    mut conn: MultiplexedConnection,
+    link: Arc<Link>,
     ttl: Duration,
 ) -> Failed {
     let ttl = ttl.as_secs().max(1);
@@ -271,7 +260,7 @@ pub(super) async fn save_indexes_every(
             let bytes = links_to(&r.cache.index.recent(INDEX_SAVED_LINKS));
             let mut set = redis::cmd("SET");
             set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
-            if let Err(e) = bounded(set.query_async::<()>(&mut conn)).await {
+            if let Err(e) = link.query::<()>(Lane::Bulk, &set).await {
                 return e;
             }
             saved.insert(r.id.clone(), records);
