@@ -260,10 +260,14 @@ pub(super) async fn save_indexes_every(
             let bytes = links_to(&r.cache.index.recent(INDEX_SAVED_LINKS));
             let mut set = redis::cmd("SET");
             set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
-            if let Err(e) = link.query::<()>(Lane::Bulk, &set).await {
-                return e;
+            match link.query::<()>(Lane::Bulk, &set).await {
+                Ok(()) => {
+                    saved.insert(r.id.clone(), records);
+                }
+                Err(e) if e.is_outage() => return e,
+                // Slow or refused: this replica's index waits for the next round.
+                Err(e) => log::warn!("cluster: saving the index of {}: {e}", r.id),
             }
-            saved.insert(r.id.clone(), records);
         }
     }
 }

@@ -126,7 +126,9 @@ impl Channel {
 pub enum Failed {
     /// The link is down: nothing was sent.
     Down,
-    /// No answer within the lane's bound: the link is down now.
+    /// No answer within the lane's bound. On the control lane the link is down now; on
+    /// another lane only this call failed (a slow budget exchange or a large write is no
+    /// outage, and must not take the pins and drains down with it).
     Slow(Lane),
     /// The connection broke, or none could be made: the link is down now.
     Broken(String),
@@ -164,9 +166,14 @@ impl Failed {
         }
     }
 
-    /// Whether it says the link is down (rather than Redis refusing one command).
+    /// Whether it says the link is down, rather than one call failing: Redis refusing a
+    /// command, or a lane other than control answering late.
     pub fn is_outage(&self) -> bool {
-        !matches!(self, Failed::Refused(_))
+        match self {
+            Failed::Down | Failed::Broken(_) => true,
+            Failed::Slow(lane) => *lane == Lane::Control,
+            Failed::Refused(_) => false,
+        }
     }
 }
 

@@ -156,3 +156,20 @@ fn channel_names_are_versioned_and_read_back() {
     let lanes: Vec<usize> = Lane::ALL.iter().map(|l| l.index()).collect();
     assert_eq!(lanes, (0..Lane::ALL.len()).collect::<Vec<_>>());
 }
+
+/// Only the control lane's silence is an outage: a slow budget exchange or a slow large write
+/// fails that call alone, and a refusal is never one.
+#[test]
+fn which_failures_take_the_link_down() {
+    let table = [
+        (Failed::Down, true),
+        (Failed::Broken("reset".into()), true),
+        (Failed::Slow(Lane::Control), true),
+        (Failed::Slow(Lane::Budgets), false),
+        (Failed::Slow(Lane::Bulk), false),
+        (Failed::Refused("WRONGTYPE".into()), false),
+    ];
+    for (failed, outage) in table {
+        assert_eq!(failed.is_outage(), outage, "{failed:?}");
+    }
+}
