@@ -105,6 +105,7 @@ fn main() {
             affinity: affinity.clone(),
             stored: stored.clone(),
             pin_ttl: c.pin_ttl,
+            networks: conf.admin.allowed_networks.clone(),
         };
         (handle, background_service("cluster", sync))
     });

@@ -366,14 +366,15 @@ fn sim_at(dir: &Path, ip: &str, id: &str) -> (Proc, u16) {
 }
 
 /// A replica another instance shares (through Redis) at an address this instance's
-/// allowed_networks refuses: it is passed over at connect time like a refused connection,
-/// and with nothing else left the client gets 503.
+/// allowed_networks refuses is never added here: not listed, never health-checked, polled or
+/// connected to; a replica it allows, shared after it, is. The instance that allows it uses it.
 #[test]
-fn a_replica_outside_the_allowed_networks_is_never_connected_to() {
+fn a_shared_replica_outside_the_allowed_networks_is_never_added() {
     let root = tempfile::tempdir().expect("tempdir");
     let dir = root.path();
     let redis = Redis::start(dir);
     let a = Sim::start(dir, "gpu0", &[]);
+    let near = Sim::start(dir, "near", &[]);
     let (_far, far_port) = sim_at(dir, "127.0.0.2", "far");
     let instance = |name: &str, admin: &str| {
         let d = dir.join(name);
@@ -389,49 +390,40 @@ fn a_replica_outside_the_allowed_networks_is_never_connected_to() {
     let two = instance("two", "  admin: {allowed_networks: [127.0.0.1/32]}\n");
     let far = format!("127.0.0.2:{far_port}");
 
-    // Two refuses it itself; one (the default networks) takes it and shares it.
+    // Two refuses it itself; one (the default networks) takes it and shares it, then shares
+    // a replica two allows.
     let body = serde_json::json!({"id": "far", "address": far});
     let (status, _, answer) = call(&two, "POST", "/admin/replicas", None, Some(body.clone()));
     assert_eq!(status, 400, "{answer}");
     let (status, _, answer) = call(&one, "POST", "/admin/replicas", None, Some(body));
     assert_eq!(status, 201, "{answer}");
-    let live = |lb: &Lb| {
+    let body = serde_json::json!({"id": "near", "address": near.addr()});
+    let (status, _, answer) = call(&one, "POST", "/admin/replicas", None, Some(body));
+    assert_eq!(status, 201, "{answer}");
+    let listed = |lb: &Lb, id: &str| {
         let (_, _, state) = call(lb, "GET", "/admin/replicas", None, None);
         state["replicas"]
             .as_array()
-            .is_some_and(|a| a.iter().any(|r| r["id"] == "far" && r["live"] == true))
+            .is_some_and(|a| a.iter().any(|r| r["id"] == id && r["live"] == true))
     };
-    assert!(wait_until(Duration::from_secs(10), || live(&one) && live(&two)));
-
-    for i in 0..6 {
-        let (replica, _, _) = routed_chat(&two, &[("user", &format!("question {i}"))]);
-        assert_eq!(replica, "gpu0", "turn {i}");
-    }
+    assert!(wait_until(Duration::from_secs(10), || listed(&one, "far")
+        && listed(&one, "near")
+        && listed(&two, "near")));
+    // Changes arrive in order: with `near` here, `far` was seen and refused.
+    assert!(!listed(&two, "far"), "two lists far");
     assert!(
         two.proc
             .log_text()
-            .contains("replica far not connected to: 127.0.0.2 is outside"),
+            .contains("replica far from another instance not added: 127.0.0.2 is outside"),
         "{}",
         two.proc.log_text()
     );
-    let seen: Vec<String> = (0..4)
+    let seen: Vec<String> = (0..6)
+        .map(|i| routed_chat(&two, &[("user", &format!("question {i}"))]).0)
+        .collect();
+    assert!(seen.iter().all(|r| r == "gpu0" || r == "near"), "{seen:?}");
+    let seen: Vec<String> = (0..6)
         .map(|i| routed_chat(&one, &[("user", &format!("one {i}"))]).0)
         .collect();
     assert!(seen.iter().any(|r| r == "far"), "one uses it: {seen:?}");
-
-    // With gpu0 drained (on both), two has nothing it may connect to.
-    let (status, _, _) = call(&one, "POST", "/admin/replicas/gpu0/drain", None, None);
-    assert_eq!(status, 200);
-    assert!(wait_until(Duration::from_secs(5), || {
-        two.replica_state("gpu0")["draining"] == true
-    }));
-    let r = http()
-        .post(two.url("/v1/chat/completions"))
-        .json(&chat_body(&[("user", "nothing left")], false, 2))
-        .send()
-        .expect("send");
-    assert_eq!(r.status(), 503);
-    assert!(r.headers().get("x-inferlb-replica").is_none());
-    let (replica, _, _) = routed_chat(&one, &[("user", "one still serves")]);
-    assert_eq!(replica, "far");
 }

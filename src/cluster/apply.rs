@@ -69,13 +69,22 @@ impl ClusterSync {
                     check_replica(&mut conf, "shared replica").map(|()| conf)
                 })
                 .await;
+                // Checked against this instance's own allowed networks: the sender's may be wider.
+                let checked = checked.map(|r| {
+                    r.and_then(|conf| match conf.socket {
+                        Some(s) => self.networks.check(s.ip()).map(|()| conf),
+                        None => Ok(conf),
+                    })
+                });
                 match checked {
                     Ok(Ok(conf)) => {
                         if self.registry.add(&conf, None).is_ok() {
                             self.cluster.set_runtime(&id, Some(&shared));
                         }
                     }
-                    Ok(Err(e)) => log::warn!("cluster: replica {id} from another instance: {e}"),
+                    Ok(Err(e)) => {
+                        log::error!("cluster: replica {id} from another instance not added: {e}")
+                    }
                     Err(_) => {}
                 }
             }

@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::records::{drain_key, pin_key, removed_key, replica_key, save_indexes_every};
 use super::{decode, encode, encode_load, sender, Change, Cluster, LoadReport, Message, Peers};
+use crate::conf::netpolicy::Networks;
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
 use crate::link::{Channel, Failed, Lane, Link, Status};
@@ -40,6 +41,10 @@ pub struct ClusterSync {
     pub affinity: Arc<AffinityTable>,
     pub stored: Arc<AffinityTable>,
     pub pin_ttl: Duration,
+    /// Where a replica shared by another instance may be (this instance's
+    /// `admin.allowed_networks`): one outside is never added here, so not even a health check
+    /// reaches it.
+    pub networks: Networks,
 }
 
 /// Writes a pin unless one is there, and announces it only then: the first writer wins.
