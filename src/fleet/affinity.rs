@@ -152,6 +152,7 @@ impl AffinityTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
 
     fn id(s: &str) -> Arc<str> {
         Arc::from(s)
@@ -229,28 +230,50 @@ mod tests {
     }
 
     /// The size gauge moves with the count: after concurrent inserts it equals the table's
-    /// size. Set from the count each insert read, the last write could be a stale one.
+    /// size. Set from the count each insert read, the last write could be a stale one. Each
+    /// round the threads insert together and the gauge is read after each round, so that a
+    /// stale last write is seen.
     #[test]
     fn the_size_gauge_equals_the_size_after_concurrent_inserts() {
+        const THREADS: u64 = 4;
+        const ROUNDS: u64 = 20_000;
+        const EACH: u64 = 4;
         let gauge = IntGauge::new("affinity_race", "test").expect("gauge");
         let t = AffinityTable::new(10_000_000, Some(gauge.clone()));
         let r = id("r");
-        for round in 0..200u64 {
-            let go = std::sync::Barrier::new(4);
-            std::thread::scope(|s| {
-                for thread in 0..4u64 {
-                    let (t, r, go) = (&t, &r, &go);
-                    s.spawn(move || {
+        let n = (THREADS + 1) as usize;
+        let (go, done) = (std::sync::Barrier::new(n), std::sync::Barrier::new(n));
+        let stale = AtomicBool::new(false);
+        let mut off = vec![];
+        std::thread::scope(|s| {
+            for thread in 0..THREADS {
+                let (t, r, go, done, stale) = (&t, &r, &go, &done, &stale);
+                s.spawn(move || {
+                    for round in 0..ROUNDS {
                         go.wait();
-                        for i in 0..100u64 {
-                            let key = (round << 32) | (thread << 16) | i;
-                            t.record(xxhash_rust::xxh3::xxh3_64(&key.to_le_bytes()), r);
+                        if !stale.load(Ordering::Relaxed) {
+                            for i in 0..EACH {
+                                let key = (round << 32) | (thread << 16) | i;
+                                t.record(xxhash_rust::xxh3::xxh3_64(&key.to_le_bytes()), r);
+                            }
                         }
-                    });
+                        done.wait();
+                    }
+                });
+            }
+            for round in 0..ROUNDS {
+                go.wait();
+                done.wait();
+                if stale.load(Ordering::Relaxed) {
+                    continue;
                 }
-            });
-            assert_eq!(gauge.get(), t.len() as i64, "round {round}");
-        }
-        assert_eq!(t.len(), 200 * 4 * 100);
+                if gauge.get() != t.len() as i64 {
+                    off.push((round, gauge.get(), t.len()));
+                    stale.store(true, Ordering::Relaxed);
+                }
+            }
+        });
+        assert_eq!(off, vec![], "(round, gauge, size)");
+        assert_eq!(t.len() as u64, ROUNDS * THREADS * EACH);
     }
 }
