@@ -1,6 +1,8 @@
 //! Adaptive routing: a continuation goes back to the replica that served its longest strict
 //! prefix, unless that replica is gone or far busier than the least busy one; the rest spreads.
 
+use std::sync::Arc;
+
 use super::spread::least_busy;
 use super::{Ask, Candidate, Policy, Route};
 
@@ -16,9 +18,9 @@ impl Policy for Adaptive {
         "adaptive"
     }
 
-    fn choose<'c, 'a>(
+    fn choose<'c, 'a, F: Fn(u64) -> Option<Arc<str>>>(
         &self,
-        ask: &Ask<'_>,
+        ask: &Ask<'_, F>,
         available: &[&'c Candidate<'a>],
     ) -> (&'c Candidate<'a>, Route) {
         // The keys that may name a home, strongest first: the session, then the longest
@@ -33,7 +35,7 @@ fn decide<'c, 'a>(
     spill_margin: Option<usize>,
     mut homes: impl Iterator<Item = u64>,
     available: &[&'c Candidate<'a>],
-    served_by: &dyn Fn(u64) -> Option<std::sync::Arc<str>>,
+    served_by: &impl Fn(u64) -> Option<Arc<str>>,
     tick: u64,
 ) -> (&'c Candidate<'a>, Route) {
     // The first key that was served names the warm replica.

@@ -2,6 +2,8 @@
 //! keys stay put when another replica leaves). Kept to re-measure its failure with bursts: a
 //! same-prefix burst all lands on one card.
 
+use std::sync::Arc;
+
 use super::{spread, Ask, Candidate, Policy, Route};
 
 #[derive(Debug)]
@@ -12,9 +14,9 @@ impl Policy for Hashed {
         "affinity"
     }
 
-    fn choose<'c, 'a>(
+    fn choose<'c, 'a, F: Fn(u64) -> Option<Arc<str>>>(
         &self,
-        ask: &Ask<'_>,
+        ask: &Ask<'_, F>,
         available: &[&'c Candidate<'a>],
     ) -> (&'c Candidate<'a>, Route) {
         let key = ask.shape.affinity_key();

@@ -88,20 +88,19 @@ pub struct Decision<'a> {
     pub route: Route,
 }
 
-/// Which replica (by id) served the prompt or the session whose hash is the argument.
-pub type ServedBy<'a> = &'a dyn Fn(u64) -> Option<Arc<str>>;
-
-/// What a policy is asked about one request.
-pub struct Ask<'a> {
+/// What a policy is asked about one request. `served_by(h)` answers which replica (by id)
+/// served the prompt or the session whose hash is `h`.
+pub struct Ask<'a, F: Fn(u64) -> Option<Arc<str>>> {
     pub shape: &'a Shape,
     /// The request's session key, which names its home before any prompt prefix does.
     pub session: Option<u64>,
-    pub served_by: ServedBy<'a>,
+    pub served_by: &'a F,
     /// A fresh value of the caller's counter: it breaks ties and drives round-robin.
     pub tick: u64,
 }
 
-/// A routing policy: one per file in this folder.
+/// A routing policy: one per file in this folder. Dispatched statically by [`Router`] (the
+/// lookups a decision makes, one per prefix of a long prompt, inline into it).
 pub trait Policy: Send + Sync + fmt::Debug {
     /// Its name in the conf (`inferlb.routing`).
     fn name(&self) -> &'static str;
@@ -115,17 +114,43 @@ pub trait Policy: Send + Sync + fmt::Debug {
     }
 
     /// Chooses among `available`, which is never empty.
-    fn choose<'c, 'a>(
+    fn choose<'c, 'a, F: Fn(u64) -> Option<Arc<str>>>(
         &self,
-        ask: &Ask<'_>,
+        ask: &Ask<'_, F>,
         available: &[&'c Candidate<'a>],
     ) -> (&'c Candidate<'a>, Route);
+}
+
+/// What a policy says about itself, without a request: its name and whether it weighs
+/// prefill.
+trait PolicyInfo {
+    fn name(&self) -> &'static str;
+    fn weighs_prefill(&self) -> bool;
+}
+
+impl<P: Policy> PolicyInfo for P {
+    fn name(&self) -> &'static str {
+        Policy::name(self)
+    }
+    fn weighs_prefill(&self) -> bool {
+        Policy::weighs_prefill(self)
+    }
+}
+
+/// The policies there are: a new one is a file, a variant here, and its arms in
+/// [`Router::new`] and [`Router::decide`].
+#[derive(Debug)]
+enum Chosen {
+    RoundRobin(roundrobin::RoundRobin),
+    Hashed(hashed::Hashed),
+    Adaptive(adaptive::Adaptive),
+    PrefillCost(prefill_cost::PrefillCost),
 }
 
 /// The policy the conf names.
 #[derive(Debug)]
 pub struct Router {
-    policy: Box<dyn Policy>,
+    policy: Chosen,
 }
 
 impl Router {
@@ -133,23 +158,33 @@ impl Router {
     /// tunable: a pinned continuation spills when its replica has at least this many more
     /// requests in flight than the least busy available one (`None`: never).
     pub fn new(mode: Mode, spill_margin: Option<usize>) -> Router {
-        let policy: Box<dyn Policy> = match mode {
-            Mode::RoundRobin => Box::new(roundrobin::RoundRobin),
-            Mode::Affinity => Box::new(hashed::Hashed),
-            Mode::Adaptive => Box::new(adaptive::Adaptive { spill_margin }),
-            Mode::PrefillCost => Box::new(prefill_cost::PrefillCost),
+        let policy = match mode {
+            Mode::RoundRobin => Chosen::RoundRobin(roundrobin::RoundRobin),
+            Mode::Affinity => Chosen::Hashed(hashed::Hashed),
+            Mode::Adaptive => Chosen::Adaptive(adaptive::Adaptive { spill_margin }),
+            Mode::PrefillCost => Chosen::PrefillCost(prefill_cost::PrefillCost),
         };
-        debug_assert_eq!(policy.name(), mode.name());
-        Router { policy }
+        let router = Router { policy };
+        debug_assert_eq!(router.name(), mode.name());
+        router
+    }
+
+    fn policy(&self) -> &dyn PolicyInfo {
+        match &self.policy {
+            Chosen::RoundRobin(p) => p,
+            Chosen::Hashed(p) => p,
+            Chosen::Adaptive(p) => p,
+            Chosen::PrefillCost(p) => p,
+        }
     }
 
     pub fn name(&self) -> &'static str {
-        self.policy.name()
+        self.policy().name()
     }
 
     /// See [`Policy::weighs_prefill`].
     pub fn weighs_prefill(&self) -> bool {
-        self.policy.weighs_prefill()
+        self.policy().weighs_prefill()
     }
 
     /// Chooses a replica, or `None` when no candidate is available.
@@ -158,7 +193,7 @@ impl Router {
         shape: &Shape,
         session: Option<u64>,
         candidates: &[Candidate<'a>],
-        served_by: ServedBy<'_>,
+        served_by: &impl Fn(u64) -> Option<Arc<str>>,
         tick: u64,
     ) -> Option<Decision<'a>> {
         let available: Vec<&Candidate<'a>> = candidates.iter().filter(|c| c.available).collect();
@@ -171,7 +206,12 @@ impl Router {
             served_by,
             tick,
         };
-        let (chosen, route) = self.policy.choose(&ask, &available);
+        let (chosen, route) = match &self.policy {
+            Chosen::RoundRobin(p) => p.choose(&ask, &available),
+            Chosen::Hashed(p) => p.choose(&ask, &available),
+            Chosen::Adaptive(p) => p.choose(&ask, &available),
+            Chosen::PrefillCost(p) => p.choose(&ask, &available),
+        };
         Some(Decision {
             replica: chosen.id,
             route,

@@ -7,6 +7,8 @@
 //! itself: the second request of a burst sees the first one's queued prefill, and a replica
 //! counts as holding a prompt only once its prefill is over (the caller records it then).
 
+use std::sync::Arc;
+
 use super::spread::least_busy;
 use super::{Ask, Candidate, Policy, Route};
 
@@ -44,9 +46,9 @@ impl Policy for PrefillCost {
         true
     }
 
-    fn choose<'c, 'a>(
+    fn choose<'c, 'a, F: Fn(u64) -> Option<Arc<str>>>(
         &self,
-        ask: &Ask<'_>,
+        ask: &Ask<'_, F>,
         available: &[&'c Candidate<'a>],
     ) -> (&'c Candidate<'a>, Route) {
         // The session names its home outright; an exact continuation with the tokens of the

@@ -1,5 +1,7 @@
 //! `roundrobin`: shape ignored, a plain counter over the available replicas.
 
+use std::sync::Arc;
+
 use super::{spread, Ask, Candidate, Policy, Route};
 
 #[derive(Debug)]
@@ -10,9 +12,9 @@ impl Policy for RoundRobin {
         "roundrobin"
     }
 
-    fn choose<'c, 'a>(
+    fn choose<'c, 'a, F: Fn(u64) -> Option<Arc<str>>>(
         &self,
-        ask: &Ask<'_>,
+        ask: &Ask<'_, F>,
         available: &[&'c Candidate<'a>],
     ) -> (&'c Candidate<'a>, Route) {
         (spread::round_robin(available, ask.tick), Route::RoundRobin)
