@@ -90,6 +90,9 @@ async fn a_large_write_on_the_bulk_lane_does_not_hold_back_a_pin_on_the_control_
             (r, Instant::now())
         },
         async {
+            // Sent once the bulk write is queued on the connection (join polls it first, but
+            // it may yield before it is queued): a connection answers in the order it is sent.
+            tokio::time::sleep(Duration::from_millis(20)).await;
             let r = link.pipe::<()>(Lane::Bulk, &pin(9)).await;
             (r, Instant::now())
         },
