@@ -165,6 +165,7 @@ fn decision(c: &mut Criterion) {
                             },
                             queued_tokens: (i as u64 % 5) * 1000,
                             running: i % 4,
+                            kv_tokens: 0,
                         })
                         .collect();
                     policy

@@ -54,6 +54,7 @@ impl CostBench {
                 cached_tokens: self.index[i].cached_tokens(links),
                 queued_tokens: self.queued[i],
                 running: 0,
+                kv_tokens: 0,
             })
             .collect();
         let served = &self.served;

@@ -43,6 +43,7 @@ fuzz_target!(|data: &[u8]| {
         cached_tokens: 0,
         queued_tokens: replica.queued_tokens(),
         running: replica.running(),
+        kv_tokens: 0,
     };
     let _ = cost(&candidate, uncached, uncached / 2);
     drop(queued);

@@ -30,7 +30,7 @@ fuzz_target!(|data: &[u8]| {
         let candidates: Vec<Candidate> = IDS[..count]
             .iter()
             .enumerate()
-            .map(|(i, id)| { let available = state & (1 << (i + 3)) != 0 || i == 4; Candidate { id, available, reachable: available, in_flight: in_flight[i], cached_tokens: (state as u64) << i, queued_tokens: in_flight[i] as u64 * 1000, running: in_flight[i] } })
+            .map(|(i, id)| { let available = state & (1 << (i + 3)) != 0 || i == 4; Candidate { id, available, reachable: available, in_flight: in_flight[i], cached_tokens: (state as u64) << i, queued_tokens: in_flight[i] as u64 * 1000, running: in_flight[i], kv_tokens: 0, } })
             .collect();
         let info = classify(Family::Chat, body);
         let decision = policy.decide(&info.shape, None, &candidates, &|h| served.get(&h).map(|s| Arc::from(*s)), tick);

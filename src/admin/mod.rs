@@ -7,7 +7,7 @@
 //! - `POST /admin/replicas/{id}/drain` and `.../undrain`: take a replica out of rotation
 //!   (in-flight requests finish, pinned conversations move on their next turn) and back.
 //! - `POST /admin/replicas` with `{"id", "address", "api_key_env"? or "api_key_file"?,
-//!   "models"?, "cache_tokens"?}`: adds a replica at runtime (it joins after a passing health
+//!   "models"?, "cache_tokens"?, "role"?, "bootstrap_port"?}`: adds a replica at runtime (it joins after a passing health
 //!   check); each instance reads its key from its own environment or file;
 //!   `DELETE /admin/replicas/{id}` removes one (in-flight requests finish).
 //!
@@ -144,6 +144,7 @@ impl Admin {
                 serde_json::json!({
                     "id": &*r.id,
                     "address": r.endpoint.address,
+                    "role": r.role.name(),
                     "healthy": r.health.is_healthy(),
                     "demoted": r.health.is_demoted(),
                     "draining": r.health.is_draining(),

@@ -23,6 +23,7 @@ mod doc_check;
 mod mode;
 pub mod netpolicy;
 pub mod overload;
+pub mod pd;
 mod replica;
 pub mod secrets;
 mod section;
@@ -30,6 +31,7 @@ pub mod tls;
 
 pub use admin::{read_token, AdminConf, Token, TokenSource};
 pub use mode::Mode;
+pub use pd::{PdConf, Protocol, Role};
 pub use replica::{check_replica, split_address, Discover, ReplicaConf};
 use section::{validate, RawSection};
 
@@ -82,6 +84,8 @@ pub struct Config {
     pub forward_paths: Vec<crate::protocol::edge::PathRule>,
     /// Paths open without a client key when `api_keys` is set.
     pub public_paths: Vec<crate::protocol::edge::PathRule>,
+    /// Prefill/decode disaggregation, for models whose replicas take those roles.
+    pub pd: PdConf,
 }
 
 #[derive(Debug, Clone)]

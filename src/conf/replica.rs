@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use crate::conf::pd::Role;
 use crate::conf::secrets::{Redacted, Secret};
 
 /// Serialised (for the other instances of a cluster, through Redis) without its key: only
@@ -53,6 +54,13 @@ pub struct ReplicaConf {
     /// interval; each address becomes a replica `{id}-{ip}-{port}`.
     #[serde(default)]
     pub discover: Option<Discover>,
+    /// Its part in its model's pool: `plain` (default), `prefill`, `decode` or `both`.
+    #[serde(default, skip_serializing_if = "Role::is_plain")]
+    pub role: Role,
+    /// SGLang's protocol: the port of this prefill server's bootstrap server (its host is the
+    /// address's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
@@ -82,6 +90,14 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
                 "{key}.cache_tokens: {t} is not a cache size (1024 to 1e9 tokens)"
             ));
         }
+    }
+    if r.bootstrap_port == Some(0) {
+        return Err(format!("{key}.bootstrap_port: 0 is not a port"));
+    }
+    if r.bootstrap_port.is_some() && !r.role.prefills() {
+        return Err(format!(
+            "{key}.bootstrap_port: only a prefill (or both) replica has a bootstrap server"
+        ));
     }
     r.key = match (&r.api_key, &r.api_key_env, &r.api_key_file) {
         (None, None, None) => None,

@@ -54,6 +54,7 @@ pub(super) struct RawSection {
     admin: Option<super::admin::RawAdmin>,
     forward_paths: Vec<String>,
     public_paths: Vec<String>,
+    pd: crate::conf::pd::RawPd,
 }
 
 impl Default for RawSection {
@@ -90,6 +91,7 @@ impl Default for RawSection {
             admin: None,
             forward_paths: vec![],
             public_paths: vec![],
+            pd: crate::conf::pd::RawPd::default(),
         }
     }
 }
@@ -453,6 +455,7 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
         admin,
         forward_paths,
         public_paths,
+        pd: crate::conf::pd::validate(raw.pd)?,
     })
 }
 

@@ -33,6 +33,9 @@ pub struct Reported {
     pub running: u64,
     /// `num_gpu_blocks` x `block_size`, when the page has `vllm:cache_config_info`.
     pub cache_tokens: Option<u64>,
+    /// The share of its KV cache in use by running requests, in millionths
+    /// (`vllm:kv_cache_usage_perc`, a fraction despite its name; SGLang's `token_usage`).
+    pub kv_usage_ppm: Option<u64>,
 }
 
 /// Reads the Prometheus text of a vLLM replica (SGLang's names too); `None` when it has
@@ -47,7 +50,8 @@ pub fn parse(text: &str) -> Option<Reported> {
             continue;
         };
         let name = series.split('{').next().unwrap_or("");
-        let value = || requests(value);
+        let raw = value;
+        let value = || requests(raw);
         match name {
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
                 r.waiting = (r.waiting + value()?).min(MAX_REQUESTS);
@@ -56,6 +60,14 @@ pub fn parse(text: &str) -> Option<Reported> {
             "vllm:num_requests_running" | "sglang:num_running_reqs" => {
                 r.running = (r.running + value()?).min(MAX_REQUESTS);
                 running = true;
+            }
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                // A share that is not a number is left out, not taken for the load.
+                if let Some(v) = raw.trim().parse::<f64>().ok().filter(|v| v.is_finite()) {
+                    let ppm = (v.clamp(0.0, 1.0) * 1e6) as u64;
+                    let sum = r.kv_usage_ppm.unwrap_or(0).saturating_add(ppm);
+                    r.kv_usage_ppm = Some(sum.min(1_000_000));
+                }
             }
             "vllm:cache_config_info" => {
                 let blocks = label(series, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok());
@@ -101,6 +113,7 @@ impl LoadReader {
                 .filter(|(status, _)| *status == 200);
         let reported = page.and_then(|(_, body)| parse(&String::from_utf8_lossy(&body)));
         r.set_reported_load(reported.map(|x| (x.waiting, x.running)));
+        r.set_reported_kv_usage(reported.and_then(|x| x.kv_usage_ppm));
         if let Some(tokens) = reported.and_then(|x| x.cache_tokens) {
             if !r.cache.configured && tokens != r.cache.index.capacity_tokens() && tokens > 0 {
                 log::info!("replica {} caches {tokens} tokens (its /metrics)", r.id);
@@ -151,13 +164,15 @@ vllm:num_requests_running{engine="0",model_name="m"} 7.0
 vllm:num_requests_waiting{engine="0",model_name="n"} 1.0
 vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="12500"} 1.0
 vllm:prefix_cache_hits_total{model_name="m"} 1.2e6
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 "#;
         assert_eq!(
             parse(page),
             Some(Reported {
                 waiting: 4,
                 running: 7,
-                cache_tokens: Some(200_000)
+                cache_tokens: Some(200_000),
+                kv_usage_ppm: Some(250_000),
             })
         );
     }

@@ -13,6 +13,7 @@ use arc_swap::ArcSwap;
 
 use crate::conf::{ReplicaConf, UpstreamConf};
 use crate::fleet::events::Listener;
+use crate::fleet::pool::Leg;
 use crate::fleet::replica::{Prompt, Replica};
 use crate::protocol::api::prompt::Link;
 use crate::routing::Candidate;
@@ -115,10 +116,21 @@ impl Registry {
         model: Option<&str>,
         links: &[Link],
     ) -> Vec<Candidate<'a>> {
+        Registry::candidates_for(Leg::Whole, fleet, tried, model, links)
+    }
+
+    /// Like [`Registry::candidates`], of the replicas that take `leg`.
+    pub fn candidates_for<'a>(
+        leg: Leg,
+        fleet: &'a [Arc<Replica>],
+        tried: &[Arc<Replica>],
+        model: Option<&str>,
+        links: &[Link],
+    ) -> Vec<Candidate<'a>> {
         fleet
             .iter()
-            // The model's pool, of replicas that serve a request whole (every one, today).
-            .filter(|r| r.role.serves_whole() && model.is_none_or(|m| r.serves(m)))
+            // The model's pool, of replicas that take this leg.
+            .filter(|r| leg.takes(r.role) && model.is_none_or(|m| r.serves(m)))
             .map(|r| {
                 let fresh = !tried.iter().any(|t| Arc::ptr_eq(t, r));
                 Candidate {
@@ -133,9 +145,21 @@ impl Registry {
                     },
                     queued_tokens: r.queued_tokens(),
                     running: r.running(),
+                    kv_tokens: r.kv_tokens(),
                 }
             })
             .collect()
+    }
+
+    /// Whether `model` is served disaggregated: among the replicas that may serve it, some
+    /// prefill and some decode (by their configured roles, live or not).
+    pub fn disaggregated(fleet: &[Arc<Replica>], model: Option<&str>) -> bool {
+        let pool = || fleet.iter().filter(|r| model.is_none_or(|m| r.serves(m)));
+        let prefill = pool().find(|r| r.role.prefills());
+        // One `both` replica alone is no pair: a handover to itself is a request served whole.
+        prefill.is_some_and(|p| pool().any(|d| d.role.decodes() && !Arc::ptr_eq(p, d)))
+            || (pool().filter(|r| r.role.prefills()).count() > 1
+                && pool().any(|r| r.role.decodes()))
     }
 
     /// The replicas that can serve what they hold (drained or not).

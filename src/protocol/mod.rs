@@ -5,4 +5,5 @@
 pub mod api;
 pub mod body;
 pub mod edge;
+pub mod handover;
 pub mod usage;

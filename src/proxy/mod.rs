@@ -8,6 +8,7 @@ mod attempt;
 mod errors;
 pub mod failover;
 mod outcome;
+mod pd;
 
 use attempt::{Attempt, Choice};
 pub mod request;
@@ -122,6 +123,10 @@ pub struct Ctx {
     usage: Option<Usage>,
     /// Its place under overload protection (its key's budget, its prefill in transit).
     overload: crate::overload::Pass,
+    /// The replica a disaggregated pool's request is served whole on, and why, until it fails.
+    forced: Option<(Arc<Replica>, Route)>,
+    /// A disaggregated request's decode KV and pending leg, held until it ends.
+    pd: pd::Held,
 }
 
 impl Ctx {
@@ -167,6 +172,8 @@ impl ProxyHttp for Balancer {
             usage_reader: None,
             usage: None,
             overload: Default::default(),
+            forced: None,
+            pd: Default::default(),
         }
     }
 
@@ -219,7 +226,10 @@ impl ProxyHttp for Balancer {
             answers::respond_json(session, ctx.id(), 200, body).await?;
             return Ok(true);
         }
-        self.admit_load(session, ctx).await
+        if self.admit_load(session, ctx).await? {
+            return Ok(true);
+        }
+        self.disaggregate(session, ctx).await
     }
 
     async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {

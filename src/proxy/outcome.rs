@@ -44,9 +44,20 @@ impl Balancer {
         let candidates = Registry::candidates(&fleet, &ctx.tried, model, links);
         let served_by = |h| self.affinity.served_by(h);
         let tick = self.registry.tick();
-        let decision = match &ctx.owner {
-            Some(owner) => routing::stored(&owner.id, &candidates),
-            None => self
+        // A disaggregated pool's request served whole goes where the pool's plan put it,
+        // until that replica fails it.
+        let forced = ctx
+            .forced
+            .as_ref()
+            .filter(|(r, _)| !ctx.tried.iter().any(|t| Arc::ptr_eq(t, r)) && r.is_live())
+            .map(|(r, route)| routing::Decision {
+                replica: &r.id,
+                route: *route,
+            });
+        let decision = match (&ctx.owner, forced) {
+            (Some(owner), _) => routing::stored(&owner.id, &candidates),
+            (None, Some(f)) => Some(f),
+            (None, None) => self
                 .policy
                 .decide(shape, ctx.session, &candidates, &served_by, tick),
         }?;

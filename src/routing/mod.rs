@@ -17,6 +17,7 @@ use crate::protocol::api::shape::Shape;
 
 mod adaptive;
 mod hashed;
+pub mod pd;
 pub mod prefill_cost;
 mod roundrobin;
 mod spread;
@@ -40,6 +41,10 @@ pub enum Route {
     Prefix,
     /// `roundrobin` mode.
     RoundRobin,
+    /// Disaggregated: prefilled on a prefill replica, its KV pulled by the decode replica.
+    Pd,
+    /// Disaggregated pool, served whole on the decode replica that lacks little of the prompt.
+    PdLocal,
 }
 
 impl Route {
@@ -53,6 +58,8 @@ impl Route {
             Route::Stored => "stored",
             Route::Prefix => "prefix",
             Route::RoundRobin => "roundrobin",
+            Route::Pd => "pd",
+            Route::PdLocal => "pd-local",
         }
     }
 }
@@ -79,6 +86,8 @@ pub struct Candidate<'a> {
     pub queued_tokens: u64,
     /// Requests it is running (decoding or prefilling).
     pub running: usize,
+    /// KV its running requests hold, in tokens (a decode replica's load).
+    pub kv_tokens: u64,
 }
 
 /// The replica chosen, by id, and why.

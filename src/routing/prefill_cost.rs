@@ -51,18 +51,22 @@ impl Policy for PrefillCost {
         ask: &Ask<'_, F>,
         available: &[&'c Candidate<'a>],
     ) -> (&'c Candidate<'a>, Route) {
-        // The session names its home outright; an exact continuation with the tokens of the
-        // prefix its home served.
-        let served_by = ask.served_by;
-        let session_home = ask.session.and_then(served_by).map(|id| (id, 0));
-        let home = session_home.or_else(|| {
-            ask.shape
-                .strict_prefix_links()
-                .find_map(|l| served_by(l.hash).map(|id| (id, l.bytes / 4)))
-        });
+        let home = home(ask);
         let home = home.as_ref().map(|(id, tokens)| (&**id, *tokens));
         decide(ask.shape.prompt_tokens(), home, available, ask.tick)
     }
+}
+
+/// The replica the request's session names outright, or else the one that served the longest
+/// prefix of it exactly, with the tokens of that prefix.
+pub fn home<F: Fn(u64) -> Option<Arc<str>>>(ask: &Ask<'_, F>) -> Option<(Arc<str>, u64)> {
+    let served_by = ask.served_by;
+    let session_home = ask.session.and_then(served_by).map(|id| (id, 0));
+    session_home.or_else(|| {
+        ask.shape
+            .strict_prefix_links()
+            .find_map(|l| served_by(l.hash).map(|id| (id, l.bytes / 4)))
+    })
 }
 
 /// `home`: the replica an exact continuation (or the session) names, and the tokens of the
@@ -119,6 +123,7 @@ mod tests {
             cached_tokens: 0,
             queued_tokens,
             running,
+            kv_tokens: 0,
         };
         let idle = super::cost(&c(0, 0), 1000, 0);
         assert_eq!(idle, 3000);

@@ -50,6 +50,7 @@ impl Bench {
                 cached_tokens: 0,
                 queued_tokens: 0,
                 running: 0,
+                kv_tokens: 0,
             })
             .collect();
         let served = &self.served;
@@ -327,6 +328,7 @@ fn a_stored_response_goes_to_its_owner_drained_or_not_and_nowhere_else() {
         cached_tokens: 0,
         queued_tokens: 0,
         running: 0,
+        kv_tokens: 0,
     };
     let fleet = [
         c("a", true, true),

@@ -25,6 +25,10 @@ pub trait ReplicaGauges: Send + Sync {
     fn up(&self) -> bool;
     fn in_flight(&self) -> usize;
     fn draining(&self) -> bool;
+    /// Its part in its pool (`plain`, `prefill`, `decode`, `both`).
+    fn role(&self) -> &'static str;
+    /// KV its running requests hold, in tokens.
+    fn kv_tokens(&self) -> u64;
 }
 
 type Tracked = HashMap<Arc<str>, Weak<dyn ReplicaGauges>>;
@@ -66,6 +70,8 @@ pub fn forget<R: ReplicaGauges + 'static>(id: &str, replica: &Arc<R>) {
         &m.upstream_errors,
         &m.prompt_tokens,
         &m.cached_tokens,
+        &m.pd_legs,
+        &m.pd_pull_tokens,
     ] {
         counters.remove(id);
     }
@@ -123,6 +129,8 @@ struct ReplicaGaugeFamilies {
     up: IntGaugeVec,
     in_flight: IntGaugeVec,
     draining: IntGaugeVec,
+    role: IntGaugeVec,
+    kv_tokens: IntGaugeVec,
     /// One scrape fills the vectors at a time.
     filling: Mutex<()>,
 }
@@ -143,6 +151,17 @@ impl ReplicaGaugeFamilies {
                 "inferlb_replica_draining",
                 "1 while the replica is drained by the admin endpoint.",
             )?,
+            role: IntGaugeVec::new(
+                Opts::new(
+                    "inferlb_replica_role",
+                    "1 for the replica's role in its pool (plain, prefill, decode, both).",
+                ),
+                &["replica", "role"],
+            )?,
+            kv_tokens: vec(
+                "inferlb_replica_kv_tokens",
+                "KV its running requests hold, in tokens (this process's and its /metrics').",
+            )?,
             filling: Mutex::new(()),
         })
     }
@@ -150,15 +169,27 @@ impl ReplicaGaugeFamilies {
 
 impl Collector for ReplicaGaugeFamilies {
     fn desc(&self) -> Vec<&Desc> {
-        [&self.up, &self.in_flight, &self.draining]
-            .into_iter()
-            .flat_map(|v| v.desc())
-            .collect()
+        [
+            &self.up,
+            &self.in_flight,
+            &self.draining,
+            &self.role,
+            &self.kv_tokens,
+        ]
+        .into_iter()
+        .flat_map(|v| v.desc())
+        .collect()
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
         let _one = self.filling.lock().unwrap_or_else(|e| e.into_inner());
-        let vecs = [&self.up, &self.in_flight, &self.draining];
+        let vecs = [
+            &self.up,
+            &self.in_flight,
+            &self.draining,
+            &self.role,
+            &self.kv_tokens,
+        ];
         vecs.iter().for_each(|v| v.reset());
         for (id, r) in tracked().iter() {
             let Some(r) = r.upgrade() else { continue };
@@ -170,6 +201,10 @@ impl Collector for ReplicaGaugeFamilies {
             self.draining
                 .with_label_values(&[id])
                 .set(r.draining() as i64);
+            self.role.with_label_values(&[id, r.role()]).set(1);
+            self.kv_tokens
+                .with_label_values(&[id])
+                .set(i64::try_from(r.kv_tokens()).unwrap_or(i64::MAX));
         }
         vecs.iter().flat_map(|v| v.collect()).collect()
     }
@@ -191,6 +226,13 @@ pub struct Metrics {
     pub tls_reloads: IntCounter,
     /// Secret files read again: `changed` (swapped in) or `failed` (the old one kept).
     pub secret_reloads: IntCounterVec,
+    /// Legs of disaggregated requests, by replica, leg (`prefill`, `decode`) and outcome.
+    pub pd_legs: ReplicaCounters,
+    /// Disaggregated-pool requests served whole (`pd-local`) and why: `small_uncached`,
+    /// `no_prefill_live`, `no_handover` (a body or answer the handover cannot carry).
+    pub pd_whole: IntCounterVec,
+    /// KV tokens a decode replica was expected to pull (the prompt minus what it holds).
+    pub pd_pull_tokens: ReplicaCounters,
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
@@ -232,6 +274,21 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "inferlb_stream_errors_total",
             "Responses cut after the client got bytes (never retried)."
         )?,
+        pd_legs: ReplicaCounters(register_int_counter_vec!(
+            "inferlb_pd_legs_total",
+            "Legs of disaggregated requests, by replica, leg and outcome.",
+            &["replica", "leg", "outcome"]
+        )?),
+        pd_whole: register_int_counter_vec!(
+            "inferlb_pd_whole_total",
+            "Requests for a disaggregated model served whole on a decode replica, by reason.",
+            &["reason"]
+        )?,
+        pd_pull_tokens: ReplicaCounters(register_int_counter_vec!(
+            "inferlb_pd_pull_tokens_total",
+            "KV tokens decode replicas were expected to pull (prompt tokens they lacked).",
+            &["replica"]
+        )?),
         upstream_errors: ReplicaCounters(register_int_counter_vec!(
             "inferlb_upstream_errors_total",
             "Requests that ended in a replica's failure, not retried (timeouts, cut streams), by reason.",

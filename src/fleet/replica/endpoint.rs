@@ -24,6 +24,8 @@ pub struct Endpoint {
     /// Sent to it in place of the client's key (read from its secret at each use, so a
     /// rotated file takes effect).
     pub api_key: Option<Arc<Secret>>,
+    /// SGLang's protocol: where its bootstrap server listens (a prefill replica's).
+    pub bootstrap: Option<SocketAddr>,
 }
 
 impl Endpoint {
@@ -59,6 +61,7 @@ impl Endpoint {
             peer,
             backend,
             api_key: conf.key.clone(),
+            bootstrap: conf.bootstrap_port.map(|p| SocketAddr::new(socket.ip(), p)),
         }
     }
 }

@@ -39,6 +39,10 @@ pub(super) struct Load {
     peer_queued_tokens: AtomicU64,
     peer_waiting: AtomicU64,
     peer_in_flight: AtomicU64,
+    /// KV tokens held by the decodes sent here from this process (prompt tokens of each).
+    kv_tokens: AtomicU64,
+    /// Its KV cache in use as it reports it, in millionths; `u64::MAX`: not reported.
+    reported_kv_ppm: AtomicU64,
 }
 
 impl Replica {
@@ -150,6 +154,37 @@ impl Replica {
             .store(waiting_running.is_some(), Ordering::Relaxed);
     }
 
+    /// The KV its running requests hold, in tokens: the larger of what this process sent it
+    /// and what it reports (its KV cache usage times its capacity), so another client's load
+    /// counts too.
+    pub fn kv_tokens(&self) -> u64 {
+        let l = &self.load;
+        let local = l.kv_tokens.load(Ordering::Relaxed);
+        match l.reported_kv_ppm.load(Ordering::Relaxed) {
+            u64::MAX | 0 => local,
+            ppm => {
+                let capacity = self.cache.index.capacity_tokens();
+                let reported = (u128::from(capacity) * u128::from(ppm) / 1_000_000) as u64;
+                local.max(reported)
+            }
+        }
+    }
+
+    /// What its `/metrics` says of its KV cache in use (millionths), or None.
+    pub fn set_reported_kv_usage(&self, ppm: Option<u64>) {
+        let v = ppm.map_or(u64::MAX, |p| p.min(1_000_000));
+        self.load.reported_kv_ppm.store(v, Ordering::Relaxed);
+    }
+
+    /// Counts `tokens` of KV held on it by one decode until the guard drops.
+    pub fn hold_kv(self: &Arc<Self>, tokens: u64) -> HeldKv {
+        self.load.kv_tokens.fetch_add(tokens, Ordering::Relaxed);
+        HeldKv {
+            replica: self.clone(),
+            tokens,
+        }
+    }
+
     /// Counts `uncached` prompt tokens as queued on it until the guard is released or drops.
     pub fn queue_prefill(self: &Arc<Self>, uncached: u64) -> QueuedPrefill {
         let l = &self.load;
@@ -172,6 +207,19 @@ impl Replica {
 }
 
 /// Prefill a request still waits for on a replica; released at its first byte (or its end).
+/// One decode's KV on a replica, counted until it drops.
+pub struct HeldKv {
+    replica: Arc<Replica>,
+    tokens: u64,
+}
+
+impl Drop for HeldKv {
+    fn drop(&mut self) {
+        let l = &self.replica.load;
+        l.kv_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
 pub struct QueuedPrefill {
     replica: Arc<Replica>,
     tokens: u64,

@@ -29,7 +29,7 @@ pub use cache::{CacheModel, CacheSource, Freshness, Prompt, DEFAULT_CACHE_TOKENS
 pub use endpoint::Endpoint;
 pub use health::{Health, HealthState};
 use load::Load;
-pub use load::{InFlight, QueuedPrefill, MAX_REPORTED_REQUESTS};
+pub use load::{HeldKv, InFlight, QueuedPrefill, MAX_REPORTED_REQUESTS};
 
 pub struct Replica {
     /// The configured id: metrics, logs, headers and the affinity table name it.
@@ -76,7 +76,7 @@ impl Replica {
         Replica {
             id: Arc::from(conf.id.as_str()),
             endpoint: Endpoint::new(conf, upstream),
-            role: Role::Plain,
+            role: conf.role,
             // Healthy until the checks say otherwise, as Pingora's checker starts.
             health: HealthState::new(healthy),
             cache: CacheModel::estimate(conf.cache_tokens),
@@ -170,6 +170,12 @@ impl ReplicaGauges for Replica {
     }
     fn draining(&self) -> bool {
         self.health.is_draining()
+    }
+    fn role(&self) -> &'static str {
+        self.role.name()
+    }
+    fn kv_tokens(&self) -> u64 {
+        Replica::kv_tokens(self)
     }
 }
 

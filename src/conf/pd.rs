@@ -1,0 +1,176 @@
+//! `pd:`, prefill/decode disaggregation: which handover protocol the pools speak, and when a
+//! turn is served whole on its decode replica instead of going through the prefill pool.
+//! Replicas take their part with `replicas[].role`; a model whose replicas include both
+//! prefill and decode roles is served disaggregated.
+
+use serde::{Deserialize, Serialize};
+
+/// A replica's part in its pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// No KV connector: it prefills and decodes its own requests; never sent handover fields
+    /// (vLLM ignores `kv_transfer_params` without a connector).
+    #[default]
+    Plain,
+    /// Computes prompts' KV for decode replicas to pull.
+    Prefill,
+    /// Pulls the KV a prefill replica computed, then generates; serves a request whole too.
+    Decode,
+    /// Its connector serves either side (vLLM's `kv_both`).
+    Both,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Plain => "plain",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+
+    pub fn is_plain(&self) -> bool {
+        *self == Role::Plain
+    }
+
+    /// Whether it may serve a request whole, prompt and answer, with no handover. A prefill
+    /// replica may not: the prefill pool is kept for prompts.
+    pub fn serves_whole(self) -> bool {
+        !matches!(self, Role::Prefill)
+    }
+
+    /// Whether it takes a handover's first leg.
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+
+    /// Whether it takes a handover's second leg.
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+}
+
+/// How a prefill replica hands its KV to a decode replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// vLLM's NixlConnector: the prefill answers with `kv_transfer_params`, which go into the
+    /// decode request; the decode replica pulls the blocks.
+    #[default]
+    Vllm,
+    /// SGLang's bootstrap: both legs at once, meeting in a `bootstrap_room` on the prefill
+    /// server's bootstrap port.
+    Sglang,
+}
+
+impl Protocol {
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Vllm => "vllm",
+            Protocol::Sglang => "sglang",
+        }
+    }
+}
+
+/// `pd:` as written.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawPd {
+    protocol: Protocol,
+    local_prefill_tokens: u64,
+    prefill_timeout_seconds: f64,
+}
+
+/// Tokens below which a turn's uncached part is prefilled on its decode replica (`pd-local`)
+/// rather than sent through the prefill pool (see docs/routing.md for the measurement).
+pub const DEFAULT_LOCAL_PREFILL_TOKENS: u64 = 1024;
+
+impl Default for RawPd {
+    fn default() -> Self {
+        RawPd {
+            protocol: Protocol::Vllm,
+            local_prefill_tokens: DEFAULT_LOCAL_PREFILL_TOKENS,
+            prefill_timeout_seconds: 600.0,
+        }
+    }
+}
+
+/// The disaggregation settings, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PdConf {
+    pub protocol: Protocol,
+    /// A turn whose prompt its decode replica lacks fewer tokens of than this is served whole
+    /// there: no prefill hop, no KV moved.
+    pub local_prefill_tokens: u64,
+    /// The prefill leg's whole exchange must end within this.
+    pub prefill_timeout: std::time::Duration,
+}
+
+impl Default for PdConf {
+    fn default() -> Self {
+        validate(RawPd::default()).expect("the defaults are valid")
+    }
+}
+
+pub fn validate(raw: RawPd) -> Result<PdConf, String> {
+    if raw.local_prefill_tokens > 10_000_000 {
+        return Err(format!(
+            "inferlb.pd.local_prefill_tokens: {} is more than a prompt (at most 10,000,000)",
+            raw.local_prefill_tokens
+        ));
+    }
+    let t = raw.prefill_timeout_seconds;
+    if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
+        return Err(format!(
+            "inferlb.pd.prefill_timeout_seconds: {t} must be more than 0 and at most a day"
+        ));
+    }
+    Ok(PdConf {
+        protocol: raw.protocol,
+        local_prefill_tokens: raw.local_prefill_tokens,
+        prefill_timeout: std::time::Duration::from_secs_f64(t),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_say_which_legs_they_take() {
+        // (role, whole, prefills, decodes)
+        let rows = [
+            (Role::Plain, true, false, false),
+            (Role::Prefill, false, true, false),
+            (Role::Decode, true, false, true),
+            (Role::Both, true, true, true),
+        ];
+        for (role, whole, prefills, decodes) in rows {
+            assert_eq!(
+                (role.serves_whole(), role.prefills(), role.decodes()),
+                (whole, prefills, decodes),
+                "{role:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn bounds_are_checked() {
+        let raw = |tokens, secs| RawPd {
+            protocol: Protocol::Vllm,
+            local_prefill_tokens: tokens,
+            prefill_timeout_seconds: secs,
+        };
+        assert!(validate(raw(0, 1.0)).is_ok());
+        assert!(validate(raw(20_000_000, 1.0))
+            .unwrap_err()
+            .contains("local_prefill_tokens"));
+        for bad in [0.0, -1.0, f64::NAN, 1e9] {
+            assert!(validate(raw(1, bad))
+                .unwrap_err()
+                .contains("prefill_timeout_seconds"));
+        }
+    }
+}

@@ -1,0 +1,956 @@
+//! A disaggregated request's life: the decode replica chosen first (what it lacks of the
+//! prompt decides whether the turn needs the prefill pool at all), then the legs, each failing
+//! over on its own, all before the client sees a byte; then the decode's answer streamed to
+//! the client.
+//!
+//! Both legs are inferlb's own exchanges (not Pingora's proxy loop): a decode stream's first
+//! event may be the error of a failed KV pull, after a 200 header, and that must not reach the
+//! client while another prefill and decode can still serve it. So the header and the events
+//! before the first token are held, and passed on once a token comes.
+//!
+//! Failover, step by step (nothing has reached the client in any of them):
+//! - a prefill that fails (connect, 5xx, timeout) goes to another prefill replica;
+//! - a decode that cannot be connected to goes to another decode replica with the same
+//!   `kv_transfer_params` (the prefill's blocks are held under a lease);
+//! - a decode that answers 5xx, or whose stream errs before its first token, gets a fresh
+//!   prefill and another decode;
+//! - a client that hangs up between the legs drops them: the replicas see their connections
+//!   close and abort, which frees the prefill's blocks.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use pingora_core::connectors::http::Connector;
+use pingora_core::protocols::http::client::HttpSession;
+use pingora_core::upstreams::peer::Peer;
+use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
+use serde_json::value::RawValue;
+
+use super::attempt::{Attempt, Choice};
+use super::{answers, Balancer, Ctx};
+use crate::cluster::Table;
+use crate::conf::Protocol;
+use crate::fleet::pool::Leg;
+use crate::fleet::registry::Registry;
+use crate::fleet::replica::{HeldKv, InFlight, Replica};
+use crate::protocol::api::prompt::Link;
+use crate::protocol::api::shape::Shape;
+use crate::protocol::api::Family;
+use crate::protocol::handover::{self, Start, StreamStart};
+use crate::protocol::usage::UsageReader;
+use crate::routing::{self, Ask, Route};
+use crate::telemetry::metrics::METRICS;
+
+/// One connector (and connection pool) for both legs of every disaggregated request.
+static CONNECTOR: LazyLock<Connector> = LazyLock::new(|| Connector::new(None));
+
+/// The largest prefill answer (or refused leg's answer) read.
+const MAX_ANSWER_BYTES: usize = 8 << 20;
+
+/// What a disaggregated request holds until it ends: the decode's place and KV, and an
+/// SGLang prefill leg still finishing its answer (dropped with the request, which cancels it).
+#[derive(Default)]
+pub struct Held {
+    _kv: Option<HeldKv>,
+    _prefill_leg: Option<Background>,
+}
+
+/// A spawned leg, aborted when dropped.
+struct Background(tokio::task::JoinHandle<Result<(), LegError>>);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What a request needs for its legs, taken from its ctx.
+struct Plan {
+    family: Family,
+    protocol: Protocol,
+    header: RequestHeader,
+    body: Bytes,
+    links: Vec<Link>,
+    shape: Shape,
+    prompt_tokens: u64,
+    model: Option<String>,
+    request_id: http::HeaderValue,
+    session: Option<u64>,
+    /// The decode replica chosen first, and the tokens of the prompt it lacks.
+    decode: Arc<Replica>,
+}
+
+/// Why a leg failed.
+#[derive(Debug)]
+enum LegError {
+    /// No connection: the replica is demoted.
+    Connect(String),
+    /// Its connection broke or went silent before an answer.
+    Broken(String),
+    /// It answered with this status (and this body): 4xx goes to the client as it is.
+    Answered(Box<ResponseHeader>, Bytes),
+    /// Its stream's first event was an error (a failed KV pull).
+    StreamFailed,
+    /// A prefill answer without `kv_transfer_params`: the replica has no KV connector.
+    NoParams,
+}
+
+impl std::fmt::Display for LegError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LegError::Connect(why) => write!(f, "no connection: {why}"),
+            LegError::Broken(why) => write!(f, "broken: {why}"),
+            LegError::Answered(h, _) => write!(f, "answered {}", h.status.as_u16()),
+            LegError::StreamFailed => f.write_str("its stream's first event was an error"),
+            LegError::NoParams => f.write_str("no kv_transfer_params in the answer"),
+        }
+    }
+}
+
+impl LegError {
+    fn reason(&self) -> &'static str {
+        match self {
+            LegError::Connect(_) => "connect",
+            LegError::Broken(_) => "broken",
+            LegError::Answered(h, _) if h.status.is_server_error() => "http_5xx",
+            LegError::Answered(..) => "http_4xx",
+            LegError::StreamFailed => "stream_error",
+            LegError::NoParams => "no_params",
+        }
+    }
+
+    /// A refusal of the request itself (4xx), which another replica would refuse too.
+    fn is_refusal(&self) -> bool {
+        matches!(self, LegError::Answered(h, _) if h.status.is_client_error())
+    }
+}
+
+/// A decode leg that began: its answer's header and what came before the first token.
+struct Started {
+    decode: Arc<Replica>,
+    prefill: Option<Arc<Replica>>,
+    session: HttpSession,
+    header: Box<ResponseHeader>,
+    held: Vec<Bytes>,
+    in_flight: InFlight,
+    kv: HeldKv,
+    prefill_leg: Option<Background>,
+}
+
+/// What the legs before the client's first byte came to.
+enum Begun {
+    Started(Box<Started>),
+    /// A leg's 4xx: the client gets it as the replica wrote it.
+    Refused(Arc<Replica>, Box<ResponseHeader>, Bytes),
+    /// Served whole on this replica through the proxy, for this reason.
+    Whole(Arc<Replica>, &'static str),
+    /// Nothing could serve it.
+    Failed(u16, String),
+}
+
+/// What the legs' failures leave for the request's record.
+#[derive(Default)]
+struct Tries {
+    prefill: Vec<Arc<Replica>>,
+    decode: Vec<Arc<Replica>>,
+    failovers: u32,
+    last: Option<(Arc<str>, &'static str)>,
+}
+
+impl Tries {
+    fn failed(&mut self, leg: &'static str, r: &Arc<Replica>, e: &LegError) {
+        let why = e.reason();
+        if matches!(e, LegError::Connect(_)) {
+            r.demote();
+        }
+        METRICS.pd_legs.with_label_values(&[&r.id, leg, why]).inc();
+        METRICS.failovers.with_label_values(&[&r.id, why]).inc();
+        log::warn!(
+            "pd failover: {leg} replica={} reason={why}: retrying ({e})",
+            r.id
+        );
+        self.failovers += 1;
+        self.last = Some((r.id.clone(), why));
+        match leg {
+            "prefill" => self.prefill.push(r.clone()),
+            _ => self.decode.push(r.clone()),
+        }
+    }
+}
+
+fn contains(list: &[Arc<Replica>], r: &Arc<Replica>) -> bool {
+    list.iter().any(|t| Arc::ptr_eq(t, r))
+}
+
+/// Logged once per transition: no prefill replica was live for a disaggregated model.
+static NO_PREFILL: AtomicBool = AtomicBool::new(false);
+
+impl Balancer {
+    /// Serves a request for a disaggregated model through its pools. `Ok(true)` when it was
+    /// answered here; `Ok(false)` when it goes on through the proxy, served whole (on the
+    /// replica `ctx.forced` names, when one was chosen).
+    pub(super) async fn disaggregate(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+    ) -> pingora_core::Result<bool> {
+        let Some(plan) = self.plan(session, ctx) else {
+            return Ok(false);
+        };
+        let tail_pending = ctx.body.tail_pending(session);
+        let mut tries = Tries {
+            decode: ctx.tried.clone(),
+            ..Tries::default()
+        };
+        let begun = {
+            let downstream = session.as_downstream_mut();
+            // The whole body is read: the next read ends only when the client hangs up.
+            let gone = async {
+                if tail_pending || downstream.read_body_or_idle(true).await.is_ok() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                b = self.begin(&plan, &mut tries) => Some(b),
+                _ = gone => None,
+            }
+        };
+        ctx.failovers += tries.failovers;
+        if tries.last.is_some() {
+            ctx.last_failure = tries.last.take();
+        }
+        if tail_pending {
+            // A chunked terminator is still on the wire; this connection is not reused.
+            session.set_keepalive(None);
+        }
+        let Some(begun) = begun else {
+            log::info!(
+                "pd: client of {} left before its answer began: legs cancelled",
+                ctx.id()
+            );
+            session.set_keepalive(None);
+            return Ok(true);
+        };
+        match begun {
+            Begun::Whole(replica, reason) => {
+                METRICS.pd_whole.with_label_values(&[reason]).inc();
+                ctx.forced = Some((replica, Route::PdLocal));
+                ctx.tried = tries.decode;
+                Ok(false)
+            }
+            Begun::Failed(status, message) => {
+                answers::respond_error(session, ctx.id(), ctx.family, status, &message).await?;
+                Ok(true)
+            }
+            Begun::Refused(replica, header, body) => {
+                ctx.attempt = Some(Attempt::start(
+                    1,
+                    Choice {
+                        replica: replica.clone(),
+                        route: Route::Pd,
+                        prefill: None,
+                    },
+                ));
+                let resp = self.client_header(&header, ctx, &replica, None, Some(body.len()));
+                session.write_response_header(resp, false).await?;
+                session.write_response_body(Some(body), true).await?;
+                Ok(true)
+            }
+            Begun::Started(s) => {
+                self.stream(session, ctx, &plan, *s).await?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// The plan for a request that goes through the pools, or `None` when it is served whole:
+    /// its model is not disaggregated, its API is not handed over by the pool's protocol, or
+    /// its decode replica lacks so little of the prompt that it prefills it (`ctx.forced`).
+    fn plan(&self, session: &Session, ctx: &mut Ctx) -> Option<Plan> {
+        let info = ctx.info.as_ref()?;
+        let req = session.req_header();
+        let protocol = self.conf.pd.protocol;
+        let handed_over = req.method == http::Method::POST
+            && ctx.owner.is_none()
+            && info.previous_response_id.is_none()
+            && match (protocol, req.uri.path()) {
+                (_, "/v1/chat/completions" | "/v1/completions") => true,
+                (Protocol::Vllm, "/v1/responses" | "/v1/messages") => true,
+                _ => false,
+            };
+        let fleet = self.registry.all();
+        let model = info.model.as_deref();
+        if !handed_over || !Registry::disaggregated(&fleet, model) {
+            return None;
+        }
+        let shape = &info.shape;
+        let links = shape.links();
+        let candidates = Registry::candidates_for(Leg::Decode, &fleet, &ctx.tried, model, links);
+        let available: Vec<_> = candidates.iter().filter(|c| c.available).collect();
+        if available.is_empty() {
+            return None;
+        }
+        let served_by = |h| self.affinity.served_by(h);
+        let ask = Ask {
+            shape,
+            session: ctx.session,
+            served_by: &served_by,
+            tick: self.registry.tick(),
+        };
+        let home = routing::prefill_cost::home(&ask);
+        let home = home.as_ref().map(|(id, t)| (&**id, *t));
+        let prompt = shape.prompt_tokens();
+        let chosen = routing::pd::choose_decode(prompt, home, &available, ask.tick);
+        let uncached = prompt.saturating_sub(routing::pd::held(chosen, home));
+        let decode = fleet.iter().find(|r| *r.id == *chosen.id)?.clone();
+        if routing::pd::path(uncached, self.conf.pd.local_prefill_tokens)
+            == routing::pd::Path::Local
+            && decode.role.serves_whole()
+        {
+            METRICS
+                .pd_whole
+                .with_label_values(&["small_uncached"])
+                .inc();
+            ctx.forced = Some((decode, Route::PdLocal));
+            return None;
+        }
+        Some(Plan {
+            family: ctx.family,
+            protocol,
+            header: req.clone(),
+            body: ctx.body.bytes().clone(),
+            links: links.to_vec(),
+            shape: shape.clone(),
+            prompt_tokens: prompt,
+            model: info.model.clone(),
+            request_id: ctx.request_id.clone(),
+            session: ctx.session,
+            decode,
+        })
+    }
+
+    /// The replica for a leg, not tried yet, and the tokens of the prompt it likely holds.
+    fn pick(&self, leg: Leg, plan: &Plan, tried: &[Arc<Replica>]) -> Option<(Arc<Replica>, u64)> {
+        let fleet = self.registry.all();
+        let model = plan.model.as_deref();
+        let candidates = Registry::candidates_for(leg, &fleet, tried, model, &plan.links);
+        let served_by = |h| self.affinity.served_by(h);
+        let shape = &plan.shape;
+        let tick = self.registry.tick();
+        let chosen = match leg {
+            Leg::Decode => {
+                let available: Vec<_> = candidates.iter().filter(|c| c.available).collect();
+                if available.is_empty() {
+                    return None;
+                }
+                let ask = Ask {
+                    shape,
+                    session: plan.session,
+                    served_by: &served_by,
+                    tick,
+                };
+                let home = routing::prefill_cost::home(&ask);
+                let home = home.as_ref().map(|(id, t)| (&**id, *t));
+                routing::pd::choose_decode(plan.prompt_tokens, home, &available, tick).id
+            }
+            _ => {
+                self.policy
+                    .decide(shape, plan.session, &candidates, &served_by, tick)?
+                    .replica
+            }
+        };
+        let held = candidates
+            .iter()
+            .find(|c| c.id == chosen)
+            .map_or(0, |c| c.cached_tokens);
+        let r = fleet.iter().find(|r| *r.id == *chosen)?.clone();
+        Some((r, held))
+    }
+
+    /// The legs, until a decode's answer begins, or the request cannot be handed over.
+    async fn begin(&self, plan: &Plan, tries: &mut Tries) -> Begun {
+        let mut params: Option<(Box<RawValue>, Arc<Replica>)> = None;
+        let mut decode = Some(plan.decode.clone());
+        // Each pass is one leg or two: bounded by the attempts a request is allowed, twice.
+        for _ in 0..self.max_attempts.saturating_mul(2).max(2) {
+            let d = match decode.take().filter(|d| !contains(&tries.decode, d)) {
+                Some(d) => d,
+                None => match self.pick(Leg::Decode, plan, &tries.decode) {
+                    Some((d, _)) => d,
+                    None => {
+                        return Begun::Failed(503, no_replica_left("decode", tries.last.as_ref()))
+                    }
+                },
+            };
+            if params.is_none() || plan.protocol == Protocol::Sglang {
+                let Some((p, held)) = self.pick(Leg::Prefill, plan, &tries.prefill) else {
+                    if !NO_PREFILL.swap(true, Ordering::Relaxed) {
+                        log::warn!(
+                            "pd: no prefill replica live for {}: serving whole on decode replicas",
+                            plan.model.as_deref().unwrap_or("the model")
+                        );
+                    }
+                    return Begun::Whole(d, "no_prefill_live");
+                };
+                if NO_PREFILL.swap(false, Ordering::Relaxed) {
+                    log::info!("pd: a prefill replica is live again");
+                }
+                if Arc::ptr_eq(&p, &d) {
+                    // A `both` replica chosen for both legs serves the request whole.
+                    return Begun::Whole(d, "same_replica");
+                }
+                if plan.protocol == Protocol::Sglang {
+                    match self.sglang_pair(plan, &p, held, &d).await {
+                        Ok(s) => return Begun::Started(s),
+                        Err((leg, e)) if e.is_refusal() => {
+                            let r = if leg == "prefill" { p } else { d };
+                            return refused(r, e);
+                        }
+                        Err((leg, e)) => {
+                            tries.failed(leg, if leg == "prefill" { &p } else { &d }, &e);
+                            if leg == "prefill" {
+                                decode = Some(d);
+                            }
+                            continue;
+                        }
+                    }
+                }
+                match self.prefill_leg(plan, &p, held).await {
+                    Ok(k) => params = Some((k, p)),
+                    Err(LegError::NoParams) => {
+                        log::warn!("pd: prefill replica {} answered without kv_transfer_params (no KV connector?): serving whole", p.id);
+                        return Begun::Whole(d, "no_handover");
+                    }
+                    Err(e) if e.is_refusal() => return refused(p, e),
+                    Err(e) => {
+                        tries.failed("prefill", &p, &e);
+                        decode = Some(d);
+                        continue;
+                    }
+                }
+            }
+            let Some((k, p)) = &params else { continue };
+            let body = match handover::vllm_decode(&plan.body, k) {
+                Ok(b) => b,
+                Err(_) => return Begun::Whole(d, "no_handover"),
+            };
+            match self.decode_leg(plan, &d, body).await {
+                Ok(mut s) => {
+                    s.prefill = Some(p.clone());
+                    return Begun::Started(s);
+                }
+                Err(e) if e.is_refusal() => return refused(d, e),
+                Err(e @ LegError::Connect(_)) => {
+                    // Nothing reached it: the same params go to another decode replica.
+                    tries.failed("decode", &d, &e);
+                }
+                Err(e) => {
+                    // It may have pulled (or failed to): a fresh prefill, another decode.
+                    tries.failed("decode", &d, &e);
+                    params = None;
+                }
+            }
+        }
+        Begun::Failed(
+            502,
+            no_replica_left("prefill or decode", tries.last.as_ref()),
+        )
+    }
+
+    /// SGLang: both legs at once, meeting in a fresh bootstrap room on the prefill server.
+    async fn sglang_pair(
+        &self,
+        plan: &Plan,
+        p: &Arc<Replica>,
+        held: u64,
+        d: &Arc<Replica>,
+    ) -> Result<Box<Started>, (&'static str, LegError)> {
+        let Some(boot) = p.endpoint.bootstrap else {
+            let e = LegError::Connect(format!("prefill replica {} has no bootstrap_port", p.id));
+            return Err(("prefill", e));
+        };
+        let room = bootstrap_room(&plan.request_id);
+        let body = handover::sglang_legs(&plan.body, &boot.ip().to_string(), boot.port(), room)
+            .map_err(|_| ("prefill", LegError::NoParams))?;
+        let prefill = {
+            let (this, plan_header, body, p) =
+                (self.leg_ctx(), plan.header.clone(), body.clone(), p.clone());
+            let links = plan.links.clone();
+            let request_id = plan.request_id.clone();
+            tokio::spawn(async move {
+                let _flight = p.start();
+                let queued = p.queue_prefill(held);
+                let (status, _) = this.exchange(&p, &plan_header, &request_id, body).await?;
+                if !status.status.is_success() {
+                    return Err(LegError::Answered(status, Bytes::new()));
+                }
+                queued.prefilled(&links);
+                Ok(())
+            })
+        };
+        let mut prefill = Background(prefill);
+        let decode = self.decode_leg(plan, d, body);
+        tokio::pin!(decode);
+        tokio::select! {
+            r = &mut decode => {
+                let mut s = r.map_err(|e| ("decode", e))?;
+                s.prefill = Some(p.clone());
+                s.prefill_leg = Some(prefill);
+                Ok(s)
+            }
+            r = &mut prefill.0 => {
+                // The prefill ended first: failed, the decode waits in vain; else it goes on.
+                match r {
+                    Ok(Ok(())) => {
+                        let mut s = decode.await.map_err(|e| ("decode", e))?;
+                        s.prefill = Some(p.clone());
+                        Ok(s)
+                    }
+                    Ok(Err(e)) => Err(("prefill", e)),
+                    Err(join) => Err(("prefill", LegError::Broken(join.to_string()))),
+                }
+            }
+        }
+    }
+
+    fn leg_ctx(&self) -> LegCtx {
+        LegCtx {
+            read_timeout: self.conf.upstream.read_timeout,
+            networks: self.conf.admin.allowed_networks.clone(),
+        }
+    }
+
+    /// The vLLM prefill leg: one token, not streamed; its answer's `kv_transfer_params`.
+    async fn prefill_leg(
+        &self,
+        plan: &Plan,
+        p: &Arc<Replica>,
+        held: u64,
+    ) -> Result<Box<RawValue>, LegError> {
+        let body =
+            handover::vllm_prefill(plan.family, &plan.body).map_err(|_| LegError::NoParams)?;
+        let _flight = p.start();
+        let queued = p.queue_prefill(plan.prompt_tokens.saturating_sub(held));
+        let leg = async {
+            let (header, mut s) = self
+                .leg_ctx()
+                .exchange_keep(p, &plan.header, &plan.request_id, body)
+                .await?;
+            let answer = read_all(&mut s, self.conf.upstream.read_timeout).await?;
+            release(s, p).await;
+            Ok::<_, LegError>((header, answer))
+        };
+        let (header, answer) = tokio::time::timeout(self.conf.pd.prefill_timeout, leg)
+            .await
+            .map_err(|_| LegError::Broken("the prefill did not end in time".into()))??;
+        if !header.status.is_success() {
+            return Err(LegError::Answered(header, answer));
+        }
+        let params = handover::vllm_params(&answer).ok_or(LegError::NoParams)?;
+        METRICS
+            .pd_legs
+            .with_label_values(&[&p.id, "prefill", "ok"])
+            .inc();
+        queued.prefilled(&plan.links);
+        Ok(params)
+    }
+
+    /// A decode leg up to its first token (or its whole answer when it does not stream).
+    async fn decode_leg(
+        &self,
+        plan: &Plan,
+        d: &Arc<Replica>,
+        body: Bytes,
+    ) -> Result<Box<Started>, LegError> {
+        let in_flight = d.start();
+        let kv = d.hold_kv(plan.prompt_tokens);
+        let (header, mut s) = self
+            .leg_ctx()
+            .exchange_keep(d, &plan.header, &plan.request_id, body)
+            .await?;
+        if !header.status.is_success() {
+            let answer = read_all(&mut s, self.conf.upstream.read_timeout)
+                .await
+                .unwrap_or_default();
+            return Err(LegError::Answered(header, answer));
+        }
+        let sse = header
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let mut held = Vec::new();
+        if sse {
+            let mut start = StreamStart::default();
+            loop {
+                let chunk =
+                    tokio::time::timeout(self.conf.upstream.read_timeout, s.read_response_body())
+                        .await
+                        .map_err(|_| LegError::Broken("no first token in time".into()))?
+                        .map_err(|e| LegError::Broken(e.to_string()))?;
+                let Some(chunk) = chunk else { break };
+                let verdict = start.feed(&chunk);
+                held.push(chunk);
+                match verdict {
+                    Start::Held => {}
+                    Start::Flowing => break,
+                    Start::Failed => return Err(LegError::StreamFailed),
+                }
+            }
+        }
+        METRICS
+            .pd_legs
+            .with_label_values(&[&d.id, "decode", "ok"])
+            .inc();
+        Ok(Box::new(Started {
+            decode: d.clone(),
+            prefill: None,
+            session: s,
+            header,
+            held,
+            in_flight,
+            kv,
+            prefill_leg: None,
+        }))
+    }
+
+    /// The client's answer: the decode's header and what was held, then the rest as it comes.
+    async fn stream(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        plan: &Plan,
+        s: Started,
+    ) -> pingora_core::Result<()> {
+        let Started {
+            decode,
+            prefill,
+            session: mut upstream,
+            header,
+            held,
+            in_flight,
+            kv,
+            prefill_leg,
+        } = s;
+        drop(in_flight);
+        let pulled = plan.prompt_tokens.saturating_sub(
+            decode
+                .cache
+                .likely_cached(crate::fleet::replica::Prompt::of_links(&plan.links)),
+        );
+        METRICS
+            .pd_pull_tokens
+            .with_label_values(&[&decode.id])
+            .inc_by(pulled);
+        // Other instances learn the conversation's decode replica now.
+        if let (Some(c), Some(info)) = (&self.cluster, &ctx.info) {
+            for key in info.shape.served_key().into_iter().chain(ctx.session) {
+                c.pin(Table::Affinity, key, &decode.id);
+            }
+        }
+        let n = ctx.attempt.as_ref().map_or(0, |a| a.n) + 1;
+        ctx.attempt = Some(Attempt::start(
+            n,
+            Choice {
+                replica: decode.clone(),
+                route: Route::Pd,
+                // Nothing to prefill there: the guard records the prompt in its index once
+                // the first token passes (it pulled the KV).
+                prefill: Some(decode.queue_prefill(0)),
+            },
+        ));
+        ctx.pd = Held {
+            _kv: Some(kv),
+            _prefill_leg: prefill_leg,
+        };
+        let length = header
+            .headers
+            .get("content-length")
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+        let sse = header
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
+        let resp = self.client_header(
+            &header,
+            ctx,
+            &decode,
+            prefill.as_ref(),
+            length.filter(|_| !sse),
+        );
+        session.write_response_header(resp, false).await?;
+        for chunk in held {
+            self.observe_response(Some(&chunk), false, ctx);
+            if session
+                .write_response_body(Some(chunk), false)
+                .await
+                .is_err()
+            {
+                return Ok(());
+            }
+        }
+        let read_timeout = self.conf.upstream.read_timeout;
+        loop {
+            let next = tokio::time::timeout(read_timeout, upstream.read_response_body()).await;
+            match next {
+                Ok(Ok(Some(chunk))) => {
+                    self.observe_response(Some(&chunk), false, ctx);
+                    if session
+                        .write_response_body(Some(chunk), false)
+                        .await
+                        .is_err()
+                    {
+                        // The client left: the decode's connection closes with this request.
+                        session.set_keepalive(None);
+                        return Ok(());
+                    }
+                }
+                Ok(Ok(None)) => {
+                    self.observe_response(None, true, ctx);
+                    session.write_response_body(None, true).await?;
+                    release(upstream, &decode).await;
+                    return Ok(());
+                }
+                Ok(Err(_)) | Err(_) => {
+                    // Cut after the first byte: never retried. An error event the client
+                    // can see, and this connection closes.
+                    METRICS.stream_errors.inc();
+                    METRICS
+                        .upstream_errors
+                        .with_label_values(&[&decode.id, "stream_cut"])
+                        .inc();
+                    if sse {
+                        let message = format!("replica {}'s stream broke", decode.id);
+                        let event = answers::stream_error_event(ctx.family, &message);
+                        let _ = session.write_response_body(Some(event), false).await;
+                    }
+                    session.set_keepalive(None);
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// The client's header from a leg's: its status and content headers, inferlb's own.
+    fn client_header(
+        &self,
+        upstream: &ResponseHeader,
+        ctx: &Ctx,
+        replica: &Replica,
+        prefill: Option<&Arc<Replica>>,
+        length: Option<usize>,
+    ) -> Box<ResponseHeader> {
+        let mut resp = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 5))
+            .expect("a status from a parsed header");
+        for (name, value) in upstream.headers.iter() {
+            let n = name.as_str();
+            let framing = matches!(
+                n,
+                "content-length"
+                    | "transfer-encoding"
+                    | "connection"
+                    | "keep-alive"
+                    | "te"
+                    | "trailer"
+                    | "upgrade"
+                    | "proxy-connection"
+            );
+            if !framing {
+                let _ = resp.append_header(name.clone(), value.clone());
+            }
+        }
+        let _ = match length {
+            Some(n) => resp.insert_header("content-length", n.to_string()),
+            None => resp.insert_header("transfer-encoding", "chunked"),
+        };
+        let _ = resp.insert_header("x-inferlb-replica", &*replica.id);
+        if let Some(p) = prefill {
+            let _ = resp.insert_header("x-inferlb-prefill", &*p.id);
+        }
+        let route = if prefill.is_some() {
+            Route::Pd
+        } else {
+            Route::PdLocal
+        };
+        let _ = resp.insert_header("x-inferlb-route", route.as_str());
+        let _ = resp.insert_header("x-request-id", ctx.request_id.clone());
+        Box::new(resp)
+    }
+}
+
+fn refused(r: Arc<Replica>, e: LegError) -> Begun {
+    match e {
+        LegError::Answered(h, body) => Begun::Refused(r, h, body),
+        _ => Begun::Failed(502, "a leg failed".into()),
+    }
+}
+
+fn no_replica_left(leg: &str, last: Option<&(Arc<str>, &'static str)>) -> String {
+    match last {
+        Some((id, why)) => format!(
+            "no {leg} replica could serve this request: the last tried, {id}, failed ({why})"
+        ),
+        None => format!("no live {leg} replica can serve this request"),
+    }
+}
+
+/// A room number no other request of this process or another uses at once.
+fn bootstrap_room(request_id: &http::HeaderValue) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(request_id.as_bytes());
+    h.update(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    h.update(&std::process::id().to_le_bytes());
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.update(&t.to_le_bytes());
+    // SGLang reads the room as a signed 64-bit integer in places: keep it positive.
+    h.digest() >> 1
+}
+
+/// What a leg's exchange needs from the balancer, owned (an SGLang prefill leg runs apart).
+#[derive(Clone)]
+struct LegCtx {
+    read_timeout: Duration,
+    networks: crate::conf::netpolicy::Networks,
+}
+
+impl LegCtx {
+    /// Sends `body` to `r` as the client's request (its path, content headers, the request
+    /// id; inferlb's key for it, never the client's) and reads the answer's header.
+    async fn exchange_keep(
+        &self,
+        r: &Replica,
+        client: &RequestHeader,
+        request_id: &http::HeaderValue,
+        body: Bytes,
+    ) -> Result<(Box<ResponseHeader>, HttpSession), LegError> {
+        if let Err(why) = self.networks.check_peer(r.endpoint.peer.address()) {
+            return Err(LegError::Connect(format!("not connected to: {why}")));
+        }
+        // A pooled connection the replica closed meanwhile fails at once: one more, fresh.
+        for fresh in [false, true] {
+            let (mut s, reused) = CONNECTOR
+                .get_http_session(&r.endpoint.peer)
+                .await
+                .map_err(|e| LegError::Connect(e.to_string()))?;
+            let req = leg_header(client, r, request_id, body.len())?;
+            s.set_read_timeout(Some(self.read_timeout));
+            let sent = async {
+                s.write_request_header(req).await?;
+                s.write_request_body(body.clone(), true).await?;
+                s.finish_request_body().await?;
+                s.read_response_header().await
+            }
+            .await;
+            match sent {
+                Ok(()) => {
+                    let header = s
+                        .response_header()
+                        .cloned()
+                        .ok_or_else(|| LegError::Broken("no response header".into()))?;
+                    return Ok((Box::new(header), s));
+                }
+                Err(_) if reused && !fresh => continue,
+                Err(e) => return Err(LegError::Broken(e.to_string())),
+            }
+        }
+        Err(LegError::Broken("unreachable".into()))
+    }
+
+    /// [`LegCtx::exchange_keep`], then the answer read whole and dropped (SGLang's prefill).
+    async fn exchange(
+        &self,
+        r: &Replica,
+        client: &RequestHeader,
+        request_id: &http::HeaderValue,
+        body: Bytes,
+    ) -> Result<(Box<ResponseHeader>, Bytes), LegError> {
+        let (h, mut s) = self.exchange_keep(r, client, request_id, body).await?;
+        let answer = read_all(&mut s, self.read_timeout).await?;
+        release(s, r).await;
+        Ok((h, answer))
+    }
+}
+
+fn leg_header(
+    client: &RequestHeader,
+    r: &Replica,
+    request_id: &http::HeaderValue,
+    length: usize,
+) -> Result<Box<RequestHeader>, LegError> {
+    let path = client
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .as_bytes();
+    let mut req = RequestHeader::build("POST", path, Some(client.headers.len() + 4))
+        .map_err(|e| LegError::Broken(e.to_string()))?;
+    for (name, value) in client.headers.iter() {
+        let skip = matches!(
+            name.as_str(),
+            "host"
+                | "authorization"
+                | "x-api-key"
+                | "content-length"
+                | "transfer-encoding"
+                | "expect"
+                | "connection"
+                | "keep-alive"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "proxy-connection"
+                | "proxy-authorization"
+                | "x-request-id"
+        );
+        if !skip {
+            let _ = req.append_header(name.clone(), value.clone());
+        }
+    }
+    let set = |req: &mut RequestHeader, n: &'static str, v: String| {
+        req.insert_header(n, v)
+            .map_err(|e| LegError::Broken(e.to_string()))
+    };
+    set(&mut req, "host", r.endpoint.host.clone())?;
+    set(&mut req, "content-length", length.to_string())?;
+    req.insert_header("x-request-id", request_id.clone())
+        .map_err(|e| LegError::Broken(e.to_string()))?;
+    if let Some(key) = &r.endpoint.api_key {
+        set(
+            &mut req,
+            "authorization",
+            format!("Bearer {}", key.current()),
+        )?;
+    }
+    Ok(Box::new(req))
+}
+
+async fn read_all(s: &mut HttpSession, timeout: Duration) -> Result<Bytes, LegError> {
+    let mut body = Vec::new();
+    loop {
+        let chunk = tokio::time::timeout(timeout, s.read_response_body())
+            .await
+            .map_err(|_| LegError::Broken("the answer did not end in time".into()))?
+            .map_err(|e| LegError::Broken(e.to_string()))?;
+        let Some(chunk) = chunk else { break };
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Err(LegError::Broken("the answer is too large".into()));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(body))
+}
+
+/// A connection whose answer ended goes back to the pool.
+async fn release(mut s: HttpSession, r: &Replica) {
+    if s.response_done() {
+        CONNECTOR
+            .release_http_session(s, &r.endpoint.peer, r.endpoint.peer.options.idle_timeout)
+            .await;
+    }
+}
