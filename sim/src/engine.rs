@@ -138,6 +138,12 @@ struct SeqKv {
     own: u64,
 }
 
+/// Blocks held for a KV handover (see [`Engine::pin`]); give them back with [`Engine::unpin`].
+pub struct Pinned {
+    hashes: Vec<u64>,
+    kv: SeqKv,
+}
+
 /// Tokens out so far for a request in a stepped scheduler, and its cached prompt tokens.
 #[derive(Debug, Clone, Copy, Default)]
 struct Grant {
@@ -326,6 +332,26 @@ impl Engine {
                 cache.put(*h, ());
             }
         }
+    }
+
+    /// How many leading tokens of `prompt` are in the cache (whole blocks); refreshes their LRU
+    /// position, as a lookup by the scheduler does.
+    pub fn cached_prefix(&self, prompt: &[u8]) -> usize {
+        self.lookup_hashes(&block_hashes(prompt, self.conf.block_tokens), true)
+    }
+
+    /// Holds `prompt`'s blocks (in the cache and in KV usage) for a KV handover, until
+    /// [`Engine::unpin`]: a finished prefill's blocks waiting for a decode to pull them.
+    pub fn pin(&self, prompt: &[u8]) -> Pinned {
+        let hashes = block_hashes(prompt, self.conf.block_tokens);
+        self.insert_hashes(&hashes);
+        let mut kv = SeqKv::default();
+        self.hold(&mut kv, &hashes, tokens(prompt));
+        Pinned { hashes, kv }
+    }
+
+    pub fn unpin(&self, mut p: Pinned) {
+        self.release(&mut p.kv, &p.hashes);
     }
 
     /// How full the prefix cache is (blocks cached, held or not).

@@ -29,6 +29,7 @@
 
 mod engine;
 mod messages;
+mod pd;
 mod render;
 mod responses;
 mod tls;
@@ -47,6 +48,7 @@ use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use engine::{token_text, Engine, EngineConf, Scheduler};
+use pd::{Handover, KvRole, Pd, PdConf, PdProtocol};
 use render::{content_text, render_message, GENERATION_PROMPT};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -120,6 +122,27 @@ struct Args {
     /// With --tls-cert: require a client certificate signed by this CA (mTLS).
     #[arg(long, requires = "tls_cert")]
     tls_client_ca: Option<std::path::PathBuf>,
+    /// The KV connector's side in prefill/decode disaggregation (vLLM's kv_role): `none` (no
+    /// connector: handover fields in requests are ignored, and counted in /sim/stats as
+    /// `handover_fields_seen`), `producer` (prefill), `consumer` (decode) or `both`.
+    #[arg(long, value_enum, default_value_t = KvRole::None)]
+    kv_role: KvRole,
+    /// The handover protocol: `vllm` (NixlConnector's `kv_transfer_params`) or `sglang`
+    /// (`bootstrap_host`/`bootstrap_port`/`bootstrap_room`).
+    #[arg(long, value_enum, default_value_t = PdProtocol::Vllm)]
+    pd_protocol: PdProtocol,
+    /// SGLang, producer side: also listen on this port (the host of --listen) as the
+    /// bootstrap server.
+    #[arg(long)]
+    bootstrap_port: Option<u16>,
+    /// Modelled KV pull speed in tokens/s (a decode pulling N tokens waits N/this seconds).
+    #[arg(long, default_value_t = 500_000.0)]
+    kv_transfer_tokens_per_s: f64,
+    /// How long a producer holds a finished prefill's blocks for a decode to pull them
+    /// (vLLM's kv_lease_duration), in modelled seconds (divided by --speed); also how long an
+    /// SGLang decode waits for its room.
+    #[arg(long, default_value_t = 30.0)]
+    kv_lease_seconds: f64,
     /// A YAML file with any of these keys (flags given on the command line win).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
@@ -170,6 +193,10 @@ struct Sim {
     listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
     /// The Responses API's stored responses.
     responses: responses::Store,
+    /// The KV connector (prefill/decode disaggregation).
+    pd: Arc<Pd>,
+    /// Request ids given when the client sends no X-Request-Id.
+    next_request: std::sync::atomic::AtomicU64,
 }
 
 type App = Arc<Sim>;
@@ -237,9 +264,15 @@ struct Job {
     seed: u64,
 }
 
-fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String> {
+fn parse_job(
+    body: &[u8],
+    chat: bool,
+    default_max: usize,
+) -> Result<(Job, serde_json::Map<String, Value>), String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
-    let obj = v.as_object().ok_or("the body must be a JSON object")?;
+    let Value::Object(obj) = v else {
+        return Err("the body must be a JSON object".into());
+    };
     let model = obj
         .get("model")
         .and_then(Value::as_str)
@@ -288,7 +321,7 @@ fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String>
         .and_then(Value::as_bool)
         .unwrap_or(false);
     let seed = seed_of(&prompt);
-    Ok(Job {
+    let job = Job {
         chat,
         model,
         prompt,
@@ -296,24 +329,61 @@ fn parse_job(body: &[u8], chat: bool, default_max: usize) -> Result<Job, String>
         stream,
         include_usage,
         seed,
-    })
+    };
+    Ok((job, obj))
 }
 
-async fn chat_completions(State(sim): State<App>, body: Bytes) -> Response {
-    complete(sim, body, true).await
+async fn chat_completions(
+    State(sim): State<App>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    complete(sim, headers, body, true).await
 }
 
-async fn completions(State(sim): State<App>, body: Bytes) -> Response {
-    complete(sim, body, false).await
+async fn completions(
+    State(sim): State<App>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    complete(sim, headers, body, false).await
 }
 
-async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
+/// A request's part in a KV handover.
+struct Leg {
+    handover: Handover,
+    /// The request id (X-Request-Id when given, as vLLM takes it): a vLLM prefill's lease is
+    /// held under it.
+    request_id: String,
+}
+
+async fn complete(sim: App, headers: axum::http::HeaderMap, body: Bytes, chat: bool) -> Response {
     if sim.unhealthy() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine is starting");
     }
-    let job = match parse_job(&body, chat, sim.args.default_max_tokens) {
+    let (mut job, obj) = match parse_job(&body, chat, sim.args.default_max_tokens) {
         Ok(j) => j,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
+    };
+    let handover = sim.pd.classify(&obj);
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .unwrap_or_else(|| {
+            let n = sim.next_request.fetch_add(1, Ordering::Relaxed);
+            format!("{}-{n}", sim.pd.conf.engine_id)
+        });
+    match handover {
+        // A vLLM prefill leg answers whole (the router asks for no stream), with its params.
+        Handover::VllmPrefill => job.stream = false,
+        // An SGLang prefill server computes the prompt and its first token only.
+        Handover::SglangPrefill { .. } => job.max_tokens = job.max_tokens.min(1),
+        _ => {}
+    }
+    let leg = Leg {
+        handover,
+        request_id,
     };
     if !job.model.is_empty() && !sim.models().contains(&job.model) {
         return error(
@@ -325,10 +395,11 @@ async fn complete(sim: App, body: Bytes, chat: bool) -> Response {
         Ok(cut_after) => cut_after,
         Err((status, message)) => return error(status, message),
     };
+    sim.pd.count_leg(&leg.handover);
     let resp = if job.stream {
-        stream_response(sim.clone(), job, cut_after).await
+        stream_response(sim.clone(), job, leg, cut_after).await
     } else {
-        whole_response(sim.clone(), job).await
+        whole_response(sim.clone(), job, leg).await
     };
     tag(&sim, &body, resp)
 }
@@ -405,8 +476,34 @@ fn usage_json(u: &Usage, completion: usize) -> Value {
     })
 }
 
-async fn whole_response(sim: App, job: Job) -> Response {
+/// The error a decode answers when its KV could not be loaded: vLLM's, for a request that
+/// ends with finish_reason `error` (kv_load_failure_policy `fail`).
+fn kv_load_failed() -> Value {
+    json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}})
+}
+
+/// The prefill leg's part once its prompt is computed: an SGLang room is ready; a vLLM
+/// prefill's blocks are leased and its answer's `kv_transfer_params` returned.
+fn prefilled(sim: &Sim, job: &Job, leg: &Leg) -> Option<Value> {
+    match leg.handover {
+        Handover::SglangPrefill { room } => {
+            sim.pd.sglang_prefilled(room, job.prompt.as_bytes());
+            None
+        }
+        Handover::VllmPrefill => Some(
+            sim.pd
+                .vllm_prefilled(&leg.request_id, job.prompt.as_bytes()),
+        ),
+        _ => None,
+    }
+}
+
+async fn whole_response(sim: App, job: Job, leg: Leg) -> Response {
+    if leg.handover.is_decode() && sim.pd.fetch(&leg.handover, job.prompt.as_bytes()).await.is_err() {
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(kv_load_failed())).into_response();
+    }
     let (mut running, usage) = prefill(&sim, &job).await;
+    let kv_transfer_params = prefilled(&sim, &job, &leg);
     let mut reply = String::new();
     decode(
         &sim,
@@ -427,15 +524,18 @@ async fn whole_response(sim: App, job: Job) -> Response {
     } else {
         json!({"index": 0, "text": reply, "finish_reason": "length"})
     };
-    Json(json!({
+    let mut answer = json!({
         "id": id,
         "object": if job.chat { "chat.completion" } else { "text_completion" },
         "created": now_secs(),
         "model": job.model,
         "choices": [choice],
         "usage": usage_json(&usage, job.max_tokens),
-    }))
-    .into_response()
+    });
+    if let Some(p) = kv_transfer_params {
+        answer["kv_transfer_params"] = p;
+    }
+    Json(answer).into_response()
 }
 
 fn sse(v: &Value) -> Bytes {
@@ -527,16 +627,40 @@ fn seed_of(prompt: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(prompt.as_bytes())
 }
 
-async fn stream_response(sim: App, job: Job, cut_after: Option<usize>) -> Response {
+async fn stream_response(sim: App, job: Job, leg: Leg, cut_after: Option<usize>) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     tokio::spawn(async move {
+        let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
+        let fetched = if leg.handover.is_decode() {
+            tokio::select! {
+                r = sim.pd.fetch(&leg.handover, job.prompt.as_bytes()) => r.is_ok(),
+                _ = tx.closed() => return,
+            }
+        } else {
+            true
+        };
+        if !fetched {
+            // As vLLM streams a request whose KV load failed: the chat role chunk (sent with
+            // the first output), then the error as one event, then the end of the stream.
+            if job.chat {
+                let role = json!({
+                    "id": id, "created": now_secs(), "model": job.model,
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}],
+                });
+                let _ = tx.send(Ok(sse(&role))).await;
+            }
+            let _ = tx.send(Ok(sse(&kv_load_failed()))).await;
+            let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+            return;
+        }
         // The request is aborted as soon as the client is gone, even during prefill, as vLLM
         // aborts a request whose connection closed.
         let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &job) => done,
             _ = tx.closed() => return,
         };
-        let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
+        prefilled(&sim, &job, &leg);
         let created = now_secs();
         let chunk = |delta: Value, finish: Value| {
             let choice = if job.chat {
@@ -664,6 +788,7 @@ async fn metrics(State(sim): State<App>) -> Response {
 /// and not prefilled yet); `prefix_cache_usage` is how full the prefix cache is.
 async fn stats(State(sim): State<App>) -> Response {
     let c = &sim.engine.counters;
+    let p = &sim.pd.counters;
     Json(json!({
         "id": sim.args.id,
         "requests": c.requests.load(Ordering::Relaxed),
@@ -677,8 +802,59 @@ async fn stats(State(sim): State<App>) -> Response {
         "prompt_tokens": c.prompt_tokens.load(Ordering::Relaxed),
         "cached_tokens": c.cached_tokens.load(Ordering::Relaxed),
         "generation_tokens": c.generation_tokens.load(Ordering::Relaxed),
+        "kv_role": sim.pd.conf.role.name(),
+        "pd_protocol": sim.pd.conf.protocol.name(),
+        "engine_id": sim.pd.conf.engine_id,
+        "handover_fields_seen": p.handover_fields_seen.load(Ordering::Relaxed),
+        "handover_prefill_requests": p.handover_prefill_requests.load(Ordering::Relaxed),
+        "handover_decode_requests": p.handover_decode_requests.load(Ordering::Relaxed),
+        "kv_pulls": p.kv_pulls.load(Ordering::Relaxed),
+        "kv_pull_failures": p.kv_pull_failures.load(Ordering::Relaxed),
+        "kv_tokens_transferred": p.kv_tokens_transferred.load(Ordering::Relaxed),
+        "kv_leases_granted": p.kv_leases_granted.load(Ordering::Relaxed),
+        "kv_leases_pulled": p.kv_leases_pulled.load(Ordering::Relaxed),
+        "kv_leases_expired": p.kv_leases_expired.load(Ordering::Relaxed),
+        "kv_leases_held": sim.pd.leases_held(),
     }))
     .into_response()
+}
+
+/// `POST /sim/kv/pull`: the KV side channel a decode replica calls (see `pd`).
+async fn kv_pull(State(pd): State<Arc<Pd>>, body: Bytes) -> Response {
+    let (status, v) = pd::pull_handler(&pd, &body).await;
+    (
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        Json(v),
+    )
+        .into_response()
+}
+
+/// SGLang's `/server_info` (and `/model_info`), in `--pd-protocol sglang` with a connector:
+/// what SGLang's gateway reads of a worker in P/D mode (its disaggregation mode, its
+/// bootstrap port and its running window).
+async fn server_info(State(sim): State<App>) -> Response {
+    let mode = match sim.pd.conf.role {
+        KvRole::Producer => "prefill",
+        KvRole::Consumer => "decode",
+        _ => "null",
+    };
+    let model = sim.models().first().cloned().unwrap_or_default();
+    Json(json!({
+        "model_path": model,
+        "served_model_name": model,
+        "tokenizer_path": null,
+        "disaggregation_mode": mode,
+        "disaggregation_bootstrap_port": sim.pd.conf.bootstrap_port,
+        "max_running_requests": sim.args.max_batch,
+        "page_size": sim.args.block_tokens,
+        "version": "inferlb-sim",
+    }))
+    .into_response()
+}
+
+async fn model_info(State(sim): State<App>) -> Response {
+    let model = sim.models().first().cloned().unwrap_or_default();
+    Json(json!({"model_path": model, "tokenizer_path": null, "is_generation": true})).into_response()
 }
 
 async fn set_fault(State(sim): State<App>, Json(req): Json<FaultRequest>) -> Response {
@@ -782,6 +958,45 @@ async fn main() {
     });
     let engine = Arc::new(engine);
     engine.start();
+    let speed = if args.speed > 0.0 { args.speed } else { 1.0 };
+    // vLLM's engine ids are random per process; this one also names the replica.
+    let nonce = xxhash_rust::xxh3::xxh3_64(
+        format!("{}{:?}{}", std::process::id(), SystemTime::now(), args.listen).as_bytes(),
+    );
+    let pd = Pd::new(
+        PdConf {
+            role: args.kv_role,
+            protocol: args.pd_protocol,
+            bootstrap_port: args.bootstrap_port,
+            transfer_tokens_per_s: args.kv_transfer_tokens_per_s,
+            lease: Duration::from_secs_f64((args.kv_lease_seconds / speed).max(0.0)),
+            engine_id: format!("{}-{:08x}", args.id, nonce as u32),
+            host: args.listen.ip().to_string(),
+            port: args.listen.port(),
+        },
+        engine.clone(),
+    );
+    if let (Some(port), true) = (
+        args.bootstrap_port,
+        matches!(args.kv_role, KvRole::Producer | KvRole::Both),
+    ) {
+        // SGLang's bootstrap server: where decodes wait for their room.
+        let addr = SocketAddr::new(args.listen.ip(), port);
+        let listener = match bind(addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("inferlb-sim: cannot listen on {addr} (bootstrap): {e}");
+                std::process::exit(1);
+            }
+        };
+        let bootstrap = Router::new()
+            .route("/sim/kv/pull", post(kv_pull))
+            .route("/health", get(|| async { StatusCode::OK }))
+            .with_state(pd.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, bootstrap).await;
+        });
+    }
     let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
     let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
     let sim = Arc::new(Sim {
@@ -799,6 +1014,8 @@ async fn main() {
             args.response_store_entries,
             args.response_store_mib.saturating_mul(1 << 20),
         ),
+        pd: pd.clone(),
+        next_request: std::sync::atomic::AtomicU64::new(0),
         args: args.clone(),
     });
     let app = Router::new()
@@ -817,8 +1034,19 @@ async fn main() {
         .route("/metrics", get(metrics))
         .route("/sim/stats", get(stats))
         .route("/sim/fault", post(set_fault))
-        .route("/sim/echo", axum::routing::any(echo))
-        .with_state(sim);
+        .route("/sim/echo", axum::routing::any(echo));
+    let app = if args.pd_protocol == PdProtocol::Sglang && args.kv_role != KvRole::None {
+        app.route("/server_info", get(server_info))
+            .route("/get_server_info", get(server_info))
+            .route("/model_info", get(model_info))
+            .route("/get_model_info", get(model_info))
+    } else {
+        app
+    };
+    let app = app.with_state(sim).route(
+        "/sim/kv/pull",
+        post(kv_pull).with_state(pd),
+    );
 
     let tls = match &args.tls_cert {
         None => None,

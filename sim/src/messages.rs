@@ -127,6 +127,8 @@ pub async fn count_tokens(State(sim): State<App>, body: Bytes) -> Response {
 }
 
 pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
+    // This API is served whole: handover fields are ignored, and counted.
+    sim.pd.note_unused(&body);
     let req = match checked(&sim, &body, true) {
         Ok(r) => r,
         Err((status, message)) => return error(status, &message),

@@ -504,6 +504,8 @@ impl Run {
 }
 
 pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
+    // This API is served whole: handover fields are ignored, and counted.
+    sim.pd.note_unused(&body);
     if sim.unhealthy() {
         return oai_error(
             StatusCode::SERVICE_UNAVAILABLE,
