@@ -387,6 +387,10 @@ impl Balancer {
             };
             if params.is_none() || plan.protocol == Protocol::Sglang {
                 let Some((p, held)) = self.pick(Leg::Prefill, plan, &tries.prefill) else {
+                    if !tries.prefill.is_empty() {
+                        // Every prefill replica failed this request: served whole, not lost.
+                        return Begun::Whole(d, "prefill_failed");
+                    }
                     if !NO_PREFILL.swap(true, Ordering::Relaxed) {
                         log::warn!(
                             "pd: no prefill replica live for {}: serving whole on decode replicas",
@@ -449,7 +453,10 @@ impl Balancer {
                 }
                 Err(e) => {
                     // It may have pulled (or failed to): a fresh prefill, another decode.
+                    // The pull may have failed on the prefill's side (its lease, its
+                    // transfer), so that prefill replica is not asked again either.
                     tries.failed("decode", &d, &e);
+                    tries.prefill.push(p.clone());
                     params = None;
                 }
             }

@@ -1,0 +1,379 @@
+//! Prefill/decode disaggregation against real processes: inferlb in front of simulated
+//! replicas that speak vLLM's NixlConnector handover and SGLang's bootstrap handover. Each
+//! failover path of the request's life, the local-prefill decider, a prefill pool that is
+//! down, and roles given through the admin API.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn sim(dir: &std::path::Path, id: &str, role: &str, extra: &[&str]) -> Sim {
+    let mut args = vec!["--speed", "20", "--kv-role", role];
+    args.extend_from_slice(extra);
+    Sim::start(dir, id, &args)
+}
+
+fn entry(s: &Sim, role: &str) -> Replica {
+    Replica {
+        extra: format!("role: {role}"),
+        ..Replica::of(s)
+    }
+}
+
+/// A balancer in front of `prefill` and `decode` sims, with `pd` as its `pd:` section.
+fn pd_lb(dir: &std::path::Path, prefill: &[&Sim], decode: &[&Sim], pd: &str) -> Lb {
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = prefill
+        .iter()
+        .map(|s| entry(s, "prefill"))
+        .chain(decode.iter().map(|s| entry(s, "decode")))
+        .collect();
+    conf.extra = format!("pd: {pd}");
+    Lb::start(dir, &[], conf)
+}
+
+fn stat(s: &Sim, key: &str) -> u64 {
+    s.stats()[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{key} in {}", s.stats()))
+}
+
+struct Answer {
+    status: u16,
+    replica: String,
+    prefill: String,
+    route: String,
+    text: String,
+}
+
+fn chat(lb: &Lb, messages: &[(&str, &str)], stream: bool) -> Answer {
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(messages, stream, 8))
+        .send()
+        .expect("send");
+    let h = |n: &str| {
+        r.headers()
+            .get(n)
+            .map_or(String::new(), |v| v.to_str().unwrap_or("").to_string())
+    };
+    let (status, replica, prefill, route) = (
+        r.status().as_u16(),
+        h("x-inferlb-replica"),
+        h("x-inferlb-prefill"),
+        h("x-inferlb-route"),
+    );
+    let text = r.text().expect("body");
+    Answer {
+        status,
+        replica,
+        prefill,
+        route,
+        text,
+    }
+}
+
+/// The generated text of a chat answer, streamed or not.
+fn content(a: &Answer) -> String {
+    if let Ok(v) = serde_json::from_str::<Value>(&a.text) {
+        return v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+    }
+    a.text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_replica() {
+    let dir = tempfile::tempdir().expect("dir");
+    let p1 = sim(dir.path(), "p1", "producer", &[]);
+    let (d1, d2) = (
+        sim(dir.path(), "d1", "consumer", &[]),
+        sim(dir.path(), "d2", "consumer", &[]),
+    );
+    let lb = pd_lb(dir.path(), &[&p1], &[&d1, &d2], "{local_prefill_tokens: 0}");
+    let history = text_of("history", 3000);
+    for stream in [true, false] {
+        let a = chat(&lb, &[("user", &format!("{stream} {history}"))], stream);
+        assert_eq!(a.status, 200, "{}", a.text);
+        assert_eq!((a.route.as_str(), a.prefill.as_str()), ("pd", "p1"));
+        assert!(!content(&a).is_empty(), "generated text: {}", a.text);
+    }
+    assert_eq!(stat(&p1, "handover_prefill_requests"), 2);
+    let decoded = stat(&d1, "handover_decode_requests") + stat(&d2, "handover_decode_requests");
+    assert_eq!(decoded, 2);
+    let pulled = stat(&d1, "kv_tokens_transferred") + stat(&d2, "kv_tokens_transferred");
+    assert!(pulled >= 5000, "both prompts' KV pulled: {pulled}");
+    // The next turn of the first conversation goes back to the decode replica holding it,
+    // which pulls only the new part.
+    let first = format!("true {history}");
+    let turn1 = chat(&lb, &[("user", &first)], false);
+    let home = turn1.replica.clone();
+    let (home_sim, other) = if home == "d1" { (&d1, &d2) } else { (&d2, &d1) };
+    let before = (stat(home_sim, "kv_tokens_transferred"), stat(other, "kv_pulls"));
+    let next = text_of("next", 600);
+    let turn2 = chat(
+        &lb,
+        &[("user", &first), ("assistant", &content(&turn1)), ("user", &next)],
+        true,
+    );
+    assert_eq!((turn2.status, turn2.route.as_str()), (200, "pd"), "{}", turn2.text);
+    assert_eq!(turn2.replica, home, "the decode replica that holds the history");
+    let moved = stat(home_sim, "kv_tokens_transferred") - before.0;
+    assert!(
+        moved > 0 && moved < 1500,
+        "only the new part moved, not the 3,000-token history: {moved}"
+    );
+    assert_eq!(stat(other, "kv_pulls"), before.1);
+    // Usage is the decode leg's, once: the access log line's prompt tokens are the whole
+    // prompt's, with the decode's cached count.
+    let log = std::fs::read_to_string(dir.path().join("inferlb.log")).expect("log");
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("route=pd ")).collect();
+    assert_eq!(lines.len(), 4, "one access line per request:\n{log}");
+    assert_eq!(stat(&p1, "handover_fields_seen") + stat(&d1, "handover_fields_seen"), 0);
+}
+
+#[test]
+fn a_turn_its_decode_replica_mostly_holds_is_served_whole_there() {
+    let dir = tempfile::tempdir().expect("dir");
+    let p1 = sim(dir.path(), "p1", "producer", &[]);
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 512}");
+    let first = text_of("local", 4000);
+    let a = chat(&lb, &[("user", &first)], false);
+    assert_eq!((a.status, a.route.as_str()), (200, "pd"), "{}", a.text);
+    let prefills = stat(&p1, "handover_prefill_requests");
+    // 100 new tokens on a history d1 holds: below 512, no prefill hop, no KV moved.
+    let b = chat(
+        &lb,
+        &[("user", &first), ("assistant", &content(&a)), ("user", &text_of("small", 100))],
+        true,
+    );
+    assert_eq!((b.status, b.route.as_str(), b.replica.as_str()), (200, "pd-local", "d1"), "{}", b.text);
+    assert_eq!(stat(&p1, "handover_prefill_requests"), prefills);
+    assert!(lb.metric("inferlb_pd_whole_total{reason=\"small_uncached\"}") >= 1.0);
+}
+
+#[test]
+fn a_failing_prefill_fails_over_to_another_prefill_replica() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (p1, p2) = (
+        sim(dir.path(), "p1", "producer", &[]),
+        sim(dir.path(), "p2", "producer", &[]),
+    );
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let lb = pd_lb(dir.path(), &[&p1, &p2], &[&d1], "{local_prefill_tokens: 0}");
+    p1.fault(json!({"fault": "error500"}));
+    for i in 0..6 {
+        let a = chat(&lb, &[("user", &text_of(&format!("f{i}"), 2000))], i % 2 == 0);
+        assert_eq!((a.status, a.route.as_str(), a.prefill.as_str()), (200, "pd", "p2"), "{}", a.text);
+    }
+    let failed = lb.metric("inferlb_pd_legs_total{leg=\"prefill\",outcome=\"http_5xx\",replica=\"p1\"}");
+    assert!(failed >= 1.0, "p1 was tried and failed over from: {failed}");
+    // A prefill replica that refuses connections: demoted, the request served by the other.
+    drop(p1);
+    for i in 0..4 {
+        let a = chat(&lb, &[("user", &text_of(&format!("g{i}"), 2000))], true);
+        assert_eq!((a.status, a.prefill.as_str()), (200, "p2"), "{}", a.text);
+    }
+}
+
+#[test]
+fn a_decode_that_cannot_be_reached_gets_the_same_kv_on_another_replica() {
+    let dir = tempfile::tempdir().expect("dir");
+    let p1 = sim(dir.path(), "p1", "producer", &[]);
+    let (d1, d2) = (
+        sim(dir.path(), "d1", "consumer", &[]),
+        sim(dir.path(), "d2", "consumer", &[]),
+    );
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    // Health checks that do not notice the stop before the next turn does.
+    conf.health_interval_seconds = Some(2.0);
+    conf.health_failures = Some(3);
+    conf.replicas = vec![entry(&p1, "prefill"), entry(&d1, "decode"), entry(&d2, "decode")];
+    conf.extra = "pd: {local_prefill_tokens: 0}".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    let first = text_of("conv", 3000);
+    let turn1 = chat(&lb, &[("user", &first)], false);
+    assert_eq!(turn1.status, 200, "{}", turn1.text);
+    let (mut home, other) = if turn1.replica == "d1" { (d1, d2) } else { (d2, d1) };
+    home.stop();
+    let prefills = stat(&p1, "handover_prefill_requests");
+    let turn2 = chat(
+        &lb,
+        &[("user", &first), ("assistant", &content(&turn1)), ("user", &text_of("more", 600))],
+        true,
+    );
+    assert_eq!((turn2.status, turn2.route.as_str()), (200, "pd"), "{}", turn2.text);
+    assert_eq!(turn2.replica, other.id);
+    assert_eq!(
+        stat(&p1, "handover_prefill_requests"),
+        prefills + 1,
+        "the same kv_transfer_params went to the other decode replica: no second prefill"
+    );
+    assert_eq!(stat(&other, "kv_pull_failures"), 0);
+    assert!(
+        lb.metric(&format!(
+            "inferlb_pd_legs_total{{leg=\"decode\",outcome=\"connect\",replica=\"{}\"}}",
+            home.id
+        )) >= 1.0
+    );
+}
+
+#[test]
+fn a_failed_pull_gets_a_fresh_prefill_and_another_decode_before_any_byte() {
+    let dir = tempfile::tempdir().expect("dir");
+    // p1's leases end at once: every pull of its KV fails, as vLLM's does for expired blocks.
+    let p1 = sim(dir.path(), "p1", "producer", &["--kv-lease-seconds", "0"]);
+    let p2 = sim(dir.path(), "p2", "producer", &[]);
+    let (d1, d2) = (
+        sim(dir.path(), "d1", "consumer", &[]),
+        sim(dir.path(), "d2", "consumer", &[]),
+    );
+    let lb = pd_lb(dir.path(), &[&p1, &p2], &[&d1, &d2], "{local_prefill_tokens: 0}");
+    let mut served_after_failure = 0;
+    for i in 0..6 {
+        let stream = i % 2 == 0;
+        let a = chat(&lb, &[("user", &text_of(&format!("pull{i}"), 1500))], stream);
+        assert_eq!(a.status, 200, "{}", a.text);
+        assert!(!content(&a).is_empty(), "a whole answer, not an error: {}", a.text);
+        assert!(!a.text.contains("\"error\""), "{}", a.text);
+        if a.prefill == "p2" {
+            served_after_failure += 1;
+        }
+    }
+    let failures = stat(&d1, "kv_pull_failures") + stat(&d2, "kv_pull_failures");
+    assert!(failures >= 1, "some pull of p1's KV failed");
+    assert!(served_after_failure >= 1);
+    let stream_failed = lb.samples("inferlb_pd_legs_total");
+    assert!(
+        stream_failed.iter().any(|(l, v)| l.contains("leg=\"decode\"")
+            && (l.contains("stream_error") || l.contains("http_5xx"))
+            && *v >= 1.0),
+        "{stream_failed:?}"
+    );
+}
+
+#[test]
+fn with_no_prefill_replica_live_requests_are_served_whole_on_decode_replicas() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut p1 = sim(dir.path(), "p1", "producer", &[]);
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
+    p1.stop();
+    assert!(
+        wait_until(Duration::from_secs(10), || lb.replica_state("p1")["live"] == false),
+        "p1 is taken out by its health checks"
+    );
+    for i in 0..3 {
+        let a = chat(&lb, &[("user", &text_of(&format!("w{i}"), 2000))], i == 0);
+        assert_eq!((a.status, a.route.as_str(), a.replica.as_str()), (200, "pd-local", "d1"), "{}", a.text);
+    }
+    assert_eq!(lb.metric("inferlb_pd_whole_total{reason=\"no_prefill_live\"}"), 3.0);
+    let log = std::fs::read_to_string(dir.path().join("inferlb.log")).expect("log");
+    assert_eq!(log.matches("no prefill replica live").count(), 1, "one line, not one a request");
+}
+
+#[test]
+fn a_client_that_leaves_during_the_prefill_leaves_no_decode_behind() {
+    let dir = tempfile::tempdir().expect("dir");
+    // A slow prefill: 20,000 tokens at 2,000 tokens/s (x20) take half a second.
+    let p1 = sim(dir.path(), "p1", "producer", &["--prefill-tokens-per-s", "2000"]);
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
+    let body = chat_body(&[("user", &text_of("leave", 20_000))], true, 8);
+    let quick = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_millis(150))
+        .no_proxy()
+        .build()
+        .expect("client");
+    let r = quick.post(lb.url("/v1/chat/completions")).json(&body).send();
+    assert!(r.is_err(), "the client gave up before an answer");
+    let logged = wait_until(Duration::from_secs(10), || {
+        std::fs::read_to_string(dir.path().join("inferlb.log"))
+            .is_ok_and(|l| l.contains("legs cancelled"))
+    });
+    assert!(logged, "inferlb saw the client leave");
+    // The prefill was cancelled with its connection: no lease is left, no decode was sent.
+    assert!(wait_until(Duration::from_secs(10), || stat(&p1, "kv_leases_held") == 0));
+    assert_eq!(stat(&d1, "handover_decode_requests"), 0);
+}
+
+#[test]
+fn sglang_handover_sends_both_legs_to_one_bootstrap_room() {
+    let dir = tempfile::tempdir().expect("dir");
+    let boot = free_port().to_string();
+    let p1 = sim(
+        dir.path(),
+        "p1",
+        "producer",
+        &["--pd-protocol", "sglang", "--bootstrap-port", &boot],
+    );
+    let d1 = sim(dir.path(), "d1", "consumer", &["--pd-protocol", "sglang"]);
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = vec![
+        Replica {
+            extra: format!("role: prefill, bootstrap_port: {boot}"),
+            ..Replica::of(&p1)
+        },
+        entry(&d1, "decode"),
+    ];
+    conf.extra = "pd: {protocol: sglang, local_prefill_tokens: 0}".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    for stream in [true, false] {
+        let a = chat(&lb, &[("user", &text_of(&format!("sg{stream}"), 2500))], stream);
+        assert_eq!((a.status, a.route.as_str(), a.prefill.as_str()), (200, "pd", "p1"), "{}", a.text);
+        assert!(!content(&a).is_empty(), "{}", a.text);
+    }
+    assert_eq!(stat(&p1, "handover_prefill_requests"), 2);
+    assert_eq!(stat(&d1, "handover_decode_requests"), 2);
+    assert!(stat(&d1, "kv_tokens_transferred") >= 4000);
+}
+
+#[test]
+fn roles_come_through_the_admin_api_and_plain_replicas_never_see_handover_fields() {
+    let dir = tempfile::tempdir().expect("dir");
+    let plain = Sim::start(dir.path(), "plain", &["--speed", "20"]);
+    let p1 = sim(dir.path(), "p1", "producer", &[]);
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = vec![Replica::of(&plain), entry(&p1, "prefill")];
+    conf.extra = "pd: {local_prefill_tokens: 0}".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    // No decode replica yet: served whole, on the plain replica.
+    let a = chat(&lb, &[("user", &text_of("before", 2000))], false);
+    assert_eq!((a.status, a.replica.as_str()), (200, "plain"), "{}", a.text);
+    let added = http()
+        .post(lb.admin_url("/admin/replicas"))
+        .json(&json!({"id": "d1", "address": d1.addr(), "role": "decode"}))
+        .send()
+        .expect("add");
+    assert!(added.status().is_success(), "{:?}", added.text());
+    assert!(wait_until(Duration::from_secs(10), || lb.replica_state("d1")["live"] == true));
+    assert_eq!(lb.replica_state("d1")["role"], "decode");
+    assert_eq!(lb.replica_state("p1")["role"], "prefill");
+    assert_eq!(lb.replica_state("plain")["role"], "plain");
+    let mut handed = 0;
+    for i in 0..6 {
+        let a = chat(&lb, &[("user", &text_of(&format!("after{i}"), 2000))], true);
+        assert_eq!(a.status, 200, "{}", a.text);
+        assert_ne!(a.replica, "p1", "a prefill replica never serves a request whole");
+        handed += usize::from(a.route == "pd");
+    }
+    assert!(handed >= 1, "the pool is disaggregated once d1 joined");
+    assert_eq!(stat(&plain, "handover_fields_seen"), 0);
+    assert!(lb.metric("inferlb_replica_role{replica=\"d1\",role=\"decode\"}") == 1.0);
+}
