@@ -23,6 +23,10 @@
 //! `prefill-first` (vLLM without chunked prefill: a waiting prompt is prefilled whole while
 //! every running stream stalls). See the engine's docs for the rules.
 //!
+//! Prefill/decode disaggregation (`pd`, `--kv-role`, `--pd-protocol`): the KV handover of
+//! vLLM's NixlConnector (`kv_transfer_params`) and SGLang's bootstrap rooms on chat and
+//! completions, with `POST /sim/kv/pull` as the side channel and its counters in `/sim/stats`.
+//!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
 //! any of them, and they all count in `/sim/stats` and `/metrics`.
