@@ -43,7 +43,8 @@ $(VENV)/.done: Makefile
 run: build
 	@scripts/run.sh $(BIN)
 
-test: build $(VENV)/.done
+# The peers too: the simulator's P/D conformance test (sim/tests/pd_conformance.rs) runs them.
+test: build $(VENV)/.done peers
 	$(CARGO) test --$(PROFILE) --workspace -- --test-threads=4
 	$(VENV)/bin/python -m pytest -q tests/sdk
 	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
@@ -53,16 +54,24 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # The peer routers the bench measures inferlb against, SGLang's and vLLM's (Rust binaries on
-# PyPI), in their own virtual environment: `make bench` needs them, `make test` does not (its
-# smoke run says so and skips them when they are absent). Rebuilt when this Makefile changes.
+# PyPI), in their own virtual environments: `make bench` needs them, and `make test` (the
+# simulator's P/D conformance test runs them). Rebuilt when this Makefile changes.
 PEERS_VENV := target/venv-peers
 PEERS := sglang-router==0.3.2 vllm-router==0.1.17
+# smg (SGLang's gateway) in a venv of its own: sglang-router 0.3.2 installs an `smg` entry too,
+# which would shadow smg 1.13.0's in one venv.
+SMG_VENV := target/venv-smg
+SMG := smg==1.13.0
 $(PEERS_VENV)/.done: Makefile
 	python3 -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install -q --disable-pip-version-check $(PEERS)
 	touch $@
+$(SMG_VENV)/.done: Makefile
+	python3 -m venv $(SMG_VENV)
+	$(SMG_VENV)/bin/pip install -q --disable-pip-version-check $(SMG)
+	touch $@
 
-peers: $(PEERS_VENV)/.done
+peers: $(PEERS_VENV)/.done $(SMG_VENV)/.done
 
 # The routing benchmark: every policy side by side against the same simulated replicas, and
 # the peer routers in the trace replay and the fork scene (about 40 minutes on 2 cores).

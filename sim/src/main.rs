@@ -23,6 +23,10 @@
 //! `prefill-first` (vLLM without chunked prefill: a waiting prompt is prefilled whole while
 //! every running stream stalls). See the engine's docs for the rules.
 //!
+//! Prefill/decode disaggregation (`pd`, `--kv-role`, `--pd-protocol`): the KV handover of
+//! vLLM's NixlConnector (`kv_transfer_params`) and SGLang's bootstrap rooms on chat and
+//! completions, with `POST /sim/kv/pull` as the side channel and its counters in `/sim/stats`.
+//!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
 //! any of them, and they all count in `/sim/stats` and `/metrics`.
@@ -499,7 +503,13 @@ fn prefilled(sim: &Sim, job: &Job, leg: &Leg) -> Option<Value> {
 }
 
 async fn whole_response(sim: App, job: Job, leg: Leg) -> Response {
-    if leg.handover.is_decode() && sim.pd.fetch(&leg.handover, job.prompt.as_bytes()).await.is_err() {
+    if leg.handover.is_decode()
+        && sim
+            .pd
+            .fetch(&leg.handover, job.prompt.as_bytes())
+            .await
+            .is_err()
+    {
         return (StatusCode::INTERNAL_SERVER_ERROR, Json(kv_load_failed())).into_response();
     }
     let (mut running, usage) = prefill(&sim, &job).await;
@@ -854,7 +864,8 @@ async fn server_info(State(sim): State<App>) -> Response {
 
 async fn model_info(State(sim): State<App>) -> Response {
     let model = sim.models().first().cloned().unwrap_or_default();
-    Json(json!({"model_path": model, "tokenizer_path": null, "is_generation": true})).into_response()
+    Json(json!({"model_path": model, "tokenizer_path": null, "is_generation": true}))
+        .into_response()
 }
 
 async fn set_fault(State(sim): State<App>, Json(req): Json<FaultRequest>) -> Response {
@@ -961,7 +972,13 @@ async fn main() {
     let speed = if args.speed > 0.0 { args.speed } else { 1.0 };
     // vLLM's engine ids are random per process; this one also names the replica.
     let nonce = xxhash_rust::xxh3::xxh3_64(
-        format!("{}{:?}{}", std::process::id(), SystemTime::now(), args.listen).as_bytes(),
+        format!(
+            "{}{:?}{}",
+            std::process::id(),
+            SystemTime::now(),
+            args.listen
+        )
+        .as_bytes(),
     );
     let pd = Pd::new(
         PdConf {
@@ -1043,10 +1060,9 @@ async fn main() {
     } else {
         app
     };
-    let app = app.with_state(sim).route(
-        "/sim/kv/pull",
-        post(kv_pull).with_state(pd),
-    );
+    let app = app
+        .with_state(sim)
+        .route("/sim/kv/pull", post(kv_pull).with_state(pd));
 
     let tls = match &args.tls_cert {
         None => None,

@@ -114,11 +114,7 @@ pub enum Handover {
     /// SGLang prefill leg: mark the room ready.
     SglangPrefill { room: u64 },
     /// SGLang decode leg: wait for the room at the bootstrap server, pull.
-    SglangDecode {
-        host: String,
-        port: u16,
-        room: u64,
-    },
+    SglangDecode { host: String, port: u16, room: u64 },
 }
 
 impl Handover {
@@ -126,7 +122,10 @@ impl Handover {
         matches!(self, Handover::VllmPrefill | Handover::SglangPrefill { .. })
     }
     pub fn is_decode(&self) -> bool {
-        matches!(self, Handover::VllmDecode(_) | Handover::SglangDecode { .. })
+        matches!(
+            self,
+            Handover::VllmDecode(_) | Handover::SglangDecode { .. }
+        )
     }
 }
 
@@ -187,7 +186,8 @@ fn room_key(room: u64) -> String {
 }
 
 fn as_u64(v: &Value) -> Option<u64> {
-    v.as_u64().or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+    v.as_u64()
+        .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
 }
 
 impl Pd {
@@ -269,10 +269,7 @@ impl Pd {
                 let Some(room) = room.and_then(as_u64) else {
                     return Handover::None;
                 };
-                let port = obj
-                    .get("bootstrap_port")
-                    .and_then(as_u64)
-                    .map(|p| p as u16);
+                let port = obj.get("bootstrap_port").and_then(as_u64).map(|p| p as u16);
                 let host = obj
                     .get("bootstrap_host")
                     .and_then(Value::as_str)
@@ -342,11 +339,9 @@ impl Pd {
         let pd = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(pd.conf.lease).await;
-            let expired = pd.leases.lock().ok().and_then(|mut l| {
-                match l.get(&key) {
-                    Some(x) if x.serial == serial => l.remove(&key),
-                    _ => None,
-                }
+            let expired = pd.leases.lock().ok().and_then(|mut l| match l.get(&key) {
+                Some(x) if x.serial == serial => l.remove(&key),
+                _ => None,
             });
             if let Some(lease) = expired {
                 pd.engine.unpin(lease.pinned);
@@ -413,7 +408,13 @@ impl Pd {
     }
 
     /// The pull request a decode sends to the producer's side channel.
-    async fn call(&self, host: &str, port: u16, body: Value, limit: Duration) -> Result<usize, PullError> {
+    async fn call(
+        &self,
+        host: &str,
+        port: u16,
+        body: Value,
+        limit: Duration,
+    ) -> Result<usize, PullError> {
         let host = if host.contains(':') && !host.starts_with('[') {
             format!("[{host}]")
         } else {
@@ -476,7 +477,12 @@ impl Pd {
 
     /// Asks the producer for the KV: the tokens to move (what it computed, up to the prompt,
     /// less what this replica holds).
-    async fn pull(&self, h: &Handover, prompt_tokens: usize, local: usize) -> Result<usize, PullError> {
+    async fn pull(
+        &self,
+        h: &Handover,
+        prompt_tokens: usize,
+        local: usize,
+    ) -> Result<usize, PullError> {
         match h {
             Handover::VllmDecode(r) => {
                 let need = r.num_tokens.min(prompt_tokens).saturating_sub(local);
@@ -523,7 +529,12 @@ pub async fn pull_handler(pd: &Pd, body: &[u8]) -> (u16, Value) {
             (Some(_), Some(e)) => {
                 return (404, json!({"error": format!("unknown engine id {e}")}));
             }
-            _ => return (400, json!({"error": "needs remote_request_id and remote_engine_id"})),
+            _ => {
+                return (
+                    400,
+                    json!({"error": "needs remote_request_id and remote_engine_id"}),
+                )
+            }
         }
     };
     if !pd.conf.role.produces() {
@@ -578,10 +589,16 @@ mod tests {
         let prompt = vec![b'x'; 4 * 40]; // 40 tokens, 10 blocks
         let params = p.vllm_prefilled("r1", &prompt);
         assert_eq!(params["remote_num_tokens"], 40);
-        assert_eq!(params["remote_block_ids"][0].as_array().map(Vec::len), Some(10));
+        assert_eq!(
+            params["remote_block_ids"][0].as_array().map(Vec::len),
+            Some(10)
+        );
         assert_eq!(params["remote_request_id"], "r1");
         assert!(p.engine.kv_usage() > 0.0, "the lease holds the blocks");
-        assert_eq!(pull_handler(&p, &pull_body("r1")).await, (200, json!({"tokens": 40})));
+        assert_eq!(
+            pull_handler(&p, &pull_body("r1")).await,
+            (200, json!({"tokens": 40}))
+        );
         assert_eq!(p.engine.kv_usage(), 0.0, "freed on the pull");
         assert_eq!(p.leases_held(), 0);
         assert_eq!(pull_handler(&p, &pull_body("r1")).await.0, 404);
@@ -616,7 +633,11 @@ mod tests {
         assert_eq!(waiter.await.unwrap(), Some(20));
         let t0 = Instant::now();
         assert_eq!(p.take(&room_key(8), Duration::from_secs(5)).await, None);
-        assert_eq!(Instant::now() - t0, Duration::from_millis(1000), "bounded by the lease");
+        assert_eq!(
+            Instant::now() - t0,
+            Duration::from_millis(1000),
+            "bounded by the lease"
+        );
     }
 
     /// A producer's side channel on a loopback port, as main serves it.
@@ -625,7 +646,10 @@ mod tests {
             "/sim/kv/pull",
             axum::routing::post(|body: axum::body::Bytes| async move {
                 let (status, v) = pull_handler(&p, &body).await;
-                (axum::http::StatusCode::from_u16(status).unwrap(), axum::Json(v))
+                (
+                    axum::http::StatusCode::from_u16(status).unwrap(),
+                    axum::Json(v),
+                )
             }),
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -652,7 +676,11 @@ mod tests {
             })
         };
         assert_eq!(consumer.fetch(&remote("r1"), &prompt).await, Ok(40));
-        assert_eq!(consumer.engine.cached_prefix(&prompt), 100, "cached after the pull");
+        assert_eq!(
+            consumer.engine.cached_prefix(&prompt),
+            100,
+            "cached after the pull"
+        );
         let c = &consumer.counters;
         assert_eq!(c.kv_tokens_transferred.load(Ordering::Relaxed), 40);
         assert_eq!(c.kv_pulls.load(Ordering::Relaxed), 1);
@@ -675,11 +703,22 @@ mod tests {
         let plain = pd(KvRole::None, 1000);
         assert_eq!(plain.classify(&prefill), Handover::None);
         assert_eq!(plain.classify(&decode), Handover::None);
-        assert_eq!(plain.counters.handover_fields_seen.load(Ordering::Relaxed), 2);
+        assert_eq!(
+            plain.counters.handover_fields_seen.load(Ordering::Relaxed),
+            2
+        );
         let both = pd(KvRole::Both, 1000);
         assert_eq!(both.classify(&prefill), Handover::VllmPrefill);
-        assert!(matches!(both.classify(&decode), Handover::VllmDecode(r) if r.num_tokens == 12 && r.port == 9));
-        assert_eq!(pd(KvRole::Consumer, 1000).classify(&prefill), Handover::None);
-        assert_eq!(both.classify(&obj(json!({"max_tokens": 3}))), Handover::None);
+        assert!(
+            matches!(both.classify(&decode), Handover::VllmDecode(r) if r.num_tokens == 12 && r.port == 9)
+        );
+        assert_eq!(
+            pd(KvRole::Consumer, 1000).classify(&prefill),
+            Handover::None
+        );
+        assert_eq!(
+            both.classify(&obj(json!({"max_tokens": 3}))),
+            Handover::None
+        );
     }
 }

@@ -1,0 +1,373 @@
+//! The simulator speaks prefill/decode disaggregation as vLLM and SGLang do: the check is made
+//! by clients no one here wrote, vLLM's router (`vllm-router --vllm-pd-disaggregation`) and
+//! SGLang's gateway (`smg launch --pd-disaggregation`), in front of one producer sim and one
+//! consumer sim. Each starts the real binaries on free loopback ports; every process is killed
+//! on drop (a panic included) and the logs stay in a temp dir printed on failure.
+//!
+//! The routers come from `make peers`: `$INFERLB_PEERS_VENV` (default `target/venv-peers`) holds
+//! `vllm-router`, `$INFERLB_SMG_VENV` (default `target/venv-smg`) holds `smg`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use inferlb_harness::{bin_dir, free_port, wait_until, Proc, Signal, Sim};
+use serde_json::{json, Value};
+
+/// The temp dir of one test's logs: removed on success, kept and printed on failure.
+struct Logs {
+    dir: Option<tempfile::TempDir>,
+}
+
+impl Logs {
+    fn new() -> Logs {
+        Logs {
+            dir: Some(tempfile::tempdir().expect("temp dir")),
+        }
+    }
+    fn path(&self) -> &Path {
+        self.dir.as_ref().expect("temp dir").path()
+    }
+}
+
+impl Drop for Logs {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        if let Some(d) = self.dir.take() {
+            let path = d.keep();
+            eprintln!("logs kept in {}", path.display());
+            for e in std::fs::read_dir(&path).into_iter().flatten().flatten() {
+                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                let tail: String = text
+                    .lines()
+                    .rev()
+                    .take(40)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                eprintln!("--- {} (last 40 lines)\n{tail}", e.path().display());
+            }
+        }
+    }
+}
+
+fn workspace_target() -> PathBuf {
+    let dir = bin_dir();
+    dir.parent().unwrap_or(dir).to_path_buf()
+}
+
+/// A peer router's executable, or a failure that says how to install it.
+fn peer_bin(env: &str, default_venv: &str, name: &str) -> PathBuf {
+    let venv = std::env::var_os(env)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_target().join(default_venv));
+    let p = venv.join("bin").join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `make peers` (it installs the peer routers into target/venv-peers \
+         and target/venv-smg; or set ${env})",
+        p.display()
+    );
+    p
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .no_proxy()
+        .build()
+        .expect("HTTP client")
+}
+
+fn stats(sim: &Sim) -> Value {
+    client()
+        .get(sim.url("/sim/stats"))
+        .send()
+        .and_then(|r| r.json())
+        .expect("/sim/stats")
+}
+
+fn n(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+/// Starts a router and waits (at most 60 s) until its `/v1/models` lists the sims' model.
+fn start_router(logs: &Logs, name: &str, cmd: Command, port: u16) -> Proc {
+    let log = logs.path().join(format!("{name}.log"));
+    let mut p = Proc::spawn(name, cmd, Some(&log), Signal::SIGTERM).expect("router starts");
+    let url = format!("http://127.0.0.1:{port}/v1/models");
+    let c = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .no_proxy()
+        .build()
+        .expect("HTTP client");
+    let ready = wait_until(Duration::from_secs(60), || {
+        !p.has_exited()
+            && c.get(&url)
+                .send()
+                .ok()
+                .filter(|r| r.status() == 200)
+                .and_then(|r| r.text().ok())
+                .is_some_and(|t| t.contains("sim-model"))
+    });
+    assert!(ready, "{name} did not become ready on port {port}");
+    p
+}
+
+/// A user message of about `tokens` tokens (4 bytes each in the simulator).
+fn words(tag: &str, tokens: usize) -> String {
+    let mut s = format!("{tag}: ");
+    while s.len() < tokens * 4 {
+        s.push_str("lorem ipsum dolor sit amet ");
+    }
+    s
+}
+
+/// One chat turn through the router: the reply text (checked to have `max_tokens` words).
+fn chat(port: u16, messages: &[Value], stream: bool) -> String {
+    let max_tokens = 8;
+    let resp = client()
+        .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+        .json(&json!({"model": "sim-model", "messages": messages, "max_tokens": max_tokens, "stream": stream}))
+        .send()
+        .expect("the router answers");
+    let status = resp.status();
+    let body = resp.text().expect("a body");
+    assert_eq!(status, 200, "{body}");
+    let text = if stream {
+        assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+        body.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str::<Value>(d).expect("a JSON event"))
+            .inspect(|v| assert!(v.get("error").is_none(), "{v}"))
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .collect::<String>()
+    } else {
+        let v: Value = serde_json::from_str(&body).expect("JSON");
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no content in {v}"))
+            .to_owned()
+    };
+    assert_eq!(text.split_whitespace().count(), max_tokens, "{text:?}");
+    text
+}
+
+/// Two turns of one conversation through a P/D router: the first (not streamed) pulls its
+/// whole prompt, the second (streamed) only what the decode's own cache lacks.
+fn two_turns(router_port: u16, prefill: &Sim, decode: &Sim) {
+    let first = vec![json!({"role": "user", "content": words("turn one", 600)})];
+    let reply = chat(router_port, &first, false);
+    let (d1, p1) = (stats(decode), stats(prefill));
+    assert_eq!(n(&d1, "handover_decode_requests"), 1, "{d1}");
+    assert_eq!(n(&d1, "kv_pulls"), 1, "{d1}");
+    assert_eq!(n(&d1, "kv_pull_failures"), 0, "{d1}");
+    let t1 = n(&d1, "kv_tokens_transferred");
+    assert!(t1 >= 600, "the whole prompt moved: {d1}");
+    assert!(n(&p1, "handover_prefill_requests") >= 1, "{p1}");
+    assert_eq!(
+        n(&p1, "kv_leases_pulled"),
+        1,
+        "the decode took the lease: {p1}"
+    );
+    assert_eq!(n(&p1, "kv_leases_held"), 0, "{p1}");
+    assert_eq!(n(&p1, "handover_fields_seen"), 0, "{p1}");
+
+    let mut second = first.clone();
+    second.push(json!({"role": "assistant", "content": reply}));
+    second.push(json!({"role": "user", "content": words("turn two", 40)}));
+    chat(router_port, &second, true);
+    let d2 = stats(decode);
+    assert_eq!(n(&d2, "kv_pulls"), 2, "{d2}");
+    let t2 = n(&d2, "kv_tokens_transferred") - t1;
+    assert!(
+        t2 > 0 && t2 < t1 / 4,
+        "the second turn pulls only its new part: {t2} after {t1}"
+    );
+    assert_eq!(n(&d2, "kv_pull_failures"), 0, "{d2}");
+}
+
+#[test]
+fn vllm_router_runs_pd_against_the_simulator() {
+    let logs = Logs::new();
+    let router = peer_bin("INFERLB_PEERS_VENV", "venv-peers", "vllm-router");
+    let prefill = Sim::start(
+        logs.path(),
+        "prefill",
+        &["--kv-role", "producer", "--speed", "10"],
+    );
+    let decode = Sim::start(
+        logs.path(),
+        "decode",
+        &["--kv-role", "consumer", "--speed", "10"],
+    );
+    let port = free_port();
+    let mut cmd = Command::new(router);
+    cmd.args([
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        &prefill.url(""),
+        "none",
+    ])
+    .args(["--decode", &decode.url(""), "--kv-connector", "nixl"])
+    .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+    .args(["--prometheus-host", "127.0.0.1"])
+    .args(["--prometheus-port", &free_port().to_string()])
+    .args([
+        "--worker-startup-timeout-secs",
+        "30",
+        "--log-level",
+        "warning",
+    ]);
+    let _router = start_router(&logs, "vllm-router", cmd, port);
+    two_turns(port, &prefill, &decode);
+}
+
+#[test]
+fn smg_runs_pd_against_the_simulator() {
+    let logs = Logs::new();
+    let smg = peer_bin("INFERLB_SMG_VENV", "venv-smg", "smg");
+    let bootstrap = free_port().to_string();
+    let prefill = Sim::start(
+        logs.path(),
+        "prefill",
+        &[
+            "--kv-role",
+            "producer",
+            "--pd-protocol",
+            "sglang",
+            "--bootstrap-port",
+            &bootstrap,
+            "--speed",
+            "10",
+        ],
+    );
+    let decode = Sim::start(
+        logs.path(),
+        "decode",
+        &[
+            "--kv-role",
+            "consumer",
+            "--pd-protocol",
+            "sglang",
+            "--speed",
+            "10",
+        ],
+    );
+    let port = free_port();
+    let mut cmd = Command::new(smg);
+    cmd.args([
+        "launch",
+        "--pd-disaggregation",
+        "--prefill",
+        &prefill.url(""),
+        &bootstrap,
+    ])
+    .args(["--decode", &decode.url("")])
+    .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+    .args(["--prometheus-host", "127.0.0.1"])
+    .args(["--prometheus-port", &free_port().to_string()])
+    .args(["--worker-startup-timeout-secs", "30", "--log-level", "warn"]);
+    let _router = start_router(&logs, "smg", cmd, port);
+    two_turns(port, &prefill, &decode);
+}
+
+/// Failed handovers, sent straight to the sims: vLLM's error shapes, SGLang's bounded wait, and
+/// a replica without a connector ignoring (and counting) the fields.
+#[test]
+fn failed_handovers_fail_as_vllm_does_and_a_plain_replica_ignores_the_fields() {
+    let logs = Logs::new();
+    let decode = Sim::start(logs.path(), "decode", &["--kv-role", "consumer"]);
+    let gone = free_port();
+    let ktp = json!({"do_remote_prefill": true, "do_remote_decode": false,
+        "remote_engine_id": "nobody", "remote_request_id": "r-unknown", "remote_block_ids": [[0, 1]],
+        "remote_host": "127.0.0.1", "remote_port": gone, "remote_num_tokens": 40, "tp_size": 1});
+    let body = |stream: bool| {
+        json!({"model": "sim-model", "messages": [{"role": "user", "content": words("x", 40)}],
+            "max_tokens": 4, "stream": stream, "kv_transfer_params": ktp})
+    };
+    let c = client();
+    let url = decode.url("/v1/chat/completions");
+    let r = c.post(&url).json(&body(false)).send().expect("an answer");
+    assert_eq!(r.status(), 500);
+    let v: Value = r.json().expect("JSON");
+    assert_eq!(
+        v,
+        json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}})
+    );
+    let r = c.post(&url).json(&body(true)).send().expect("an answer");
+    assert_eq!(r.status(), 200);
+    let text = r.text().expect("a body");
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.len(), 3, "{text}");
+    let role: Value = serde_json::from_str(events[0]).expect("JSON");
+    assert_eq!(role["choices"][0]["delta"]["role"], "assistant", "{text}");
+    let err: Value = serde_json::from_str(events[1]).expect("JSON");
+    assert_eq!(err["error"]["code"], 500, "{text}");
+    assert_eq!(events[2], "[DONE]");
+    let s = stats(&decode);
+    assert_eq!(n(&s, "kv_pull_failures"), 2, "{s}");
+    assert_eq!(n(&s, "generation_tokens"), 0, "{s}");
+
+    // SGLang: a room that never becomes ready fails once the (short) lease passes.
+    let bootstrap = free_port();
+    let prefill = Sim::start(
+        logs.path(),
+        "sg-prefill",
+        &[
+            "--kv-role",
+            "producer",
+            "--pd-protocol",
+            "sglang",
+            "--bootstrap-port",
+            &bootstrap.to_string(),
+            "--kv-lease-seconds",
+            "0.5",
+        ],
+    );
+    let sg_decode = Sim::start(
+        logs.path(),
+        "sg-decode",
+        &[
+            "--kv-role",
+            "consumer",
+            "--pd-protocol",
+            "sglang",
+            "--kv-lease-seconds",
+            "0.5",
+        ],
+    );
+    let r = c
+        .post(sg_decode.url("/v1/completions"))
+        .json(&json!({"model": "sim-model", "prompt": words("y", 40), "max_tokens": 4,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": 12345u64}))
+        .send()
+        .expect("an answer");
+    assert_eq!(r.status(), 500);
+    assert_eq!(n(&stats(&sg_decode), "kv_pull_failures"), 1);
+    assert_eq!(n(&stats(&prefill), "kv_leases_granted"), 0);
+
+    // No connector: the fields are ignored (the request is served whole) and counted.
+    let plain = Sim::start(logs.path(), "plain", &[]);
+    let r = c
+        .post(plain.url("/v1/chat/completions"))
+        .json(&body(false))
+        .send()
+        .expect("an answer");
+    assert_eq!(r.status(), 200);
+    let s = stats(&plain);
+    assert_eq!(n(&s, "handover_fields_seen"), 1, "{s}");
+    assert_eq!(n(&s, "kv_pulls") + n(&s, "kv_pull_failures"), 0, "{s}");
+}
