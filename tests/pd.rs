@@ -32,7 +32,7 @@ fn pd_lb(dir: &std::path::Path, prefill: &[&Sim], decode: &[&Sim], pd: &str) -> 
         .map(|s| entry(s, "prefill"))
         .chain(decode.iter().map(|s| entry(s, "decode")))
         .collect();
-    conf.extra = format!("pd: {pd}");
+    conf.extra = format!("  pd: {pd}\n");
     Lb::start(dir, &[], conf)
 }
 
@@ -89,7 +89,11 @@ fn content(a: &Answer) -> String {
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
         .collect()
 }
 
@@ -120,15 +124,30 @@ fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_re
     let turn1 = chat(&lb, &[("user", &first)], false);
     let home = turn1.replica.clone();
     let (home_sim, other) = if home == "d1" { (&d1, &d2) } else { (&d2, &d1) };
-    let before = (stat(home_sim, "kv_tokens_transferred"), stat(other, "kv_pulls"));
+    let before = (
+        stat(home_sim, "kv_tokens_transferred"),
+        stat(other, "kv_pulls"),
+    );
     let next = text_of("next", 600);
     let turn2 = chat(
         &lb,
-        &[("user", &first), ("assistant", &content(&turn1)), ("user", &next)],
+        &[
+            ("user", &first),
+            ("assistant", &content(&turn1)),
+            ("user", &next),
+        ],
         true,
     );
-    assert_eq!((turn2.status, turn2.route.as_str()), (200, "pd"), "{}", turn2.text);
-    assert_eq!(turn2.replica, home, "the decode replica that holds the history");
+    assert_eq!(
+        (turn2.status, turn2.route.as_str()),
+        (200, "pd"),
+        "{}",
+        turn2.text
+    );
+    assert_eq!(
+        turn2.replica, home,
+        "the decode replica that holds the history"
+    );
     let moved = stat(home_sim, "kv_tokens_transferred") - before.0;
     assert!(
         moved > 0 && moved < 1500,
@@ -140,7 +159,10 @@ fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_re
     let log = std::fs::read_to_string(dir.path().join("inferlb.log")).expect("log");
     let lines: Vec<&str> = log.lines().filter(|l| l.contains("route=pd ")).collect();
     assert_eq!(lines.len(), 4, "one access line per request:\n{log}");
-    assert_eq!(stat(&p1, "handover_fields_seen") + stat(&d1, "handover_fields_seen"), 0);
+    assert_eq!(
+        stat(&p1, "handover_fields_seen") + stat(&d1, "handover_fields_seen"),
+        0
+    );
 }
 
 #[test]
@@ -156,10 +178,19 @@ fn a_turn_its_decode_replica_mostly_holds_is_served_whole_there() {
     // 100 new tokens on a history d1 holds: below 512, no prefill hop, no KV moved.
     let b = chat(
         &lb,
-        &[("user", &first), ("assistant", &content(&a)), ("user", &text_of("small", 100))],
+        &[
+            ("user", &first),
+            ("assistant", &content(&a)),
+            ("user", &text_of("small", 100)),
+        ],
         true,
     );
-    assert_eq!((b.status, b.route.as_str(), b.replica.as_str()), (200, "pd-local", "d1"), "{}", b.text);
+    assert_eq!(
+        (b.status, b.route.as_str(), b.replica.as_str()),
+        (200, "pd-local", "d1"),
+        "{}",
+        b.text
+    );
     assert_eq!(stat(&p1, "handover_prefill_requests"), prefills);
     assert!(lb.metric("inferlb_pd_whole_total{reason=\"small_uncached\"}") >= 1.0);
 }
@@ -175,10 +206,20 @@ fn a_failing_prefill_fails_over_to_another_prefill_replica() {
     let lb = pd_lb(dir.path(), &[&p1, &p2], &[&d1], "{local_prefill_tokens: 0}");
     p1.fault(json!({"fault": "error500"}));
     for i in 0..6 {
-        let a = chat(&lb, &[("user", &text_of(&format!("f{i}"), 2000))], i % 2 == 0);
-        assert_eq!((a.status, a.route.as_str(), a.prefill.as_str()), (200, "pd", "p2"), "{}", a.text);
+        let a = chat(
+            &lb,
+            &[("user", &text_of(&format!("f{i}"), 2000))],
+            i % 2 == 0,
+        );
+        assert_eq!(
+            (a.status, a.route.as_str(), a.prefill.as_str()),
+            (200, "pd", "p2"),
+            "{}",
+            a.text
+        );
     }
-    let failed = lb.metric("inferlb_pd_legs_total{leg=\"prefill\",outcome=\"http_5xx\",replica=\"p1\"}");
+    let failed =
+        lb.metric("inferlb_pd_legs_total{leg=\"prefill\",outcome=\"http_5xx\",replica=\"p1\"}");
     assert!(failed >= 1.0, "p1 was tried and failed over from: {failed}");
     // A prefill replica that refuses connections: demoted, the request served by the other.
     drop(p1);
@@ -201,21 +242,38 @@ fn a_decode_that_cannot_be_reached_gets_the_same_kv_on_another_replica() {
     // Health checks that do not notice the stop before the next turn does.
     conf.health_interval_seconds = Some(2.0);
     conf.health_failures = Some(3);
-    conf.replicas = vec![entry(&p1, "prefill"), entry(&d1, "decode"), entry(&d2, "decode")];
-    conf.extra = "pd: {local_prefill_tokens: 0}".into();
+    conf.replicas = vec![
+        entry(&p1, "prefill"),
+        entry(&d1, "decode"),
+        entry(&d2, "decode"),
+    ];
+    conf.extra = "  pd: {local_prefill_tokens: 0}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     let first = text_of("conv", 3000);
     let turn1 = chat(&lb, &[("user", &first)], false);
     assert_eq!(turn1.status, 200, "{}", turn1.text);
-    let (mut home, other) = if turn1.replica == "d1" { (d1, d2) } else { (d2, d1) };
+    let (mut home, other) = if turn1.replica == "d1" {
+        (d1, d2)
+    } else {
+        (d2, d1)
+    };
     home.stop();
     let prefills = stat(&p1, "handover_prefill_requests");
     let turn2 = chat(
         &lb,
-        &[("user", &first), ("assistant", &content(&turn1)), ("user", &text_of("more", 600))],
+        &[
+            ("user", &first),
+            ("assistant", &content(&turn1)),
+            ("user", &text_of("more", 600)),
+        ],
         true,
     );
-    assert_eq!((turn2.status, turn2.route.as_str()), (200, "pd"), "{}", turn2.text);
+    assert_eq!(
+        (turn2.status, turn2.route.as_str()),
+        (200, "pd"),
+        "{}",
+        turn2.text
+    );
     assert_eq!(turn2.replica, other.id);
     assert_eq!(
         stat(&p1, "handover_prefill_requests"),
@@ -241,13 +299,26 @@ fn a_failed_pull_gets_a_fresh_prefill_and_another_decode_before_any_byte() {
         sim(dir.path(), "d1", "consumer", &[]),
         sim(dir.path(), "d2", "consumer", &[]),
     );
-    let lb = pd_lb(dir.path(), &[&p1, &p2], &[&d1, &d2], "{local_prefill_tokens: 0}");
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1, &p2],
+        &[&d1, &d2],
+        "{local_prefill_tokens: 0}",
+    );
     let mut served_after_failure = 0;
     for i in 0..6 {
         let stream = i % 2 == 0;
-        let a = chat(&lb, &[("user", &text_of(&format!("pull{i}"), 1500))], stream);
+        let a = chat(
+            &lb,
+            &[("user", &text_of(&format!("pull{i}"), 1500))],
+            stream,
+        );
         assert_eq!(a.status, 200, "{}", a.text);
-        assert!(!content(&a).is_empty(), "a whole answer, not an error: {}", a.text);
+        assert!(
+            !content(&a).is_empty(),
+            "a whole answer, not an error: {}",
+            a.text
+        );
         assert!(!a.text.contains("\"error\""), "{}", a.text);
         if a.prefill == "p2" {
             served_after_failure += 1;
@@ -258,9 +329,11 @@ fn a_failed_pull_gets_a_fresh_prefill_and_another_decode_before_any_byte() {
     assert!(served_after_failure >= 1);
     let stream_failed = lb.samples("inferlb_pd_legs_total");
     assert!(
-        stream_failed.iter().any(|(l, v)| l.contains("leg=\"decode\"")
-            && (l.contains("stream_error") || l.contains("http_5xx"))
-            && *v >= 1.0),
+        stream_failed
+            .iter()
+            .any(|(l, v)| l.contains("leg=\"decode\"")
+                && (l.contains("stream_error") || l.contains("http_5xx"))
+                && *v >= 1.0),
         "{stream_failed:?}"
     );
 }
@@ -273,23 +346,41 @@ fn with_no_prefill_replica_live_requests_are_served_whole_on_decode_replicas() {
     let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
     p1.stop();
     assert!(
-        wait_until(Duration::from_secs(10), || lb.replica_state("p1")["live"] == false),
+        wait_until(Duration::from_secs(10), || lb.replica_state("p1")["live"]
+            == false),
         "p1 is taken out by its health checks"
     );
     for i in 0..3 {
         let a = chat(&lb, &[("user", &text_of(&format!("w{i}"), 2000))], i == 0);
-        assert_eq!((a.status, a.route.as_str(), a.replica.as_str()), (200, "pd-local", "d1"), "{}", a.text);
+        assert_eq!(
+            (a.status, a.route.as_str(), a.replica.as_str()),
+            (200, "pd-local", "d1"),
+            "{}",
+            a.text
+        );
     }
-    assert_eq!(lb.metric("inferlb_pd_whole_total{reason=\"no_prefill_live\"}"), 3.0);
+    assert_eq!(
+        lb.metric("inferlb_pd_whole_total{reason=\"no_prefill_live\"}"),
+        3.0
+    );
     let log = std::fs::read_to_string(dir.path().join("inferlb.log")).expect("log");
-    assert_eq!(log.matches("no prefill replica live").count(), 1, "one line, not one a request");
+    assert_eq!(
+        log.matches("no prefill replica live").count(),
+        1,
+        "one line, not one a request"
+    );
 }
 
 #[test]
 fn a_client_that_leaves_during_the_prefill_leaves_no_decode_behind() {
     let dir = tempfile::tempdir().expect("dir");
     // A slow prefill: 20,000 tokens at 2,000 tokens/s (x20) take half a second.
-    let p1 = sim(dir.path(), "p1", "producer", &["--prefill-tokens-per-s", "2000"]);
+    let p1 = sim(
+        dir.path(),
+        "p1",
+        "producer",
+        &["--prefill-tokens-per-s", "2000"],
+    );
     let d1 = sim(dir.path(), "d1", "consumer", &[]);
     let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
     let body = chat_body(&[("user", &text_of("leave", 20_000))], true, 8);
@@ -298,7 +389,10 @@ fn a_client_that_leaves_during_the_prefill_leaves_no_decode_behind() {
         .no_proxy()
         .build()
         .expect("client");
-    let r = quick.post(lb.url("/v1/chat/completions")).json(&body).send();
+    let r = quick
+        .post(lb.url("/v1/chat/completions"))
+        .json(&body)
+        .send();
     assert!(r.is_err(), "the client gave up before an answer");
     let logged = wait_until(Duration::from_secs(10), || {
         std::fs::read_to_string(dir.path().join("inferlb.log"))
@@ -306,7 +400,10 @@ fn a_client_that_leaves_during_the_prefill_leaves_no_decode_behind() {
     });
     assert!(logged, "inferlb saw the client leave");
     // The prefill was cancelled with its connection: no lease is left, no decode was sent.
-    assert!(wait_until(Duration::from_secs(10), || stat(&p1, "kv_leases_held") == 0));
+    assert!(wait_until(Duration::from_secs(10), || stat(
+        &p1,
+        "kv_leases_held"
+    ) == 0));
     assert_eq!(stat(&d1, "handover_decode_requests"), 0);
 }
 
@@ -330,11 +427,20 @@ fn sglang_handover_sends_both_legs_to_one_bootstrap_room() {
         },
         entry(&d1, "decode"),
     ];
-    conf.extra = "pd: {protocol: sglang, local_prefill_tokens: 0}".into();
+    conf.extra = "  pd: {protocol: sglang, local_prefill_tokens: 0}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     for stream in [true, false] {
-        let a = chat(&lb, &[("user", &text_of(&format!("sg{stream}"), 2500))], stream);
-        assert_eq!((a.status, a.route.as_str(), a.prefill.as_str()), (200, "pd", "p1"), "{}", a.text);
+        let a = chat(
+            &lb,
+            &[("user", &text_of(&format!("sg{stream}"), 2500))],
+            stream,
+        );
+        assert_eq!(
+            (a.status, a.route.as_str(), a.prefill.as_str()),
+            (200, "pd", "p1"),
+            "{}",
+            a.text
+        );
         assert!(!content(&a).is_empty(), "{}", a.text);
     }
     assert_eq!(stat(&p1, "handover_prefill_requests"), 2);
@@ -351,7 +457,7 @@ fn roles_come_through_the_admin_api_and_plain_replicas_never_see_handover_fields
     let mut conf = test_conf();
     conf.routing = Some("prefill_cost".into());
     conf.replicas = vec![Replica::of(&plain), entry(&p1, "prefill")];
-    conf.extra = "pd: {local_prefill_tokens: 0}".into();
+    conf.extra = "  pd: {local_prefill_tokens: 0}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     // No decode replica yet: served whole, on the plain replica.
     let a = chat(&lb, &[("user", &text_of("before", 2000))], false);
@@ -362,7 +468,9 @@ fn roles_come_through_the_admin_api_and_plain_replicas_never_see_handover_fields
         .send()
         .expect("add");
     assert!(added.status().is_success(), "{:?}", added.text());
-    assert!(wait_until(Duration::from_secs(10), || lb.replica_state("d1")["live"] == true));
+    assert!(wait_until(Duration::from_secs(10), || lb
+        .replica_state("d1")["live"]
+        == true));
     assert_eq!(lb.replica_state("d1")["role"], "decode");
     assert_eq!(lb.replica_state("p1")["role"], "prefill");
     assert_eq!(lb.replica_state("plain")["role"], "plain");
@@ -370,7 +478,10 @@ fn roles_come_through_the_admin_api_and_plain_replicas_never_see_handover_fields
     for i in 0..6 {
         let a = chat(&lb, &[("user", &text_of(&format!("after{i}"), 2000))], true);
         assert_eq!(a.status, 200, "{}", a.text);
-        assert_ne!(a.replica, "p1", "a prefill replica never serves a request whole");
+        assert_ne!(
+            a.replica, "p1",
+            "a prefill replica never serves a request whole"
+        );
         handed += usize::from(a.route == "pd");
     }
     assert!(handed >= 1, "the pool is disaggregated once d1 joined");

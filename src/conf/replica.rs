@@ -55,7 +55,11 @@ pub struct ReplicaConf {
     #[serde(default)]
     pub discover: Option<Discover>,
     /// Its part in its model's pool: `plain` (default), `prefill`, `decode` or `both`.
-    #[serde(default, skip_serializing_if = "Role::is_plain")]
+    #[serde(
+        default,
+        skip_serializing_if = "Role::is_plain",
+        deserialize_with = "plain_if_null"
+    )]
     pub role: Role,
     /// SGLang's protocol: the port of this prefill server's bootstrap server (its host is the
     /// address's).
@@ -67,6 +71,11 @@ pub struct ReplicaConf {
 #[serde(rename_all = "lowercase")]
 pub enum Discover {
     Dns,
+}
+
+/// `role: null` (or absent) is `plain`.
+fn plain_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Role, D::Error> {
+    Ok(Option::<Role>::deserialize(d)?.unwrap_or_default())
 }
 
 /// Checks one replica entry (of the conf, `key` naming it, or added through the admin API)

@@ -265,6 +265,8 @@ mod tests {
                 .inc();
             m.prompt_tokens.with_label_values(&[id]).inc_by(5);
             m.cached_tokens.with_label_values(&[id]).inc_by(3);
+            m.pd_legs.with_label_values(&[id, "decode", "ok"]).inc();
+            m.pd_pull_tokens.with_label_values(&[id]).inc_by(7);
         };
         count("gone-a");
         count("kept-b");
@@ -277,6 +279,10 @@ mod tests {
             "inferlb_replica_up{",
             "inferlb_replica_in_flight{",
             "inferlb_replica_draining{",
+            "inferlb_replica_role{",
+            "inferlb_replica_kv_tokens{",
+            "inferlb_pd_legs_total{",
+            "inferlb_pd_pull_tokens_total{",
         ];
         for id in ["gone-a", "kept-b"] {
             let series = series_of(id);

@@ -79,6 +79,9 @@ struct Plan {
     model: Option<String>,
     request_id: http::HeaderValue,
     session: Option<u64>,
+    /// The request's draw of the balancer's counter: it breaks ties (each leg's choice adds
+    /// the legs tried before it, so that a retry among equals moves on).
+    tick: u64,
     /// The decode replica chosen first, and the tokens of the prompt it lacks.
     decode: Arc<Replica>,
 }
@@ -328,6 +331,7 @@ impl Balancer {
             model: info.model.clone(),
             request_id: ctx.request_id.clone(),
             session: ctx.session,
+            tick: ask.tick,
             decode,
         })
     }
@@ -339,7 +343,7 @@ impl Balancer {
         let candidates = Registry::candidates_for(leg, &fleet, tried, model, &plan.links);
         let served_by = |h| self.affinity.served_by(h);
         let shape = &plan.shape;
-        let tick = self.registry.tick();
+        let tick = plan.tick.wrapping_add(tried.len() as u64);
         let chosen = match leg {
             Leg::Decode => {
                 let available: Vec<_> = candidates.iter().filter(|c| c.available).collect();
