@@ -229,3 +229,53 @@ fn dns_answers_outside_the_allowed_networks_are_skipped() {
     let skipped = format!("resolved to 127.0.0.3:{port}, skipped");
     assert_eq!(log.matches(&skipped).count(), 1, "logged once:\n{log}");
 }
+
+/// Replicas found by DNS take their entry's role: a decode pool behind a headless Service,
+/// beside a prefill replica of the conf, makes the model disaggregated.
+#[test]
+fn discovered_replicas_take_their_entrys_role() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path();
+    let port = free_port();
+    let _s2 = sim_at(dir, "127.0.0.2", port, "pod-a");
+    let _s3 = sim_at(dir, "127.0.0.3", port, "pod-b");
+    let prefill = Sim::start(dir, "p1", &[]);
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "127.0.0.2 decode.test\n127.0.0.3 decode.test\n").expect("hosts");
+    let dns_port = free_port();
+    let _dns = start_dns(dir, dns_port, &hosts);
+    let conf = LbConf {
+        replicas: vec![
+            Replica {
+                extra: "role: prefill".into(),
+                ..Replica::of(&prefill)
+            },
+            Replica {
+                extra: "discover: dns, role: decode".into(),
+                ..Replica::new("decode", &format!("decode.test:{port}"))
+            },
+        ],
+        extra: format!(
+            "  discovery_interval_seconds: 0.3\n  discovery_nameserver: \"127.0.0.1:{dns_port}\"\n"
+        ),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir, &[], conf);
+    let pods = [
+        format!("decode-127.0.0.2-{port}"),
+        format!("decode-127.0.0.3-{port}"),
+    ];
+    let found = wait_until(Duration::from_secs(10), || {
+        pods.iter().all(|p| live_ids(&lb).contains(p))
+    });
+    assert!(found, "{}", lb.admin("GET", "/admin/replicas"));
+    for p in &pods {
+        assert_eq!(lb.replica_state(p)["role"], "decode");
+    }
+    assert_eq!(lb.replica_state("p1")["role"], "prefill");
+    // The prefill replica here has no KV connector: the request is served whole on a decode
+    // pod, never on the prefill replica.
+    let (replica, route, _) = routed_chat(&lb, &[("user", &text_of("dns", 2000))]);
+    assert!(pods.contains(&replica), "{replica}");
+    assert_eq!(route, "pd-local");
+}

@@ -188,6 +188,7 @@ impl Overload {
                 live: r.is_live(),
                 queued_tokens: r.queued_tokens(),
                 running: r.running(),
+                role: r.role,
             })
             .collect();
         for (tokens, m) in transit.values() {

@@ -1,9 +1,13 @@
 //! When the fleet has room, in the unit the cost policy uses: a replica is full when its queued
 //! prefill reaches `max_queued_prefill_tokens` or its running requests reach `max_running`; the
-//! fleet is saturated when every live replica is full. And how long a refused client should
+//! fleet is saturated when every live replica is full. A disaggregated pool is judged per pool:
+//! saturated when its prefill pool is, or the pool its requests decode on is; a request's
+//! prefill is placed on the prefill pool. And how long a refused client should
 //! wait, from the rate the fleet drains at. Pure: a snapshot in, an answer out; `now` is passed.
 
 use std::time::{Duration, Instant};
+
+use crate::conf::Role;
 
 /// The per-replica limits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -20,6 +24,20 @@ pub struct ReplicaLoad {
     /// Uncached prompt tokens waiting for prefill on it.
     pub queued_tokens: u64,
     pub running: usize,
+    /// Its part in its pool.
+    pub role: Role,
+}
+
+/// The two pools of a disaggregated fleet, or `None` for one that serves requests whole.
+fn pools(fleet: &[ReplicaLoad]) -> Option<(Vec<usize>, Vec<usize>)> {
+    let prefill: Vec<usize> = (0..fleet.len())
+        .filter(|&i| fleet[i].role.prefills())
+        .collect();
+    let decode: Vec<usize> = (0..fleet.len())
+        .filter(|&i| fleet[i].role.serves_whole())
+        .collect();
+    let split = !prefill.is_empty() && fleet.iter().any(|r| r.role.decodes());
+    split.then_some((prefill, decode))
 }
 
 impl Limits {
@@ -31,6 +49,16 @@ impl Limits {
 
     /// Whether a live replica exists and every one is full.
     pub fn saturated(&self, fleet: &[ReplicaLoad]) -> bool {
+        match pools(fleet) {
+            Some((prefill, decode)) => {
+                let pick = |ids: &[usize]| ids.iter().map(|&i| fleet[i]).collect::<Vec<_>>();
+                self.all_full(&pick(&prefill)) || self.all_full(&pick(&decode))
+            }
+            None => self.all_full(fleet),
+        }
+    }
+
+    fn all_full(&self, fleet: &[ReplicaLoad]) -> bool {
         let mut live = fleet.iter().filter(|r| r.live).peekable();
         live.peek().is_some() && live.all(|r| self.full(r))
     }
@@ -42,8 +70,26 @@ impl Limits {
         if !fleet.iter().any(|r| r.live) {
             return true;
         }
+        // Disaggregated: the prefill goes to the prefill pool, once the decode pool has room.
+        let among: Vec<usize> = match pools(fleet) {
+            Some((prefill, decode)) => {
+                let decoding: Vec<ReplicaLoad> = decode.iter().map(|&i| fleet[i]).collect();
+                if self.all_full(&decoding) {
+                    return false;
+                }
+                if prefill.iter().any(|&i| fleet[i].live) {
+                    prefill
+                } else {
+                    decode
+                }
+            }
+            None => (0..fleet.len()).collect(),
+        };
         let roomiest = fleet
             .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| among.contains(i))
+            .map(|(_, r)| r)
             .filter(|r| r.live && !self.full(r))
             .min_by_key(|r| (r.queued_tokens, r.running));
         match roomiest {
@@ -124,6 +170,7 @@ mod tests {
 
     fn load(live: bool, queued_tokens: u64, running: usize) -> ReplicaLoad {
         ReplicaLoad {
+            role: Role::Plain,
             live,
             queued_tokens,
             running,
@@ -164,6 +211,52 @@ mod tests {
             LIMITS.place(&mut [load(false, 0, 0)], 1),
             "none live: routing says"
         );
+    }
+
+    fn of(role: Role, queued_tokens: u64, running: usize) -> ReplicaLoad {
+        ReplicaLoad {
+            role,
+            ..load(true, queued_tokens, running)
+        }
+    }
+
+    /// A disaggregated fleet is full when either pool is: prefill by its queue, decode by its
+    /// running requests; a prefill is placed on the prefill pool.
+    #[test]
+    fn a_disaggregated_fleet_is_judged_per_pool() {
+        use Role::{Decode, Prefill};
+        let rows: &[(&[ReplicaLoad], bool)] = &[
+            // both pools have room
+            (&[of(Prefill, 0, 0), of(Decode, 0, 0)], false),
+            // the prefill pool is full; the decode pool's room does not help
+            (
+                &[of(Prefill, 1000, 0), of(Prefill, 1000, 0), of(Decode, 0, 0)],
+                true,
+            ),
+            // the decode pool is full; an idle prefill pool does not help
+            (
+                &[of(Prefill, 0, 0), of(Decode, 0, 4), of(Decode, 0, 4)],
+                true,
+            ),
+            // one decode replica with room is enough
+            (
+                &[of(Prefill, 0, 0), of(Decode, 0, 4), of(Decode, 0, 1)],
+                false,
+            ),
+        ];
+        for (fleet, want) in rows {
+            assert_eq!(LIMITS.saturated(fleet), *want, "{fleet:?}");
+        }
+        let mut fleet = [of(Prefill, 0, 0), of(Decode, 0, 0)];
+        assert!(LIMITS.place(&mut fleet, 1000));
+        assert_eq!(
+            (fleet[0].queued_tokens, fleet[1].queued_tokens),
+            (1000, 0),
+            "on the prefill pool"
+        );
+        assert!(!LIMITS.place(&mut fleet, 600), "the prefill pool is full");
+        let mut decode_full = [of(Prefill, 0, 0), of(Decode, 0, 4)];
+        assert!(!LIMITS.place(&mut decode_full, 1));
     }
 
     #[test]

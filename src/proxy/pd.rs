@@ -279,11 +279,7 @@ impl Balancer {
         let handed_over = req.method == http::Method::POST
             && ctx.owner.is_none()
             && info.previous_response_id.is_none()
-            && match (protocol, req.uri.path()) {
-                (_, "/v1/chat/completions" | "/v1/completions") => true,
-                (Protocol::Vllm, "/v1/responses" | "/v1/messages") => true,
-                _ => false,
-            };
+            && handed_over_by(protocol, req.uri.path());
         let fleet = self.registry.all();
         let model = info.model.as_deref();
         if !handed_over || !Registry::disaggregated(&fleet, model) {
@@ -790,6 +786,16 @@ impl Balancer {
         let _ = resp.insert_header("x-request-id", ctx.request_id.clone());
         Box::new(resp)
     }
+}
+
+/// The APIs each protocol disaggregates (vLLM 0.33 takes `kv_transfer_params` on all four;
+/// SGLang's bootstrap, on chat and completions); anything else is served whole.
+pub fn handed_over_by(protocol: Protocol, path: &str) -> bool {
+    matches!(
+        (protocol, path),
+        (_, "/v1/chat/completions" | "/v1/completions")
+            | (Protocol::Vllm, "/v1/responses" | "/v1/messages")
+    )
 }
 
 fn refused(r: Arc<Replica>, e: LegError) -> Begun {
