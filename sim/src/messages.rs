@@ -13,8 +13,8 @@ use serde_json::{json, Map, Value};
 use crate::engine::tokens;
 use crate::render::{self, Bad, GENERATION_PROMPT};
 use crate::{
-    decode, finish, gate, named_sse, prefill, seed_of, sse_response, tag, App, Decoded, Job, Usage,
-    MAX_TOKENS,
+    decode, finish, gate, named_sse, prefill, prefilled, seed_of, sse_response, tag, App, Decoded,
+    Job, Leg, Usage, MAX_TOKENS,
 };
 
 /// An error in Anthropic's shape.
@@ -37,6 +37,8 @@ struct Request {
     /// Whether `max_tokens` asked for more than the simulator ever generates.
     capped: bool,
     stream: bool,
+    /// The request, for its `kv_transfer_params`.
+    body: Map<String, Value>,
 }
 
 fn parse(body: &[u8], default_model: &str, need_max_tokens: bool) -> Result<Request, Bad> {
@@ -89,6 +91,7 @@ fn parse(body: &[u8], default_model: &str, need_max_tokens: bool) -> Result<Requ
         max_tokens,
         capped,
         stream,
+        body: obj,
     })
 }
 
@@ -126,22 +129,26 @@ pub async fn count_tokens(State(sim): State<App>, body: Bytes) -> Response {
     }
 }
 
-pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
-    // This API is served whole: handover fields are ignored, and counted.
-    sim.pd.note_unused(&body);
+pub async fn create(
+    State(sim): State<App>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     let req = match checked(&sim, &body, true) {
         Ok(r) => r,
         Err((status, message)) => return error(status, &message),
     };
+    let leg = Leg::of(&sim, &headers, &req.body, true);
     let cut_after = match gate(&sim).await {
         Ok(c) => c,
         Err((status, message)) => return error(status, message),
     };
+    sim.pd.count_leg(&leg.handover);
     let id = sim.responses.new_id("msg");
     // The simulated model says all it has to say in the tokens asked for: it ends its turn
     // there, unless the simulator's own limit stopped it first.
     let stop_reason = if req.capped { "max_tokens" } else { "end_turn" };
-    let job = Job {
+    let mut job = Job {
         chat: true,
         model: req.model,
         seed: seed_of(&req.prompt),
@@ -150,10 +157,11 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
         stream: req.stream,
         include_usage: false,
     };
+    leg.shape(&mut job);
     let resp = if job.stream {
-        stream(sim.clone(), job, id, stop_reason, cut_after)
+        stream(sim.clone(), job, leg, id, stop_reason, cut_after)
     } else {
-        whole(sim.clone(), job, id, stop_reason).await
+        whole(sim.clone(), job, leg, id, stop_reason).await
     };
     tag(&sim, &body, resp)
 }
@@ -171,8 +179,25 @@ fn message(id: &str, job: &Job, content: Value, stop_reason: Value, usage: Value
     })
 }
 
-async fn whole(sim: App, job: Job, id: String, stop_reason: &str) -> Response {
+/// A decode leg's KV: pulled, or `false` when the pull failed.
+async fn pull(sim: &App, job: &Job, leg: &Leg) -> bool {
+    !leg.handover.is_decode()
+        || sim
+            .pd
+            .fetch(&leg.handover, job.prompt.as_bytes())
+            .await
+            .is_ok()
+}
+
+/// What vLLM says of a request whose KV could not be loaded (its GenerationError).
+const KV_LOAD_FAILED: &str = "Internal server error";
+
+async fn whole(sim: App, job: Job, leg: Leg, id: String, stop_reason: &str) -> Response {
+    if !pull(&sim, &job, &leg).await {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, KV_LOAD_FAILED);
+    }
     let (mut running, usage) = prefill(&sim, &job).await;
+    let kv_transfer_params = prefilled(&sim, &job, &leg);
     let mut reply = String::new();
     let (_, n) = decode(
         &sim,
@@ -187,14 +212,18 @@ async fn whole(sim: App, job: Job, id: String, stop_reason: &str) -> Response {
     .await;
     drop(running);
     finish(&sim, &job, &reply);
-    Json(message(
+    let mut answer = message(
         &id,
         &job,
         json!([{"type": "text", "text": reply}]),
         json!(stop_reason),
         usage_json(&usage, n),
-    ))
-    .into_response()
+    );
+    if let Some(p) = kv_transfer_params {
+        // A top-level field of the message, as vLLM's `AnthropicMessagesResponse` has it.
+        answer["kv_transfer_params"] = p;
+    }
+    Json(answer).into_response()
 }
 
 fn event(kind: &str, data: Value) -> Bytes {
@@ -209,12 +238,33 @@ fn event(kind: &str, data: Value) -> Bytes {
 fn stream(
     sim: App,
     job: Job,
+    leg: Leg,
     id: String,
     stop_reason: &'static str,
     cut_after: Option<usize>,
 ) -> Response {
     let (tx, resp) = sse_response();
     tokio::spawn(async move {
+        let pulled = tokio::select! {
+            pulled = pull(&sim, &job, &leg) => pulled,
+            _ = tx.closed() => return,
+        };
+        if !pulled {
+            // As vLLM streams it: `message_start` for the first (failed) output, then the
+            // error event, and the stream ends (no `message_stop`).
+            let usage = json!({"input_tokens": tokens(job.prompt.as_bytes()), "output_tokens": 0});
+            let start = message(&id, &job, json!([]), Value::Null, usage);
+            let failed = json!({"error": {"type": "api_error", "message": KV_LOAD_FAILED}});
+            for ev in [
+                event("message_start", json!({"message": start})),
+                event("error", failed),
+            ] {
+                if tx.send(Ok(ev)).await.is_err() {
+                    return;
+                }
+            }
+            return;
+        }
         let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &job) => done,
             _ = tx.closed() => return,

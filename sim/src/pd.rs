@@ -291,13 +291,17 @@ impl Pd {
         }
     }
 
-    /// For the APIs that do not disaggregate: counts a body carrying handover fields.
-    pub fn note_unused(&self, body: &[u8]) {
-        let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
-        if has(b"\"kv_transfer_params\"") || has(b"\"bootstrap_room\"") {
-            self.counters
-                .handover_fields_seen
-                .fetch_add(1, Ordering::Relaxed);
+    /// [`Pd::classify`] for the APIs only vLLM's connector hands over (Responses, Messages):
+    /// SGLang's legs are served whole there, their fields counted as ignored.
+    pub fn classify_vllm(&self, obj: &Map<String, Value>) -> Handover {
+        match self.classify(obj) {
+            Handover::SglangPrefill { .. } | Handover::SglangDecode { .. } => {
+                self.counters
+                    .handover_fields_seen
+                    .fetch_add(1, Ordering::Relaxed);
+                Handover::None
+            }
+            h => h,
         }
     }
 

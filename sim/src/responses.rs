@@ -24,8 +24,8 @@ use serde_json::{json, Map, Value};
 
 use crate::render::{self, render_message, Bad, GENERATION_PROMPT};
 use crate::{
-    decode, finish, gate, named_sse, now_secs, prefill, seed_of, sse_response, tag, App, Decoded,
-    Job, Usage, MAX_TOKENS,
+    cut, decode, finish, gate, kv_load_failed, named_sse, now_secs, prefill, prefilled, seed_of,
+    sse_response, tag, App, Decoded, Job, Leg, Usage, MAX_TOKENS,
 };
 
 /// An error in OpenAI's shape.
@@ -449,6 +449,12 @@ impl Pending {
             .record(&self.id, obj.to_string(), status, turn);
     }
 
+    /// The request failed before it began: vLLM stores nothing of it.
+    fn forget(mut self) {
+        self.armed = false;
+        self.sim.responses.delete(&self.id);
+    }
+
     fn fail(self, message: &str) {
         let mut obj = self.in_progress.clone();
         obj["status"] = json!(Status::Failed.as_str());
@@ -480,6 +486,8 @@ struct Run {
     input: String,
     cancel: Arc<AtomicBool>,
     pending: Option<Pending>,
+    /// Its part in a KV handover.
+    leg: Leg,
 }
 
 impl Run {
@@ -501,11 +509,33 @@ impl Run {
             p.record(obj, status, Some(turn));
         }
     }
+
+    /// A decode leg's KV: pulled, or `false` when the pull failed (the stored response is then
+    /// forgotten).
+    async fn pull(&mut self) -> bool {
+        if !self.leg.handover.is_decode() {
+            return true;
+        }
+        let pd = &self.sim.pd;
+        if pd
+            .fetch(&self.leg.handover, self.job.prompt.as_bytes())
+            .await
+            .is_ok()
+        {
+            return true;
+        }
+        if let Some(p) = self.pending.take() {
+            p.forget();
+        }
+        false
+    }
 }
 
-pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
-    // This API is served whole: handover fields are ignored, and counted.
-    sim.pd.note_unused(&body);
+pub async fn create(
+    State(sim): State<App>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     if sim.unhealthy() {
         return oai_error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -568,10 +598,12 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
         });
     }
     prompt.push_str(GENERATION_PROMPT);
+    let leg = Leg::of(&sim, &headers, &req.body, true);
     let cut_after = match gate(&sim).await {
         Ok(c) => c,
         Err((status, message)) => return oai_error(status, message, None, None),
     };
+    sim.pd.count_leg(&leg.handover);
     let meta = Meta {
         id: sim.responses.new_id("resp"),
         msg_id: sim.responses.new_id("msg"),
@@ -594,23 +626,26 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
             armed: true,
         }
     });
+    let mut job = Job {
+        chat: true,
+        model: req.model,
+        seed: seed_of(&prompt),
+        prompt,
+        max_tokens: req.max_tokens,
+        stream: req.stream,
+        include_usage: false,
+    };
+    leg.shape(&mut job);
     let run = Run {
         sim: sim.clone(),
-        job: Job {
-            chat: true,
-            model: req.model,
-            seed: seed_of(&prompt),
-            prompt,
-            max_tokens: req.max_tokens,
-            stream: req.stream,
-            include_usage: false,
-        },
+        job,
         meta,
         parent,
         fresh_instructions,
         input: req.input,
         cancel,
         pending,
+        leg,
     };
     let resp = if run.job.stream {
         stream(run, cut_after)
@@ -622,7 +657,12 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
 
 async fn whole(mut run: Run) -> Response {
     let sim = run.sim.clone();
+    if !run.pull().await {
+        // vLLM's GenerationError, answered by its exception handler.
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(kv_load_failed())).into_response();
+    }
     let (mut running, usage) = prefill(&sim, &run.job).await;
+    let kv_transfer_params = prefilled(&sim, &run.job, &run.leg);
     let mut reply = String::new();
     let (how, n) = decode(
         &sim,
@@ -637,7 +677,11 @@ async fn whole(mut run: Run) -> Response {
     .await;
     drop(running);
     finish(&sim, &run.job, &reply);
-    let (obj, status) = run.meta.finished(how, &reply, &usage, n);
+    let (mut obj, status) = run.meta.finished(how, &reply, &usage, n);
+    if let Some(p) = kv_transfer_params {
+        // A top-level field of the response object, as vLLM's `ResponsesResponse` has it.
+        obj["kv_transfer_params"] = p;
+    }
     run.record(&obj, status, &reply);
     Json(obj).into_response()
 }
@@ -666,6 +710,17 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
             if tx.send(Ok(ev)).await.is_err() {
                 return;
             }
+        }
+        let pulled = tokio::select! {
+            pulled = run.pull() => pulled,
+            _ = tx.closed() => return,
+        };
+        if !pulled {
+            // vLLM 0.33 means to send its error object as the next event, but that object is
+            // no Responses event: validating it raises, and the stream ends there, without
+            // the body's end (the two events above are all the client gets).
+            cut(&tx, "KV load failed").await;
+            return;
         }
         let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &run.job) => done,
