@@ -24,8 +24,9 @@
 //! every running stream stalls). See the engine's docs for the rules.
 //!
 //! Prefill/decode disaggregation (`pd`, `--kv-role`, `--pd-protocol`): the KV handover of
-//! vLLM's NixlConnector (`kv_transfer_params`) and SGLang's bootstrap rooms on chat and
-//! completions, with `POST /sim/kv/pull` as the side channel and its counters in `/sim/stats`.
+//! vLLM's NixlConnector (`kv_transfer_params`, on chat, completions, Responses and Messages)
+//! and SGLang's bootstrap rooms (on chat and completions), with `POST /sim/kv/pull` as the
+//! side channel and its counters in `/sim/stats`.
 //!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
@@ -1173,4 +1174,90 @@ async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(1024)
+}
+
+/// What the API tests share: replicas on free loopback ports, a client, streams read as events.
+#[cfg(test)]
+mod testkit {
+    use super::*;
+
+    /// A replica with `flags` (and a fast engine) serving on a free loopback port: its state
+    /// and its base URL. It lives as long as the test's runtime.
+    pub async fn serve(flags: &[&str]) -> (App, String) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut argv: Vec<String> = vec![
+            "inferlb-sim".into(),
+            format!("--listen={addr}"),
+            "--prefill-tokens-per-s=1000000".into(),
+            "--decode-interval-ms=1".into(),
+        ];
+        argv.extend(flags.iter().map(|f| f.to_string()));
+        let args = Args::try_parse_from(argv).unwrap();
+        let (ctl, _) = tokio::sync::mpsc::unbounded_channel();
+        let sim = replica(&args, ctl);
+        let app = router(&sim);
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        (sim, format!("http://{addr}"))
+    }
+
+    pub fn client() -> reqwest::Client {
+        reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap()
+    }
+
+    /// Waits for `done`, checking every few milliseconds for at most 5 s.
+    pub async fn until(what: &str, done: impl Fn() -> bool) {
+        let limit = Instant::now() + Duration::from_secs(5);
+        while !done() {
+            assert!(Instant::now() < limit, "gave up waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// A streamed answer's events (name, data), and whether its body broke off.
+    pub async fn events(resp: reqwest::Response) -> (Vec<(String, Value)>, bool) {
+        let mut resp = resp;
+        let mut text = Vec::new();
+        let broken = loop {
+            match resp.chunk().await {
+                Ok(Some(c)) => text.extend_from_slice(&c),
+                Ok(None) => break false,
+                Err(_) => break true,
+            }
+        };
+        let text = String::from_utf8(text).unwrap();
+        let events = text
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                let mut name = String::new();
+                let mut data = Value::Null;
+                for line in e.lines() {
+                    if let Some(v) = line.strip_prefix("event: ") {
+                        name = v.to_owned();
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        data = serde_json::from_str(v).unwrap();
+                    }
+                }
+                (name, data)
+            })
+            .collect();
+        (events, broken)
+    }
+
+    /// The `kv_transfer_params` a router puts in a vLLM prefill leg.
+    pub fn prefill_params() -> Value {
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null})
+    }
+
+    pub fn count(c: &std::sync::atomic::AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
 }

@@ -2,6 +2,9 @@
 //! `POST /v1/messages/count_tokens`, with Anthropic's usage: `input_tokens` counts only the
 //! prompt tokens not read from the cache, `cache_read_input_tokens` the ones that were (the
 //! cache is automatic, as vLLM's: `cache_control` breakpoints change nothing).
+//!
+//! With a KV connector (`--kv-role`, `--pd-protocol vllm`) a request's `kv_transfer_params`
+//! make it a prefill or a decode leg of a handover, as on chat (see `pd`).
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -320,4 +323,139 @@ fn stream(
         }
     });
     resp
+}
+
+#[cfg(test)]
+mod handover_tests {
+    use serde_json::{json, Value};
+
+    use crate::testkit::{client, count, events, prefill_params, serve, until};
+
+    /// The prefill leg a router sends for `body`, and the `kv_transfer_params` of its answer.
+    async fn prefill(url: &str, body: &Value) -> Value {
+        let mut leg = body.clone();
+        leg["max_tokens"] = json!(1);
+        leg["stream"] = json!(false);
+        leg["kv_transfer_params"] = prefill_params();
+        let resp = client()
+            .post(format!("{url}/v1/messages"))
+            .json(&leg)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let answer: Value = resp.json().await.unwrap();
+        assert_eq!(answer["type"], "message");
+        answer["kv_transfer_params"].clone()
+    }
+
+    fn body() -> Value {
+        json!({"model": "sim-model", "max_tokens": 5,
+               "messages": [{"role": "user", "content": "Tell me about the long road north."}]})
+    }
+
+    #[tokio::test]
+    async fn a_prefill_answers_with_its_params_and_a_decode_pulls_only_what_it_lacks() {
+        let (p, p_url) = serve(&["--kv-role=producer"]).await;
+        let (d, d_url) = serve(&["--kv-role=consumer", "--block-tokens=4"]).await;
+        // The decode replica holds the conversation's first turn already: it is served there
+        // whole, and the handed-over request is its next turn.
+        let first = body();
+        let r = client()
+            .post(format!("{d_url}/v1/messages"))
+            .json(&first)
+            .send()
+            .await
+            .unwrap();
+        let reply: Value = r.json().await.unwrap();
+        let mut next = first.clone();
+        next["messages"] = json!([
+            first["messages"][0],
+            {"role": "assistant", "content": reply["content"][0]["text"]},
+            {"role": "user", "content": "And then what happened on the way?"},
+        ]);
+        let mut prompt = crate::render::anthropic(None, &next["messages"]).unwrap();
+        prompt.push_str(crate::render::GENERATION_PROMPT);
+        let cached = d.engine.cached_prefix(prompt.as_bytes()) as u64;
+        assert!(cached > 0, "the first turn is cached");
+        let params = prefill(&p_url, &next).await;
+        assert_eq!(params["do_remote_prefill"], true);
+        assert_eq!(params["remote_engine_id"], p.pd.conf.engine_id.as_str());
+        assert_eq!(params["remote_host"], "127.0.0.1");
+        assert_eq!(params["remote_port"], p.args.listen.port());
+        assert_eq!(p.pd.leases_held(), 1, "the prefill holds its blocks");
+        assert_eq!(count(&p.pd.counters.handover_prefill_requests), 1);
+        let prompt_tokens = params["remote_num_tokens"].as_u64().unwrap();
+        assert_eq!(
+            prompt_tokens,
+            crate::engine::tokens(prompt.as_bytes()) as u64
+        );
+
+        let mut leg = next;
+        leg["kv_transfer_params"] = params;
+        let resp = client()
+            .post(format!("{d_url}/v1/messages"))
+            .json(&leg)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let answer: Value = resp.json().await.unwrap();
+        assert_eq!(answer["type"], "message");
+        assert!(answer.get("kv_transfer_params").is_none());
+        assert_eq!(answer["usage"]["output_tokens"], 5);
+        let c = &d.pd.counters;
+        assert_eq!(count(&c.handover_decode_requests), 1);
+        assert_eq!(count(&c.kv_pulls), 1);
+        assert_eq!(
+            count(&c.kv_tokens_transferred),
+            prompt_tokens - cached,
+            "only what the decode's cache lacked"
+        );
+        assert_eq!(
+            answer["usage"]["cache_read_input_tokens"],
+            prompt_tokens / 4 * 4,
+            "the prompt's whole blocks are cached after the pull"
+        );
+        assert_eq!(p.pd.leases_held(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_decode_of_an_expired_lease_fails_as_vllm_answers_it() {
+        let (p, p_url) = serve(&["--kv-role=producer", "--kv-lease-seconds=0.02"]).await;
+        let (d, d_url) = serve(&["--kv-role=consumer"]).await;
+        let params = prefill(&p_url, &body()).await;
+        until("the lease to expire", || {
+            count(&p.pd.counters.kv_leases_expired) == 1
+        })
+        .await;
+        let mut leg = body();
+        leg["kv_transfer_params"] = params;
+        let url = format!("{d_url}/v1/messages");
+        let failed = json!({"type": "error",
+                            "error": {"type": "api_error", "message": "Internal server error"}});
+
+        let resp = client().post(&url).json(&leg).send().await.unwrap();
+        assert_eq!(resp.status(), 500);
+        assert_eq!(resp.json::<Value>().await.unwrap(), failed);
+
+        // Streamed: message_start for the first (failed) output, the error event, the end.
+        leg["stream"] = json!(true);
+        let resp = client().post(&url).json(&leg).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let (evs, broken) = events(resp).await;
+        assert!(!broken);
+        let names: Vec<&str> = evs.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["message_start", "error"]);
+        let start = &evs[0].1["message"];
+        assert_eq!(start["content"], json!([]));
+        assert_eq!(start["usage"]["output_tokens"], 0);
+        assert_eq!(evs[1].1, failed);
+
+        let c = &d.pd.counters;
+        assert_eq!(count(&c.handover_decode_requests), 2);
+        assert_eq!(count(&c.kv_pull_failures), 2);
+        assert_eq!(count(&c.kv_pulls), 0);
+        assert_eq!(count(&d.engine.counters.generation_tokens), 0);
+    }
 }

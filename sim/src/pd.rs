@@ -17,6 +17,18 @@
 //!   itself), waits the modelled transfer time, caches the prompt and decodes. A pull that
 //!   fails (unknown or expired request id, producer gone) fails the request, as vLLM's default
 //!   `kv_load_failure_policy: fail` does.
+//!
+//!   vLLM 0.33 hands over on `/v1/chat/completions`, `/v1/completions`, `/v1/responses` and
+//!   `/v1/messages`, and so does the simulator. The prefill's `kv_transfer_params` are a
+//!   top-level field of each answer (the completion, the Responses object, the Anthropic
+//!   message). A failed pull is vLLM's GenerationError ("Internal server error"), in each
+//!   API's shape: not streamed, a 500 with the OpenAI-style
+//!   `{"error": {"type": "InternalServerError", "code": 500, ...}}` (chat, completions,
+//!   Responses) or Anthropic's `{"type": "error", "error": {"type": "api_error", ...}}`.
+//!   Streamed, chat sends its role chunk, the error object and `[DONE]`; completions the
+//!   error object and `[DONE]`; Messages `message_start` then `event: error`; Responses
+//!   `response.created` and `response.in_progress`, then the stream breaks off (vLLM turns its
+//!   error object into a Responses event, which fails validation, so the body ends unfinished).
 //! - **SGLang** (`--pd-protocol sglang`). The router adds `bootstrap_host`, `bootstrap_port`
 //!   and `bootstrap_room` and sends the request to both legs at once. The producer prefills
 //!   and marks the room ready on its bootstrap server (`--bootstrap-port`, the same
