@@ -24,8 +24,9 @@
 //! every running stream stalls). See the engine's docs for the rules.
 //!
 //! Prefill/decode disaggregation (`pd`, `--kv-role`, `--pd-protocol`): the KV handover of
-//! vLLM's NixlConnector (`kv_transfer_params`) and SGLang's bootstrap rooms on chat and
-//! completions, with `POST /sim/kv/pull` as the side channel and its counters in `/sim/stats`.
+//! vLLM's NixlConnector (`kv_transfer_params`, on chat, completions, Responses and Messages)
+//! and SGLang's bootstrap rooms (on chat and completions), with `POST /sim/kv/pull` as the
+//! side channel and its counters in `/sim/stats`.
 //!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
@@ -361,6 +362,47 @@ struct Leg {
     request_id: String,
 }
 
+impl Leg {
+    /// What the request body `obj` asks of this replica's connector. `vllm_only` is for the
+    /// APIs only vLLM hands over (Responses, Messages): SGLang's fields are ignored there, and
+    /// counted as ignored.
+    fn of(
+        sim: &Sim,
+        headers: &axum::http::HeaderMap,
+        obj: &serde_json::Map<String, Value>,
+        vllm_only: bool,
+    ) -> Leg {
+        let handover = if vllm_only {
+            sim.pd.classify_vllm(obj)
+        } else {
+            sim.pd.classify(obj)
+        };
+        let request_id = headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .unwrap_or_else(|| {
+                let n = sim.next_request.fetch_add(1, Ordering::Relaxed);
+                format!("{}-{n}", sim.pd.conf.engine_id)
+            });
+        Leg {
+            handover,
+            request_id,
+        }
+    }
+
+    /// Fits `job` to the leg: a vLLM prefill leg answers whole (the router asks for no
+    /// stream), with its params; an SGLang prefill server computes the prompt and its first
+    /// token only.
+    fn shape(&self, job: &mut Job) {
+        match self.handover {
+            Handover::VllmPrefill => job.stream = false,
+            Handover::SglangPrefill { .. } => job.max_tokens = job.max_tokens.min(1),
+            _ => {}
+        }
+    }
+}
+
 async fn complete(sim: App, headers: axum::http::HeaderMap, body: Bytes, chat: bool) -> Response {
     if sim.unhealthy() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine is starting");
@@ -369,26 +411,8 @@ async fn complete(sim: App, headers: axum::http::HeaderMap, body: Bytes, chat: b
         Ok(j) => j,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
     };
-    let handover = sim.pd.classify(&obj);
-    let request_id = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-        .unwrap_or_else(|| {
-            let n = sim.next_request.fetch_add(1, Ordering::Relaxed);
-            format!("{}-{n}", sim.pd.conf.engine_id)
-        });
-    match handover {
-        // A vLLM prefill leg answers whole (the router asks for no stream), with its params.
-        Handover::VllmPrefill => job.stream = false,
-        // An SGLang prefill server computes the prompt and its first token only.
-        Handover::SglangPrefill { .. } => job.max_tokens = job.max_tokens.min(1),
-        _ => {}
-    }
-    let leg = Leg {
-        handover,
-        request_id,
-    };
+    let leg = Leg::of(&sim, &headers, &obj, false);
+    leg.shape(&mut job);
     if !job.model.is_empty() && !sim.models().contains(&job.model) {
         return error(
             StatusCode::NOT_FOUND,
@@ -605,16 +629,7 @@ async fn decode(
             return (Decoded::Cancelled, i);
         }
         if let (Some(tx), true) = (tx, cut_after == Some(i)) {
-            // The tokens sent must reach the client first: the server drops whatever it has not
-            // written yet when the body fails, and at high speed they would still be queued.
-            let limit = Instant::now() + Duration::from_millis(200);
-            while tx.capacity() < tx.max_capacity() && Instant::now() < limit {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            let _ = tx
-                .send(Err(std::io::Error::other("simulated stream cut")))
-                .await;
+            cut(tx, "simulated stream cut").await;
             return (Decoded::Cut, i);
         }
         let t = token_text(job.seed, i);
@@ -630,6 +645,19 @@ async fn decode(
         }
     }
     (Decoded::Done, job.max_tokens)
+}
+
+/// Breaks a streamed body after what was sent: the connection ends without the body's end,
+/// as a server's does when its stream raises after the first bytes.
+async fn cut(tx: &Tx, why: &str) {
+    // What was sent must reach the client first: the server drops whatever it has not
+    // written yet when the body fails, and at high speed it would still be queued.
+    let limit = Instant::now() + Duration::from_millis(200);
+    while tx.capacity() < tx.max_capacity() && Instant::now() < limit {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let _ = tx.send(Err(std::io::Error::other(why.to_owned()))).await;
 }
 
 /// The prompt's seed: the same prompt gets the same reply, whichever API it came through.
@@ -940,23 +968,9 @@ fn load_args() -> Result<Args, String> {
     Args::try_parse_from(argv).map_err(|e| e.to_string())
 }
 
-#[tokio::main]
-async fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let args = match load_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("inferlb-sim: {e}");
-            std::process::exit(2);
-        }
-    };
-    // The Reset fault panics on purpose to drop its connection; keep that quiet.
-    let default_hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        if info.payload().downcast_ref::<ResetFault>().is_none() {
-            default_hook(info);
-        }
-    }));
+/// The replica `args` describe, its engine started; `listener_ctl` closes its listener for a
+/// while (the `refuse` fault).
+fn replica(args: &Args, listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>) -> App {
     let engine = Engine::new(EngineConf {
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_interval: Duration::from_secs_f64(args.decode_interval_ms / 1000.0),
@@ -993,6 +1007,81 @@ async fn main() {
         },
         engine.clone(),
     );
+    let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
+    Arc::new(Sim {
+        engine,
+        fault: Mutex::new(FaultState {
+            fault: Fault::None,
+            remaining: None,
+        }),
+        unhealthy_until: Mutex::new(
+            Instant::now() + refuse_for + Duration::from_secs_f64(args.unhealthy_for.max(0.0)),
+        ),
+        listener_ctl,
+        responses: responses::Store::new(
+            &args.id,
+            args.response_store_entries,
+            args.response_store_mib.saturating_mul(1 << 20),
+        ),
+        pd,
+        next_request: std::sync::atomic::AtomicU64::new(0),
+        args: args.clone(),
+    })
+}
+
+/// The replica's routes on its main port.
+fn router(sim: &App) -> Router {
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/sim/stats", get(stats))
+        .route("/sim/fault", post(set_fault))
+        .route("/sim/echo", axum::routing::any(echo));
+    let args = &sim.args;
+    let app = if args.pd_protocol == PdProtocol::Sglang && args.kv_role != KvRole::None {
+        app.route("/server_info", get(server_info))
+            .route("/get_server_info", get(server_info))
+            .route("/model_info", get(model_info))
+            .route("/get_model_info", get(model_info))
+    } else {
+        app
+    };
+    app.with_state(sim.clone())
+        .route("/sim/kv/pull", post(kv_pull).with_state(sim.pd.clone()))
+}
+
+#[tokio::main]
+async fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let args = match load_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("inferlb-sim: {e}");
+            std::process::exit(2);
+        }
+    };
+    // The Reset fault panics on purpose to drop its connection; keep that quiet.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<ResetFault>().is_none() {
+            default_hook(info);
+        }
+    }));
+    let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
+    let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
+    let sim = replica(&args, ctl_tx);
+    let pd = sim.pd.clone();
     if let (Some(port), true) = (
         args.bootstrap_port,
         matches!(args.kv_role, KvRole::Producer | KvRole::Both),
@@ -1014,55 +1103,7 @@ async fn main() {
             let _ = axum::serve(listener, bootstrap).await;
         });
     }
-    let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
-    let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
-    let sim = Arc::new(Sim {
-        engine,
-        fault: Mutex::new(FaultState {
-            fault: Fault::None,
-            remaining: None,
-        }),
-        unhealthy_until: Mutex::new(
-            Instant::now() + refuse_for + Duration::from_secs_f64(args.unhealthy_for.max(0.0)),
-        ),
-        listener_ctl: ctl_tx,
-        responses: responses::Store::new(
-            &args.id,
-            args.response_store_entries,
-            args.response_store_mib.saturating_mul(1 << 20),
-        ),
-        pd: pd.clone(),
-        next_request: std::sync::atomic::AtomicU64::new(0),
-        args: args.clone(),
-    });
-    let app = Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
-        .route("/v1/responses", post(responses::create))
-        .route(
-            "/v1/responses/{id}",
-            get(responses::retrieve).delete(responses::delete),
-        )
-        .route("/v1/responses/{id}/cancel", post(responses::cancel))
-        .route("/v1/messages", post(messages::create))
-        .route("/v1/messages/count_tokens", post(messages::count_tokens))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/sim/stats", get(stats))
-        .route("/sim/fault", post(set_fault))
-        .route("/sim/echo", axum::routing::any(echo));
-    let app = if args.pd_protocol == PdProtocol::Sglang && args.kv_role != KvRole::None {
-        app.route("/server_info", get(server_info))
-            .route("/get_server_info", get(server_info))
-            .route("/model_info", get(model_info))
-            .route("/get_model_info", get(model_info))
-    } else {
-        app
-    };
-    let app = app
-        .with_state(sim)
-        .route("/sim/kv/pull", post(kv_pull).with_state(pd));
+    let app = router(&sim);
 
     let tls = match &args.tls_cert {
         None => None,
@@ -1133,4 +1174,90 @@ async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(1024)
+}
+
+/// What the API tests share: replicas on free loopback ports, a client, streams read as events.
+#[cfg(test)]
+mod testkit {
+    use super::*;
+
+    /// A replica with `flags` (and a fast engine) serving on a free loopback port: its state
+    /// and its base URL. It lives as long as the test's runtime.
+    pub async fn serve(flags: &[&str]) -> (App, String) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut argv: Vec<String> = vec![
+            "inferlb-sim".into(),
+            format!("--listen={addr}"),
+            "--prefill-tokens-per-s=1000000".into(),
+            "--decode-interval-ms=1".into(),
+        ];
+        argv.extend(flags.iter().map(|f| f.to_string()));
+        let args = Args::try_parse_from(argv).unwrap();
+        let (ctl, _) = tokio::sync::mpsc::unbounded_channel();
+        let sim = replica(&args, ctl);
+        let app = router(&sim);
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        (sim, format!("http://{addr}"))
+    }
+
+    pub fn client() -> reqwest::Client {
+        reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap()
+    }
+
+    /// Waits for `done`, checking every few milliseconds for at most 5 s.
+    pub async fn until(what: &str, done: impl Fn() -> bool) {
+        let limit = Instant::now() + Duration::from_secs(5);
+        while !done() {
+            assert!(Instant::now() < limit, "gave up waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// A streamed answer's events (name, data), and whether its body broke off.
+    pub async fn events(resp: reqwest::Response) -> (Vec<(String, Value)>, bool) {
+        let mut resp = resp;
+        let mut text = Vec::new();
+        let broken = loop {
+            match resp.chunk().await {
+                Ok(Some(c)) => text.extend_from_slice(&c),
+                Ok(None) => break false,
+                Err(_) => break true,
+            }
+        };
+        let text = String::from_utf8(text).unwrap();
+        let events = text
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                let mut name = String::new();
+                let mut data = Value::Null;
+                for line in e.lines() {
+                    if let Some(v) = line.strip_prefix("event: ") {
+                        name = v.to_owned();
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        data = serde_json::from_str(v).unwrap();
+                    }
+                }
+                (name, data)
+            })
+            .collect();
+        (events, broken)
+    }
+
+    /// The `kv_transfer_params` a router puts in a vLLM prefill leg.
+    pub fn prefill_params() -> Value {
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null})
+    }
+
+    pub fn count(c: &std::sync::atomic::AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
 }

@@ -2,6 +2,9 @@
 //! `POST /v1/messages/count_tokens`, with Anthropic's usage: `input_tokens` counts only the
 //! prompt tokens not read from the cache, `cache_read_input_tokens` the ones that were (the
 //! cache is automatic, as vLLM's: `cache_control` breakpoints change nothing).
+//!
+//! With a KV connector (`--kv-role`, `--pd-protocol vllm`) a request's `kv_transfer_params`
+//! make it a prefill or a decode leg of a handover, as on chat (see `pd`).
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -13,8 +16,8 @@ use serde_json::{json, Map, Value};
 use crate::engine::tokens;
 use crate::render::{self, Bad, GENERATION_PROMPT};
 use crate::{
-    decode, finish, gate, named_sse, prefill, seed_of, sse_response, tag, App, Decoded, Job, Usage,
-    MAX_TOKENS,
+    decode, finish, gate, named_sse, prefill, prefilled, seed_of, sse_response, tag, App, Decoded,
+    Job, Leg, Usage, MAX_TOKENS,
 };
 
 /// An error in Anthropic's shape.
@@ -37,6 +40,8 @@ struct Request {
     /// Whether `max_tokens` asked for more than the simulator ever generates.
     capped: bool,
     stream: bool,
+    /// The request, for its `kv_transfer_params`.
+    body: Map<String, Value>,
 }
 
 fn parse(body: &[u8], default_model: &str, need_max_tokens: bool) -> Result<Request, Bad> {
@@ -89,6 +94,7 @@ fn parse(body: &[u8], default_model: &str, need_max_tokens: bool) -> Result<Requ
         max_tokens,
         capped,
         stream,
+        body: obj,
     })
 }
 
@@ -126,22 +132,26 @@ pub async fn count_tokens(State(sim): State<App>, body: Bytes) -> Response {
     }
 }
 
-pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
-    // This API is served whole: handover fields are ignored, and counted.
-    sim.pd.note_unused(&body);
+pub async fn create(
+    State(sim): State<App>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     let req = match checked(&sim, &body, true) {
         Ok(r) => r,
         Err((status, message)) => return error(status, &message),
     };
+    let leg = Leg::of(&sim, &headers, &req.body, true);
     let cut_after = match gate(&sim).await {
         Ok(c) => c,
         Err((status, message)) => return error(status, message),
     };
+    sim.pd.count_leg(&leg.handover);
     let id = sim.responses.new_id("msg");
     // The simulated model says all it has to say in the tokens asked for: it ends its turn
     // there, unless the simulator's own limit stopped it first.
     let stop_reason = if req.capped { "max_tokens" } else { "end_turn" };
-    let job = Job {
+    let mut job = Job {
         chat: true,
         model: req.model,
         seed: seed_of(&req.prompt),
@@ -150,10 +160,11 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
         stream: req.stream,
         include_usage: false,
     };
+    leg.shape(&mut job);
     let resp = if job.stream {
-        stream(sim.clone(), job, id, stop_reason, cut_after)
+        stream(sim.clone(), job, leg, id, stop_reason, cut_after)
     } else {
-        whole(sim.clone(), job, id, stop_reason).await
+        whole(sim.clone(), job, leg, id, stop_reason).await
     };
     tag(&sim, &body, resp)
 }
@@ -171,8 +182,25 @@ fn message(id: &str, job: &Job, content: Value, stop_reason: Value, usage: Value
     })
 }
 
-async fn whole(sim: App, job: Job, id: String, stop_reason: &str) -> Response {
+/// A decode leg's KV: pulled, or `false` when the pull failed.
+async fn pull(sim: &App, job: &Job, leg: &Leg) -> bool {
+    !leg.handover.is_decode()
+        || sim
+            .pd
+            .fetch(&leg.handover, job.prompt.as_bytes())
+            .await
+            .is_ok()
+}
+
+/// What vLLM says of a request whose KV could not be loaded (its GenerationError).
+const KV_LOAD_FAILED: &str = "Internal server error";
+
+async fn whole(sim: App, job: Job, leg: Leg, id: String, stop_reason: &str) -> Response {
+    if !pull(&sim, &job, &leg).await {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, KV_LOAD_FAILED);
+    }
     let (mut running, usage) = prefill(&sim, &job).await;
+    let kv_transfer_params = prefilled(&sim, &job, &leg);
     let mut reply = String::new();
     let (_, n) = decode(
         &sim,
@@ -187,14 +215,18 @@ async fn whole(sim: App, job: Job, id: String, stop_reason: &str) -> Response {
     .await;
     drop(running);
     finish(&sim, &job, &reply);
-    Json(message(
+    let mut answer = message(
         &id,
         &job,
         json!([{"type": "text", "text": reply}]),
         json!(stop_reason),
         usage_json(&usage, n),
-    ))
-    .into_response()
+    );
+    if let Some(p) = kv_transfer_params {
+        // A top-level field of the message, as vLLM's `AnthropicMessagesResponse` has it.
+        answer["kv_transfer_params"] = p;
+    }
+    Json(answer).into_response()
 }
 
 fn event(kind: &str, data: Value) -> Bytes {
@@ -209,12 +241,33 @@ fn event(kind: &str, data: Value) -> Bytes {
 fn stream(
     sim: App,
     job: Job,
+    leg: Leg,
     id: String,
     stop_reason: &'static str,
     cut_after: Option<usize>,
 ) -> Response {
     let (tx, resp) = sse_response();
     tokio::spawn(async move {
+        let pulled = tokio::select! {
+            pulled = pull(&sim, &job, &leg) => pulled,
+            _ = tx.closed() => return,
+        };
+        if !pulled {
+            // As vLLM streams it: `message_start` for the first (failed) output, then the
+            // error event, and the stream ends (no `message_stop`).
+            let usage = json!({"input_tokens": tokens(job.prompt.as_bytes()), "output_tokens": 0});
+            let start = message(&id, &job, json!([]), Value::Null, usage);
+            let failed = json!({"error": {"type": "api_error", "message": KV_LOAD_FAILED}});
+            for ev in [
+                event("message_start", json!({"message": start})),
+                event("error", failed),
+            ] {
+                if tx.send(Ok(ev)).await.is_err() {
+                    return;
+                }
+            }
+            return;
+        }
         let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &job) => done,
             _ = tx.closed() => return,
@@ -270,4 +323,139 @@ fn stream(
         }
     });
     resp
+}
+
+#[cfg(test)]
+mod handover_tests {
+    use serde_json::{json, Value};
+
+    use crate::testkit::{client, count, events, prefill_params, serve, until};
+
+    /// The prefill leg a router sends for `body`, and the `kv_transfer_params` of its answer.
+    async fn prefill(url: &str, body: &Value) -> Value {
+        let mut leg = body.clone();
+        leg["max_tokens"] = json!(1);
+        leg["stream"] = json!(false);
+        leg["kv_transfer_params"] = prefill_params();
+        let resp = client()
+            .post(format!("{url}/v1/messages"))
+            .json(&leg)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let answer: Value = resp.json().await.unwrap();
+        assert_eq!(answer["type"], "message");
+        answer["kv_transfer_params"].clone()
+    }
+
+    fn body() -> Value {
+        json!({"model": "sim-model", "max_tokens": 5,
+               "messages": [{"role": "user", "content": "Tell me about the long road north."}]})
+    }
+
+    #[tokio::test]
+    async fn a_prefill_answers_with_its_params_and_a_decode_pulls_only_what_it_lacks() {
+        let (p, p_url) = serve(&["--kv-role=producer"]).await;
+        let (d, d_url) = serve(&["--kv-role=consumer", "--block-tokens=4"]).await;
+        // The decode replica holds the conversation's first turn already: it is served there
+        // whole, and the handed-over request is its next turn.
+        let first = body();
+        let r = client()
+            .post(format!("{d_url}/v1/messages"))
+            .json(&first)
+            .send()
+            .await
+            .unwrap();
+        let reply: Value = r.json().await.unwrap();
+        let mut next = first.clone();
+        next["messages"] = json!([
+            first["messages"][0],
+            {"role": "assistant", "content": reply["content"][0]["text"]},
+            {"role": "user", "content": "And then what happened on the way?"},
+        ]);
+        let mut prompt = crate::render::anthropic(None, &next["messages"]).unwrap();
+        prompt.push_str(crate::render::GENERATION_PROMPT);
+        let cached = d.engine.cached_prefix(prompt.as_bytes()) as u64;
+        assert!(cached > 0, "the first turn is cached");
+        let params = prefill(&p_url, &next).await;
+        assert_eq!(params["do_remote_prefill"], true);
+        assert_eq!(params["remote_engine_id"], p.pd.conf.engine_id.as_str());
+        assert_eq!(params["remote_host"], "127.0.0.1");
+        assert_eq!(params["remote_port"], p.args.listen.port());
+        assert_eq!(p.pd.leases_held(), 1, "the prefill holds its blocks");
+        assert_eq!(count(&p.pd.counters.handover_prefill_requests), 1);
+        let prompt_tokens = params["remote_num_tokens"].as_u64().unwrap();
+        assert_eq!(
+            prompt_tokens,
+            crate::engine::tokens(prompt.as_bytes()) as u64
+        );
+
+        let mut leg = next;
+        leg["kv_transfer_params"] = params;
+        let resp = client()
+            .post(format!("{d_url}/v1/messages"))
+            .json(&leg)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let answer: Value = resp.json().await.unwrap();
+        assert_eq!(answer["type"], "message");
+        assert!(answer.get("kv_transfer_params").is_none());
+        assert_eq!(answer["usage"]["output_tokens"], 5);
+        let c = &d.pd.counters;
+        assert_eq!(count(&c.handover_decode_requests), 1);
+        assert_eq!(count(&c.kv_pulls), 1);
+        assert_eq!(
+            count(&c.kv_tokens_transferred),
+            prompt_tokens - cached,
+            "only what the decode's cache lacked"
+        );
+        assert_eq!(
+            answer["usage"]["cache_read_input_tokens"],
+            prompt_tokens / 4 * 4,
+            "the prompt's whole blocks are cached after the pull"
+        );
+        assert_eq!(p.pd.leases_held(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_decode_of_an_expired_lease_fails_as_vllm_answers_it() {
+        let (p, p_url) = serve(&["--kv-role=producer", "--kv-lease-seconds=0.02"]).await;
+        let (d, d_url) = serve(&["--kv-role=consumer"]).await;
+        let params = prefill(&p_url, &body()).await;
+        until("the lease to expire", || {
+            count(&p.pd.counters.kv_leases_expired) == 1
+        })
+        .await;
+        let mut leg = body();
+        leg["kv_transfer_params"] = params;
+        let url = format!("{d_url}/v1/messages");
+        let failed = json!({"type": "error",
+                            "error": {"type": "api_error", "message": "Internal server error"}});
+
+        let resp = client().post(&url).json(&leg).send().await.unwrap();
+        assert_eq!(resp.status(), 500);
+        assert_eq!(resp.json::<Value>().await.unwrap(), failed);
+
+        // Streamed: message_start for the first (failed) output, the error event, the end.
+        leg["stream"] = json!(true);
+        let resp = client().post(&url).json(&leg).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let (evs, broken) = events(resp).await;
+        assert!(!broken);
+        let names: Vec<&str> = evs.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["message_start", "error"]);
+        let start = &evs[0].1["message"];
+        assert_eq!(start["content"], json!([]));
+        assert_eq!(start["usage"]["output_tokens"], 0);
+        assert_eq!(evs[1].1, failed);
+
+        let c = &d.pd.counters;
+        assert_eq!(count(&c.handover_decode_requests), 2);
+        assert_eq!(count(&c.kv_pull_failures), 2);
+        assert_eq!(count(&c.kv_pulls), 0);
+        assert_eq!(count(&d.engine.counters.generation_tokens), 0);
+    }
 }

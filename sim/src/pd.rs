@@ -17,6 +17,18 @@
 //!   itself), waits the modelled transfer time, caches the prompt and decodes. A pull that
 //!   fails (unknown or expired request id, producer gone) fails the request, as vLLM's default
 //!   `kv_load_failure_policy: fail` does.
+//!
+//!   vLLM 0.33 hands over on `/v1/chat/completions`, `/v1/completions`, `/v1/responses` and
+//!   `/v1/messages`, and so does the simulator. The prefill's `kv_transfer_params` are a
+//!   top-level field of each answer (the completion, the Responses object, the Anthropic
+//!   message). A failed pull is vLLM's GenerationError ("Internal server error"), in each
+//!   API's shape: not streamed, a 500 with the OpenAI-style
+//!   `{"error": {"type": "InternalServerError", "code": 500, ...}}` (chat, completions,
+//!   Responses) or Anthropic's `{"type": "error", "error": {"type": "api_error", ...}}`.
+//!   Streamed, chat sends its role chunk, the error object and `[DONE]`; completions the
+//!   error object and `[DONE]`; Messages `message_start` then `event: error`; Responses
+//!   `response.created` and `response.in_progress`, then the stream breaks off (vLLM turns its
+//!   error object into a Responses event, which fails validation, so the body ends unfinished).
 //! - **SGLang** (`--pd-protocol sglang`). The router adds `bootstrap_host`, `bootstrap_port`
 //!   and `bootstrap_room` and sends the request to both legs at once. The producer prefills
 //!   and marks the room ready on its bootstrap server (`--bootstrap-port`, the same
@@ -291,13 +303,17 @@ impl Pd {
         }
     }
 
-    /// For the APIs that do not disaggregate: counts a body carrying handover fields.
-    pub fn note_unused(&self, body: &[u8]) {
-        let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
-        if has(b"\"kv_transfer_params\"") || has(b"\"bootstrap_room\"") {
-            self.counters
-                .handover_fields_seen
-                .fetch_add(1, Ordering::Relaxed);
+    /// [`Pd::classify`] for the APIs only vLLM's connector hands over (Responses, Messages):
+    /// SGLang's legs are served whole there, their fields counted as ignored.
+    pub fn classify_vllm(&self, obj: &Map<String, Value>) -> Handover {
+        match self.classify(obj) {
+            Handover::SglangPrefill { .. } | Handover::SglangDecode { .. } => {
+                self.counters
+                    .handover_fields_seen
+                    .fetch_add(1, Ordering::Relaxed);
+                Handover::None
+            }
+            h => h,
         }
     }
 

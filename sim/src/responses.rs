@@ -8,6 +8,9 @@
 //! conversation resending its history does. The instructions in force are the request's own
 //! when it gives some (they replace the previous ones, as OpenAI's do), else the previous
 //! response's; sent again unchanged, they keep the whole prompt warm.
+//!
+//! With a KV connector (`--kv-role`, `--pd-protocol vllm`) a request's `kv_transfer_params`
+//! make it a prefill or a decode leg of a handover, as on chat (see `pd`).
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -24,8 +27,8 @@ use serde_json::{json, Map, Value};
 
 use crate::render::{self, render_message, Bad, GENERATION_PROMPT};
 use crate::{
-    decode, finish, gate, named_sse, now_secs, prefill, seed_of, sse_response, tag, App, Decoded,
-    Job, Usage, MAX_TOKENS,
+    cut, decode, finish, gate, kv_load_failed, named_sse, now_secs, prefill, prefilled, seed_of,
+    sse_response, tag, App, Decoded, Job, Leg, Usage, MAX_TOKENS,
 };
 
 /// An error in OpenAI's shape.
@@ -449,6 +452,12 @@ impl Pending {
             .record(&self.id, obj.to_string(), status, turn);
     }
 
+    /// The request failed before it began: vLLM stores nothing of it.
+    fn forget(mut self) {
+        self.armed = false;
+        self.sim.responses.delete(&self.id);
+    }
+
     fn fail(self, message: &str) {
         let mut obj = self.in_progress.clone();
         obj["status"] = json!(Status::Failed.as_str());
@@ -480,6 +489,8 @@ struct Run {
     input: String,
     cancel: Arc<AtomicBool>,
     pending: Option<Pending>,
+    /// Its part in a KV handover.
+    leg: Leg,
 }
 
 impl Run {
@@ -501,11 +512,33 @@ impl Run {
             p.record(obj, status, Some(turn));
         }
     }
+
+    /// A decode leg's KV: pulled, or `false` when the pull failed (the stored response is then
+    /// forgotten).
+    async fn pull(&mut self) -> bool {
+        if !self.leg.handover.is_decode() {
+            return true;
+        }
+        let pd = &self.sim.pd;
+        if pd
+            .fetch(&self.leg.handover, self.job.prompt.as_bytes())
+            .await
+            .is_ok()
+        {
+            return true;
+        }
+        if let Some(p) = self.pending.take() {
+            p.forget();
+        }
+        false
+    }
 }
 
-pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
-    // This API is served whole: handover fields are ignored, and counted.
-    sim.pd.note_unused(&body);
+pub async fn create(
+    State(sim): State<App>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     if sim.unhealthy() {
         return oai_error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -568,10 +601,12 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
         });
     }
     prompt.push_str(GENERATION_PROMPT);
+    let leg = Leg::of(&sim, &headers, &req.body, true);
     let cut_after = match gate(&sim).await {
         Ok(c) => c,
         Err((status, message)) => return oai_error(status, message, None, None),
     };
+    sim.pd.count_leg(&leg.handover);
     let meta = Meta {
         id: sim.responses.new_id("resp"),
         msg_id: sim.responses.new_id("msg"),
@@ -594,23 +629,26 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
             armed: true,
         }
     });
+    let mut job = Job {
+        chat: true,
+        model: req.model,
+        seed: seed_of(&prompt),
+        prompt,
+        max_tokens: req.max_tokens,
+        stream: req.stream,
+        include_usage: false,
+    };
+    leg.shape(&mut job);
     let run = Run {
         sim: sim.clone(),
-        job: Job {
-            chat: true,
-            model: req.model,
-            seed: seed_of(&prompt),
-            prompt,
-            max_tokens: req.max_tokens,
-            stream: req.stream,
-            include_usage: false,
-        },
+        job,
         meta,
         parent,
         fresh_instructions,
         input: req.input,
         cancel,
         pending,
+        leg,
     };
     let resp = if run.job.stream {
         stream(run, cut_after)
@@ -622,7 +660,12 @@ pub async fn create(State(sim): State<App>, body: Bytes) -> Response {
 
 async fn whole(mut run: Run) -> Response {
     let sim = run.sim.clone();
+    if !run.pull().await {
+        // vLLM's GenerationError, answered by its exception handler.
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(kv_load_failed())).into_response();
+    }
     let (mut running, usage) = prefill(&sim, &run.job).await;
+    let kv_transfer_params = prefilled(&sim, &run.job, &run.leg);
     let mut reply = String::new();
     let (how, n) = decode(
         &sim,
@@ -637,7 +680,11 @@ async fn whole(mut run: Run) -> Response {
     .await;
     drop(running);
     finish(&sim, &run.job, &reply);
-    let (obj, status) = run.meta.finished(how, &reply, &usage, n);
+    let (mut obj, status) = run.meta.finished(how, &reply, &usage, n);
+    if let Some(p) = kv_transfer_params {
+        // A top-level field of the response object, as vLLM's `ResponsesResponse` has it.
+        obj["kv_transfer_params"] = p;
+    }
     run.record(&obj, status, &reply);
     Json(obj).into_response()
 }
@@ -666,6 +713,17 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
             if tx.send(Ok(ev)).await.is_err() {
                 return;
             }
+        }
+        let pulled = tokio::select! {
+            pulled = run.pull() => pulled,
+            _ = tx.closed() => return,
+        };
+        if !pulled {
+            // vLLM 0.33 means to send its error object as the next event, but that object is
+            // no Responses event: validating it raises, and the stream ends there, without
+            // the body's end (the two events above are all the client gets).
+            cut(&tx, "KV load failed").await;
+            return;
         }
         let (mut running, usage) = tokio::select! {
             done = prefill(&sim, &run.job) => done,
@@ -842,5 +900,131 @@ mod tests {
         );
         assert!(s.cancel("b").unwrap().contains("\"completed\""));
         assert!(s.cancel("c").is_none());
+    }
+}
+
+#[cfg(test)]
+mod handover_tests {
+    use serde_json::{json, Value};
+
+    use crate::testkit::{client, count, events, prefill_params, serve, until};
+
+    fn names(evs: &[(String, Value)]) -> Vec<&str> {
+        evs.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// The prefill leg a router sends for `body`, and the `kv_transfer_params` of its answer.
+    async fn prefill(url: &str, body: &Value) -> Value {
+        let mut leg = body.clone();
+        leg["max_output_tokens"] = json!(1);
+        leg["store"] = json!(false);
+        leg["stream"] = json!(false);
+        leg["kv_transfer_params"] = prefill_params();
+        let resp = client()
+            .post(format!("{url}/v1/responses"))
+            .json(&leg)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let answer: Value = resp.json().await.unwrap();
+        assert_eq!(answer["object"], "response");
+        assert_eq!(answer["status"], "completed");
+        answer["kv_transfer_params"].clone()
+    }
+
+    fn body() -> Value {
+        json!({"model": "sim-model", "input": "Tell me about the long road north, slowly.",
+               "max_output_tokens": 4})
+    }
+
+    #[tokio::test]
+    async fn a_prefill_answers_with_its_params_and_a_streamed_decode_pulls_them() {
+        let (p, p_url) = serve(&["--kv-role=producer"]).await;
+        let (d, d_url) = serve(&["--kv-role=consumer"]).await;
+        let params = prefill(&p_url, &body()).await;
+        assert_eq!(params["do_remote_prefill"], true);
+        assert_eq!(params["remote_engine_id"], p.pd.conf.engine_id.as_str());
+        assert_eq!(params["remote_port"], p.args.listen.port());
+        let prompt_tokens = params["remote_num_tokens"].as_u64().unwrap();
+        assert!(prompt_tokens > 0);
+        assert_eq!(p.pd.leases_held(), 1, "the prefill holds its blocks");
+        assert_eq!(count(&p.pd.counters.handover_prefill_requests), 1);
+
+        let mut leg = body();
+        leg["stream"] = json!(true);
+        leg["kv_transfer_params"] = params;
+        let resp = client()
+            .post(format!("{d_url}/v1/responses"))
+            .json(&leg)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let (evs, broken) = events(resp).await;
+        assert!(!broken);
+        let names = names(&evs);
+        assert_eq!(names[..2], ["response.created", "response.in_progress"]);
+        assert_eq!(names.last(), Some(&"response.completed"));
+        let deltas = names
+            .iter()
+            .filter(|n| **n == "response.output_text.delta")
+            .count();
+        assert_eq!(deltas, 4);
+        let c = &d.pd.counters;
+        assert_eq!(count(&c.handover_decode_requests), 1);
+        assert_eq!(count(&c.kv_pulls), 1);
+        assert_eq!(count(&c.kv_tokens_transferred), prompt_tokens);
+        assert_eq!(count(&c.kv_pull_failures), 0);
+        assert_eq!(p.pd.leases_held(), 0, "the pull freed the lease");
+        assert_eq!(count(&p.pd.counters.kv_leases_pulled), 1);
+    }
+
+    #[tokio::test]
+    async fn a_decode_of_an_expired_lease_fails_as_vllm_answers_it() {
+        let (p, p_url) = serve(&["--kv-role=producer", "--kv-lease-seconds=0.02"]).await;
+        let (d, d_url) = serve(&["--kv-role=consumer"]).await;
+        let params = prefill(&p_url, &body()).await;
+        until("the lease to expire", || {
+            count(&p.pd.counters.kv_leases_expired) == 1
+        })
+        .await;
+        let mut leg = body();
+        leg["kv_transfer_params"] = params;
+        let url = format!("{d_url}/v1/responses");
+
+        let resp = client().post(&url).json(&leg).send().await.unwrap();
+        assert_eq!(resp.status(), 500);
+        let answer: Value = resp.json().await.unwrap();
+        assert_eq!(
+            answer,
+            json!({"error": {"message": "Internal server error", "type": "InternalServerError",
+                             "param": null, "code": 500}})
+        );
+
+        // Streamed: the two events sent before the engine's first output, then the stream
+        // breaks off (vLLM's error object fails validation as a Responses event).
+        leg["stream"] = json!(true);
+        let resp = client().post(&url).json(&leg).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let (evs, broken) = events(resp).await;
+        assert_eq!(names(&evs), ["response.created", "response.in_progress"]);
+        assert!(broken, "the body ends without its end");
+        assert_eq!(evs[1].1["sequence_number"], 1);
+        // Nothing of the failed request is stored.
+        let id = evs[0].1["response"]["id"].as_str().unwrap();
+        let got = client()
+            .get(format!("{url}/{id}"))
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(got, 404);
+
+        let c = &d.pd.counters;
+        assert_eq!(count(&c.handover_decode_requests), 2);
+        assert_eq!(count(&c.kv_pull_failures), 2);
+        assert_eq!(count(&c.kv_pulls), 0);
+        assert_eq!(count(&d.engine.counters.generation_tokens), 0);
     }
 }
