@@ -7,7 +7,9 @@
 //! the agent loop through every agent API (chat, Responses full and chained, Anthropic
 //! Messages), a fork of a long history into staggered siblings, several instances in front of
 //! the same replicas (sharing state through Redis or not), a replay of the Mooncake trace
-//! on four replicas (inferlb's policies and the peer routers, SGLang's and vLLM's), a rolling
+//! on four replicas (inferlb's policies and the peer routers, SGLang's and vLLM's), prefill/decode
+//! disaggregation (inferlb P/D and aggregated, vLLM's router and SGLang's gateway in P/D mode,
+//! a kill scene and a sweep of the local-prefill threshold), a rolling
 //! deploy, a soak, and the proxy's own overhead against a direct connection and nginx, over
 //! plain HTTP and over HTTPS (both terminating TLS with the same cipher suite). Ratios measured
 //! in the same run are the result; absolute times on a shared 2-core machine are noise.
@@ -158,6 +160,35 @@ pub struct Args {
     /// Further flags for both peer routers, space-separated (e.g. "--cache-threshold 0.5").
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     peer_flags: String,
+    /// Skip the prefill/decode disaggregation scene.
+    #[arg(long)]
+    no_pd: bool,
+    /// Fronts of the P/D scene (comma-separated: inferlb-pd, inferlb-pd-sglang, inferlb-agg,
+    /// vllm-router, smg).
+    #[arg(
+        long,
+        default_value = "inferlb-pd,inferlb-pd-sglang,inferlb-agg,vllm-router,smg"
+    )]
+    pd_fronts: String,
+    /// The simulator's speed factor in the P/D scene.
+    #[arg(long, default_value_t = 10.0)]
+    pd_speed: f64,
+    /// `pd.local_prefill_tokens` values of the P/D scene's sweep (comma-separated; smoke: 0,1024).
+    #[arg(long, default_value = "0,256,1024,4096")]
+    pd_thresholds: String,
+    /// `pd.local_prefill_tokens` of inferlb P/D in the fronts table and the kill scene.
+    #[arg(long, default_value_t = 1024)]
+    pd_local_prefill_tokens: usize,
+    /// Requests of the trace the P/D scene replays (smoke: 12).
+    #[arg(long)]
+    pd_trace_requests: Option<usize>,
+    /// Prefill load of the P/D scene's replay, percent of 4 replicas' cold prefill.
+    #[arg(long, default_value_t = 40.0)]
+    pd_trace_load: f64,
+    /// The virtual environment holding smg, SGLang's gateway (default: target/venv-smg, where
+    /// `make peers` installs it).
+    #[arg(long)]
+    smg_venv: Option<PathBuf>,
 }
 
 /// A comma-separated flag's items.
@@ -481,6 +512,39 @@ async fn main() {
     timings.since("trace replay", t);
 
     let t = std::time::Instant::now();
+    let pd = if a.no_pd {
+        None
+    } else {
+        let mut pc = scenarios::pd::PdConf::sized(a.smoke, a.pd_speed);
+        for name in items(&a.pd_fronts) {
+            match scenarios::pd::PdFront::parse(name) {
+                Some(f) => pc.fronts.push(f),
+                None => eprintln!("[pd] unknown front {name}: skipped"),
+            }
+        }
+        if !a.smoke {
+            pc.thresholds = items(&a.pd_thresholds)
+                .iter()
+                .filter_map(|x| x.parse().ok())
+                .collect();
+        }
+        pc.local_prefill_tokens = a.pd_local_prefill_tokens;
+        pc.peers_venv = venv.clone();
+        if let Some(v) = &a.smg_venv {
+            pc.smg_venv = v.clone();
+        }
+        pc.logs = a.out.join("logs");
+        pc.trace = a.trace.clone();
+        if let Some(n) = a.pd_trace_requests {
+            pc.trace_requests = n;
+        }
+        pc.trace_load_pct = a.pd_trace_load;
+        pc.trace_max_tokens = a.trace_max_tokens.max(1);
+        Some(scenarios::pd::pd(&client, &pc).await)
+    };
+    timings.since("prefill/decode", t);
+
+    let t = std::time::Instant::now();
     let deploys = if a.no_deploy {
         vec![]
     } else {
@@ -556,6 +620,7 @@ async fn main() {
         fork: forked.as_ref(),
         trace: traced.as_ref(),
         overload: overloaded.as_ref(),
+        pd: pd.as_ref(),
         timings: &timings,
     }
     .write(&a.out);
@@ -612,6 +677,7 @@ async fn main() {
                 broken.push(format!("soak, {} streams open at once", s.streams));
             }
         }
+        broken.extend(pd.iter().flat_map(scenarios::pd::broken));
         broken.extend(lat.iter().flat_map(scenarios::overhead::broken));
         broken.extend(lat_tls.iter().flat_map(scenarios::overhead_tls::broken));
         if !broken.is_empty() {

@@ -28,6 +28,7 @@ pub struct Report<'a> {
     pub fork: Option<&'a ForkResult>,
     pub trace: Option<&'a TraceResult>,
     pub overload: Option<&'a crate::scenarios::overload::OverloadResult>,
+    pub pd: Option<&'a crate::scenarios::pd::PdResult>,
     pub timings: &'a Timings,
 }
 
@@ -59,6 +60,9 @@ impl Report<'_> {
         if let Some(o) = self.overload {
             md.push_str(&crate::scenarios::overload::table(o));
         }
+        if let Some(p) = self.pd {
+            md.push_str(&crate::scenarios::pd::table(p));
+        }
         md.push_str(&deploy_table(self.deploys, self.sizes));
         if let Some(k) = self.soak {
             md.push_str(&soak_line(k));
@@ -71,7 +75,7 @@ impl Report<'_> {
     pub fn write(&self, out: &Path) -> String {
         let report = self.markdown();
         std::fs::write(out.join("results.md"), &report).expect("write results.md");
-        let raw = json!({"command": Report::command(), "sizes": self.sizes, "targets": self.targets, "agent_apis": self.apis, "fork": self.fork, "trace": self.trace, "overload": self.overload, "overhead": self.overhead, "overhead_tls": self.overhead_tls, "deploy": self.deploys, "soak": self.soak, "timings_s": self.timings});
+        let raw = json!({"command": Report::command(), "sizes": self.sizes, "targets": self.targets, "agent_apis": self.apis, "fork": self.fork, "trace": self.trace, "overload": self.overload, "pd": self.pd, "overhead": self.overhead, "overhead_tls": self.overhead_tls, "deploy": self.deploys, "soak": self.soak, "timings_s": self.timings});
         std::fs::write(
             out.join("results.json"),
             serde_json::to_vec_pretty(&raw).unwrap_or_default(),

@@ -9,5 +9,6 @@ pub mod instances;
 pub mod overhead;
 pub mod overhead_tls;
 pub mod overload;
+pub mod pd;
 pub mod soak;
 pub mod trace;

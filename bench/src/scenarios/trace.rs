@@ -146,7 +146,7 @@ impl Shape {
         }
     }
 
-    fn body(self, r: &TraceRequest, max_tokens: usize) -> Value {
+    pub fn body(self, r: &TraceRequest, max_tokens: usize) -> Value {
         let blocks = block_texts(r);
         match self {
             Shape::Chat => {
@@ -318,14 +318,14 @@ async fn replay(
 }
 
 /// Wall seconds per trace ms that make the fleet's cold prefill busy `load` of the time.
-fn scale_for(reqs: &[TraceRequest], load: f64, speed: f64) -> f64 {
+pub fn scale_for(reqs: &[TraceRequest], load: f64, speed: f64) -> f64 {
     let span_ms = span_ms(reqs).max(1) as f64;
     let tokens: f64 = reqs.iter().map(|r| r.input_length as f64).sum();
     let fleet = REPLICAS as f64 * PREFILL_TOKENS_PER_S * speed;
     tokens / (load * fleet) / span_ms
 }
 
-fn span_ms(reqs: &[TraceRequest]) -> u64 {
+pub fn span_ms(reqs: &[TraceRequest]) -> u64 {
     match (reqs.first(), reqs.last()) {
         (Some(a), Some(b)) => b.timestamp.saturating_sub(a.timestamp),
         _ => 0,
