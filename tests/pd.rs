@@ -488,3 +488,94 @@ fn roles_come_through_the_admin_api_and_plain_replicas_never_see_handover_fields
     assert_eq!(stat(&plain, "handover_fields_seen"), 0);
     assert!(lb.metric("inferlb_replica_role{replica=\"d1\",role=\"decode\"}") == 1.0);
 }
+
+fn post(lb: &Lb, path: &str, body: Value) -> Answer {
+    let r = http().post(lb.url(path)).json(&body).send().expect("send");
+    let h = |n: &str| {
+        r.headers()
+            .get(n)
+            .map_or(String::new(), |v| v.to_str().unwrap_or("").to_string())
+    };
+    let (status, replica, prefill, route) = (
+        r.status().as_u16(),
+        h("x-inferlb-replica"),
+        h("x-inferlb-prefill"),
+        h("x-inferlb-route"),
+    );
+    Answer {
+        status,
+        replica,
+        prefill,
+        route,
+        text: r.text().expect("body"),
+    }
+}
+
+/// vLLM takes `kv_transfer_params` on the Responses API and Anthropic's Messages too: both are
+/// disaggregated, and a failed pull in either (a Messages stream's error event, a Responses
+/// stream that breaks off) gets a fresh prefill and another decode before the client sees it.
+#[test]
+fn responses_and_messages_are_handed_over_and_fail_over_too() {
+    let dir = tempfile::tempdir().expect("dir");
+    let p1 = sim(dir.path(), "p1", "producer", &["--kv-lease-seconds", "0"]);
+    let p2 = sim(dir.path(), "p2", "producer", &[]);
+    let (d1, d2) = (
+        sim(dir.path(), "d1", "consumer", &[]),
+        sim(dir.path(), "d2", "consumer", &[]),
+    );
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1, &p2],
+        &[&d1, &d2],
+        "{local_prefill_tokens: 0}",
+    );
+    // Each request twice in a row: ties between the two idle prefill replicas alternate, so
+    // one of the two meets p1's expired KV first, whatever the parity.
+    for i in 0..8 {
+        let stream = (i / 2) % 2 == 1;
+        let r = post(
+            &lb,
+            "/v1/responses",
+            json!({"model": "sim-model", "input": text_of(&format!("resp{i}"), 1500), "stream": stream, "max_output_tokens": 8}),
+        );
+        assert_eq!((r.status, r.route.as_str()), (200, "pd"), "{}", r.text);
+        assert!(r.text.contains("output_text"), "{}", r.text);
+        if stream {
+            assert!(
+                r.text.contains("response.completed"),
+                "a whole stream: {}",
+                r.text
+            );
+        }
+    }
+    for i in 0..8 {
+        let stream = (i / 2) % 2 == 1;
+        let m = post(
+            &lb,
+            "/v1/messages",
+            json!({"model": "sim-model", "max_tokens": 8, "stream": stream,
+                   "messages": [{"role": "user", "content": text_of(&format!("msg{i}"), 1500)}]}),
+        );
+        assert_eq!((m.status, m.route.as_str()), (200, "pd"), "{}", m.text);
+        assert!(!m.text.contains("\"error\""), "{}", m.text);
+        if stream {
+            assert!(m.text.contains("message_stop"), "{}", m.text);
+        }
+    }
+    assert_eq!(
+        stat(&p1, "handover_fields_seen") + stat(&d1, "handover_fields_seen"),
+        0
+    );
+    let prefilled = stat(&p1, "handover_prefill_requests") + stat(&p2, "handover_prefill_requests");
+    assert!(
+        prefilled >= 16,
+        "every request went through a prefill leg: {prefilled}"
+    );
+    let decoded = stat(&d1, "handover_decode_requests") + stat(&d2, "handover_decode_requests");
+    assert!(decoded >= 16, "{decoded}");
+    let failed = stat(&d1, "kv_pull_failures") + stat(&d2, "kv_pull_failures");
+    assert!(
+        failed >= 1,
+        "some pull of p1's expired KV failed, unseen by the client"
+    );
+}
