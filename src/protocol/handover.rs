@@ -7,9 +7,12 @@
 //!   client's own request, untouched, for the decode leg. inferlb reads none of their fields.
 //! - SGLang (bootstrap): both legs get `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
 use bytes::Bytes;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::protocol::api::Family;
 
@@ -17,63 +20,96 @@ use crate::protocol::api::Family;
 #[derive(Debug, PartialEq, Eq)]
 pub struct NotHandedOver(pub &'static str);
 
-fn object(body: &[u8]) -> Result<Map<String, Value>, NotHandedOver> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        _ => Err(NotHandedOver("the body is not a JSON object")),
-    }
-}
+/// A JSON object's top-level members, each value kept as the raw text it came as: a long
+/// prompt is scanned once, never built into a tree and written out again (a 90k-token history
+/// is several hundred KB, and both legs are made from it on the request path).
+struct Top<'a>(BTreeMap<String, Cow<'a, RawValue>>);
 
-fn bytes(m: &Map<String, Value>) -> Bytes {
-    Bytes::from(serde_json::to_vec(m).expect("a JSON map serialises"))
+impl<'a> Top<'a> {
+    fn parse(body: &'a [u8]) -> Result<Top<'a>, NotHandedOver> {
+        let m: BTreeMap<String, &'a RawValue> = serde_json::from_slice(body)
+            .map_err(|_| NotHandedOver("the body is not a JSON object"))?;
+        Ok(Top(m
+            .into_iter()
+            .map(|(k, v)| (k, Cow::Borrowed(v)))
+            .collect()))
+    }
+
+    fn has(&self, key: &str) -> bool {
+        self.0.contains_key(key)
+    }
+
+    fn set(&mut self, key: &str, value: &str) {
+        let raw = RawValue::from_string(value.to_owned()).expect("a JSON literal");
+        self.0.insert(key.to_owned(), Cow::Owned(raw));
+    }
+
+    fn set_raw(&mut self, key: &str, raw: &'a RawValue) {
+        self.0.insert(key.to_owned(), Cow::Borrowed(raw));
+    }
+
+    fn remove(&mut self, key: &str) {
+        self.0.remove(key);
+    }
+
+    fn bytes(&self) -> Bytes {
+        let len: usize = self
+            .0
+            .iter()
+            .map(|(k, v)| k.len() + v.get().len() + 4)
+            .sum();
+        let mut out = Vec::with_capacity(len + 2);
+        out.push(b'{');
+        for (i, (k, v)) in self.0.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            serde_json::to_writer(&mut out, k).expect("a key serialises");
+            out.push(b':');
+            out.extend_from_slice(v.get().as_bytes());
+        }
+        out.push(b'}');
+        Bytes::from(out)
+    }
 }
 
 /// The vLLM prefill leg of `body`: one token, not streamed, one choice, `kv_transfer_params`
 /// asking the replica to keep the prompt's KV for a remote decode. A Responses prefill is not
 /// stored (the decode leg's answer is the one the client gets).
 pub fn vllm_prefill(family: Family, body: &[u8]) -> Result<Bytes, NotHandedOver> {
-    let mut m = object(body)?;
-    if m.contains_key("kv_transfer_params") {
+    let mut m = Top::parse(body)?;
+    if m.has("kv_transfer_params") {
         // Stripped at the edge; never trusted from a client.
         return Err(NotHandedOver("the client sent kv_transfer_params"));
     }
-    let mut params = Map::new();
-    params.insert("do_remote_decode".into(), Value::Bool(true));
-    params.insert("do_remote_prefill".into(), Value::Bool(false));
-    for k in [
-        "remote_engine_id",
-        "remote_block_ids",
-        "remote_host",
-        "remote_port",
-    ] {
-        params.insert(k.into(), Value::Null);
-    }
-    m.insert("kv_transfer_params".into(), Value::Object(params));
-    m.insert("stream".into(), Value::Bool(false));
+    m.set(
+        "kv_transfer_params",
+        r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#,
+    );
+    m.set("stream", "false");
     // vLLM refuses stream_options without stream; min_tokens above 1 would contradict max 1.
     m.remove("stream_options");
     m.remove("min_tokens");
-    let one = || Value::from(1);
     match family {
         Family::Chat => {
-            m.insert("max_tokens".into(), one());
-            m.insert("max_completion_tokens".into(), one());
-            m.insert("n".into(), one());
+            m.set("max_tokens", "1");
+            m.set("max_completion_tokens", "1");
+            m.set("n", "1");
         }
         Family::Completions => {
-            m.insert("max_tokens".into(), one());
-            m.insert("n".into(), one());
+            m.set("max_tokens", "1");
+            m.set("n", "1");
         }
         Family::Responses => {
-            m.insert("max_output_tokens".into(), one());
-            m.insert("store".into(), Value::Bool(false));
+            m.set("max_output_tokens", "1");
+            m.set("store", "false");
             m.remove("background");
         }
         Family::Messages => {
-            m.insert("max_tokens".into(), one());
+            m.set("max_tokens", "1");
         }
     }
-    Ok(bytes(&m))
+    Ok(m.bytes())
 }
 
 /// The `kv_transfer_params` of a prefill answer, as they came; `None` when there are none (a
@@ -91,26 +127,25 @@ pub fn vllm_params(answer: &[u8]) -> Option<Box<RawValue>> {
 
 /// The client's `body` for the decode leg, with the prefill's `params` as they came.
 pub fn vllm_decode(body: &[u8], params: &RawValue) -> Result<Bytes, NotHandedOver> {
-    let mut m = object(body)?;
-    let v: Value =
-        serde_json::from_str(params.get()).map_err(|_| NotHandedOver("params unreadable"))?;
-    m.insert("kv_transfer_params".into(), v);
-    Ok(bytes(&m))
+    let mut m = Top::parse(body)?;
+    m.set_raw("kv_transfer_params", params);
+    Ok(m.bytes())
 }
 
 /// `body` with SGLang's bootstrap fields: the prefill server's bootstrap host and port, and
 /// the room both legs meet in.
 pub fn sglang_legs(body: &[u8], host: &str, port: u16, room: u64) -> Result<Bytes, NotHandedOver> {
-    let mut m = object(body)?;
+    let mut m = Top::parse(body)?;
     for k in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
-        if m.contains_key(k) {
+        if m.has(k) {
             return Err(NotHandedOver("the client sent bootstrap fields"));
         }
     }
-    m.insert("bootstrap_host".into(), Value::from(host));
-    m.insert("bootstrap_port".into(), Value::from(port));
-    m.insert("bootstrap_room".into(), Value::from(room));
-    Ok(bytes(&m))
+    let host = serde_json::to_string(host).expect("a string serialises");
+    m.set("bootstrap_host", &host);
+    m.set("bootstrap_port", &port.to_string());
+    m.set("bootstrap_room", &room.to_string());
+    Ok(m.bytes())
 }
 
 /// Where a decode stream stands before anything of it is passed to the client.
@@ -278,6 +313,22 @@ mod tests {
                 String::from_utf8_lossy(none)
             );
         }
+    }
+
+    /// The prompt passes byte for byte: members are edited at the top level only, and what
+    /// is nested (escapes, number forms, key order) is never rewritten.
+    #[test]
+    fn nested_members_pass_as_they_came() {
+        let messages = r#"[{"role":"user","content":"caf\u00e9 \"q\" 1.0e3","z":1,"a":2}]"#;
+        let body = format!(r#"{{"model":"m","messages":{messages},"stream":true}}"#);
+        for b in [
+            vllm_prefill(Family::Chat, body.as_bytes()).unwrap(),
+            sglang_legs(body.as_bytes(), "h", 1, 2).unwrap(),
+        ] {
+            let text = std::str::from_utf8(&b).unwrap();
+            assert!(text.contains(messages), "{text}");
+        }
+        assert!(vllm_prefill(Family::Chat, br#"{"a":1"#).is_err());
     }
 
     #[test]
