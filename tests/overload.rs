@@ -250,25 +250,15 @@ fn a_key_over_its_tokens_per_minute_is_refused_and_recovers_after_the_window() {
         "the access log says why:\n{log}"
     );
     // Every overload series the Grafana dashboard queries is in the scrape.
-    let dashboard = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/conf/grafana/inferlb-dashboard.json"
-    ))
-    .expect("dashboard");
     let scrape = lb.metrics();
-    let mut queried = 0;
-    for (at, _) in dashboard.match_indices("inferlb_overload_") {
-        let name: String = dashboard[at..]
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .collect();
-        queried += 1;
+    let queried = dashboard_metrics("inferlb_overload_");
+    for name in &queried {
         assert!(
-            scrape.lines().any(|l| l.starts_with(&name)),
+            scrape.lines().any(|l| l.starts_with(name.as_str())),
             "{name} not in the scrape"
         );
     }
-    assert!(queried >= 6, "the dashboard has the overload panels");
+    assert!(queried.len() >= 6, "the dashboard has the overload panels");
 }
 
 #[test]

@@ -163,6 +163,25 @@ fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_re
         stat(&p1, "handover_fields_seen") + stat(&d1, "handover_fields_seen"),
         0
     );
+    // Every P/D series the Grafana dashboard queries is in the scrape now.
+    let scrape = lb.metrics();
+    let mut queried = 0;
+    for prefix in [
+        "inferlb_pd_",
+        "inferlb_replica_role",
+        "inferlb_replica_kv_tokens",
+    ] {
+        for name in dashboard_metrics(prefix) {
+            queried += 1;
+            let has = scrape.lines().any(|l| l.starts_with(&name));
+            // Nothing was served whole in this test: that counter has no series yet.
+            assert!(
+                has || name == "inferlb_pd_whole_total",
+                "{name} not in the scrape"
+            );
+        }
+    }
+    assert!(queried >= 4, "the dashboard has the P/D panels");
 }
 
 #[test]
@@ -578,4 +597,33 @@ fn responses_and_messages_are_handed_over_and_fail_over_too() {
         failed >= 1,
         "some pull of p1's expired KV failed, unseen by the client"
     );
+}
+
+/// A decode stream cut after its first token is never retried, and the client sees it cut:
+/// its API's error event, and a body that does not end cleanly (a cleanly ended one would look
+/// like a whole answer).
+#[test]
+fn a_decode_stream_cut_after_its_first_token_reaches_the_client_as_cut() {
+    let dir = tempfile::tempdir().expect("dir");
+    let p1 = sim(dir.path(), "p1", "producer", &[]);
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
+    d1.fault(json!({"fault": "cut_stream", "count": 1}));
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(&[("user", &text_of("cut", 2000))], true, 20))
+        .send()
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-inferlb-route"], "pd");
+    let body = r.text();
+    assert!(body.is_err(), "the body must not end cleanly: {body:?}");
+    assert_eq!(stat(&p1, "handover_prefill_requests"), 1, "never retried");
+    let log = std::fs::read_to_string(dir.path().join("inferlb.log")).expect("log");
+    let line = log
+        .lines()
+        .find(|l| l.contains("route=pd "))
+        .unwrap_or_else(|| panic!("an access line:\n{log}"));
+    assert!(line.contains("status=200"), "{line}");
+    assert!(lb.metric("inferlb_stream_errors_total") >= 1.0);
 }

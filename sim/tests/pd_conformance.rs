@@ -130,13 +130,25 @@ fn words(tag: &str, tokens: usize) -> String {
 /// One chat turn through the router: the reply text (checked to have `max_tokens` words).
 fn chat(port: u16, messages: &[Value], stream: bool) -> String {
     let max_tokens = 8;
-    let resp = client()
-        .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
-        .json(&json!({"model": "sim-model", "messages": messages, "max_tokens": max_tokens, "stream": stream}))
-        .send()
-        .expect("the router answers");
-    let status = resp.status();
-    let body = resp.text().expect("a body");
+    let send = || {
+        let resp = client()
+            .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+            .json(&json!({"model": "sim-model", "messages": messages, "max_tokens": max_tokens, "stream": stream}))
+            .send()
+            .expect("the router answers");
+        (resp.status(), resp.text().expect("a body"))
+    };
+    // smg lists the model once its prefill worker is up, and may not have marked the decode
+    // worker healthy yet: it then answers 503 before sending anything to either. Bounded.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (status, body) = loop {
+        let (status, body) = send();
+        let starting = status == 503 && body.contains("no_available_workers");
+        if !starting || std::time::Instant::now() > deadline {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
     assert_eq!(status, 200, "{body}");
     let text = if stream {
         assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");

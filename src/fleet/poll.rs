@@ -34,7 +34,8 @@ pub struct Reported {
     /// `num_gpu_blocks` x `block_size`, when the page has `vllm:cache_config_info`.
     pub cache_tokens: Option<u64>,
     /// The share of its KV cache in use by running requests, in millionths
-    /// (`vllm:kv_cache_usage_perc`, a fraction despite its name; SGLang's `token_usage`).
+    /// (`vllm:kv_cache_usage_perc`, a fraction despite its name; SGLang's `token_usage`); of
+    /// several engines, the fullest.
     pub kv_usage_ppm: Option<u64>,
 }
 
@@ -65,8 +66,9 @@ pub fn parse(text: &str) -> Option<Reported> {
                 // A share that is not a number is left out, not taken for the load.
                 if let Some(v) = raw.trim().parse::<f64>().ok().filter(|v| v.is_finite()) {
                     let ppm = (v.clamp(0.0, 1.0) * 1e6) as u64;
-                    let sum = r.kv_usage_ppm.unwrap_or(0).saturating_add(ppm);
-                    r.kv_usage_ppm = Some(sum.min(1_000_000));
+                    // Several engines (data parallel) or an old name beside the new one: the
+                    // fullest, never a sum that reads a half-full replica as full.
+                    r.kv_usage_ppm = Some(r.kv_usage_ppm.unwrap_or(0).max(ppm));
                 }
             }
             "vllm:cache_config_info" => {

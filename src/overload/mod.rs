@@ -226,7 +226,10 @@ impl Overload {
             return;
         }
         // The common case under load, at the cost of one look at the replicas: nothing fits.
-        if self.limits.saturated(&self.replica_loads(None, &s.transit)) {
+        // A disaggregated fleet's pools are judged per model below: one model's full prefill
+        // pool says nothing of another model's replicas.
+        let all = self.replica_loads(None, &s.transit);
+        if !policy::disaggregated(&all) && self.limits.saturated(&all) {
             return;
         }
         // Each model's replicas, looked at once a pump; a placement adds to them, and a model

@@ -28,6 +28,11 @@ pub struct ReplicaLoad {
     pub role: Role,
 }
 
+/// Whether `fleet` (one model's replicas) is split into prefill and decode pools.
+pub fn disaggregated(fleet: &[ReplicaLoad]) -> bool {
+    pools(fleet).is_some()
+}
+
 /// The two pools of a disaggregated fleet, or `None` for one that serves requests whole.
 fn pools(fleet: &[ReplicaLoad]) -> Option<(Vec<usize>, Vec<usize>)> {
     let prefill: Vec<usize> = (0..fleet.len())

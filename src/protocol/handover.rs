@@ -203,6 +203,22 @@ fn event_end(buf: &[u8]) -> Option<usize> {
     }
 }
 
+/// Whether an error object is the replica's failure rather than a refusal of the request:
+/// a 5xx code (vLLM's), or a server-side type (vLLM's `InternalServerError`, Anthropic's
+/// `api_error` and `overloaded_error`).
+fn server_side(e: &Value) -> bool {
+    let code = e["code"]
+        .as_u64()
+        .or_else(|| e["code"].as_str().and_then(|c| c.parse().ok()));
+    match code {
+        Some(c) => c >= 500,
+        None => matches!(
+            e["type"].as_str(),
+            Some("InternalServerError" | "api_error" | "overloaded_error" | "server_error") | None
+        ),
+    }
+}
+
 /// One event's verdict: `None` while it generated nothing (a role chunk, `message_start`,
 /// `response.created`).
 fn judge(event: &[u8]) -> Option<Start> {
@@ -216,11 +232,8 @@ fn judge(event: &[u8]) -> Option<Start> {
             data.push_str(v.trim());
         }
     }
-    if name == "error" {
-        return Some(Start::Failed);
-    }
     if data.is_empty() {
-        return None;
+        return (name == "error").then_some(Start::Failed);
     }
     if data == "[DONE]" {
         return Some(Start::Flowing);
@@ -228,7 +241,17 @@ fn judge(event: &[u8]) -> Option<Start> {
     let Ok(v) = serde_json::from_str::<Value>(&data) else {
         return Some(Start::Flowing);
     };
-    if v.get("error").is_some_and(|e| !e.is_null()) || v["type"] == "error" {
+    let error = v.get("error").filter(|e| !e.is_null());
+    if let Some(e) = error {
+        // The replica's own failure (a failed KV pull is vLLM's 500) is another replica's
+        // to serve; a refusal of the request itself goes to the client as it came.
+        return Some(if server_side(e) {
+            Start::Failed
+        } else {
+            Start::Flowing
+        });
+    }
+    if name == "error" {
         return Some(Start::Failed);
     }
     // Anthropic and Responses name their events in the data too.
@@ -370,7 +393,10 @@ mod tests {
                 &["event: message_start\ndata: {\"type\":\"message_start\"}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\"}\n\n"],
                 &[Start::Flowing],
             ),
-            (&["event: error\ndata: {\"type\":\"error\"}\n\n"], &[Start::Failed]),
+            (&["event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\"}}\n\n"], &[Start::Failed]),
+            // a refusal of the request itself passes to the client
+            (&["data: {\"error\":{\"message\":\"bad grammar\",\"code\":400}}\n\n"], &[Start::Flowing]),
+            (&["event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"invalid_request_error\"}}\n\n"], &[Start::Flowing]),
             // Responses
             (&["event: response.created\ndata: {\"type\":\"response.created\"}\r\n\r\n"], &[Start::Held]),
             (&["data: [DONE]\n\n"], &[Start::Flowing]),

@@ -15,7 +15,9 @@
 //! - a decode that answers 5xx, or whose stream errs before its first token, gets a fresh
 //!   prefill and another decode;
 //! - a client that hangs up between the legs drops them: the replicas see their connections
-//!   close and abort, which frees the prefill's blocks.
+//!   close and abort. An aborted prefill frees its blocks at once, and so does an aborted
+//!   decode (vLLM's decode side tells its prefill); in the moment between the prefill's
+//!   answer and the decode leg's start, its blocks wait for their lease to end.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -25,6 +27,7 @@ use bytes::Bytes;
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::Peer;
+use pingora_core::{Error, ErrorType};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use serde_json::value::RawValue;
@@ -82,7 +85,7 @@ struct Plan {
     /// The request's draw of the balancer's counter: it breaks ties (each leg's choice adds
     /// the legs tried before it, so that a retry among equals moves on).
     tick: u64,
-    /// The decode replica chosen first, and the tokens of the prompt it lacks.
+    /// The decode replica chosen first.
     decode: Arc<Replica>,
 }
 
@@ -91,6 +94,8 @@ struct Plan {
 enum LegError {
     /// No connection: the replica is demoted.
     Connect(String),
+    /// Not connected to at all: outside `admin.allowed_networks` (no fault of the replica's).
+    NotAllowed(String),
     /// Its connection broke or went silent before an answer.
     Broken(String),
     /// It answered with this status (and this body): 4xx goes to the client as it is.
@@ -105,6 +110,7 @@ impl std::fmt::Display for LegError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             LegError::Connect(why) => write!(f, "no connection: {why}"),
+            LegError::NotAllowed(why) => write!(f, "not connected to: {why}"),
             LegError::Broken(why) => write!(f, "broken: {why}"),
             LegError::Answered(h, _) => write!(f, "answered {}", h.status.as_u16()),
             LegError::StreamFailed => f.write_str("its stream's first event was an error"),
@@ -117,6 +123,7 @@ impl LegError {
     fn reason(&self) -> &'static str {
         match self {
             LegError::Connect(_) => "connect",
+            LegError::NotAllowed(_) => "not_allowed",
             LegError::Broken(_) => "broken",
             LegError::Answered(h, _) if h.status.is_server_error() => "http_5xx",
             LegError::Answered(..) => "http_4xx",
@@ -166,15 +173,20 @@ struct Tries {
 impl Tries {
     fn failed(&mut self, leg: &'static str, r: &Arc<Replica>, e: &LegError) {
         let why = e.reason();
-        if matches!(e, LegError::Connect(_)) {
+        // As on the proxy path: a refused connection, or a 502/503, demotes it.
+        let demote = match e {
+            LegError::Connect(_) => true,
+            LegError::Answered(h, _) => {
+                crate::proxy::failover::status_fails_over(h.status.as_u16())
+            }
+            _ => false,
+        };
+        if demote {
             r.demote();
         }
         METRICS.pd_legs.with_label_values(&[&r.id, leg, why]).inc();
         METRICS.failovers.with_label_values(&[&r.id, why]).inc();
-        log::warn!(
-            "pd failover: {leg} replica={} reason={why}: retrying ({e})",
-            r.id
-        );
+        log::warn!("pd failover: {leg} replica={} reason={why}: {e}", r.id);
         self.failovers += 1;
         self.last = Some((r.id.clone(), why));
         match leg {
@@ -203,6 +215,8 @@ impl Balancer {
         let Some(plan) = self.plan(session, ctx) else {
             return Ok(false);
         };
+        // Its prefill is counted on the replicas it goes to from here, not as in transit.
+        ctx.overload.routed();
         let tail_pending = ctx.body.tail_pending(session);
         let mut tries = Tries {
             decode: ctx.tried.clone(),
@@ -210,7 +224,9 @@ impl Balancer {
         };
         let begun = {
             let downstream = session.as_downstream_mut();
-            // The whole body is read: the next read ends only when the client hangs up.
+            // The whole body is read: the next read ends only when the client hangs up. A
+            // large chunked body's terminator is still Pingora's to read: then, as in the
+            // overload queue, the hang-up goes unwatched until the answer is written.
             let gone = async {
                 if tail_pending || downstream.read_body_or_idle(true).await.is_ok() {
                     std::future::pending::<()>().await;
@@ -225,8 +241,9 @@ impl Balancer {
         if tries.last.is_some() {
             ctx.last_failure = tries.last.take();
         }
-        if tail_pending {
-            // A chunked terminator is still on the wire; this connection is not reused.
+        // A chunked terminator still on the wire: this connection is not reused. Leaving (an
+        // upgrade): as on the proxy path, the client's next request goes to the new process.
+        if tail_pending || self.leaving.load(Ordering::Relaxed) {
             session.set_keepalive(None);
         }
         let Some(begun) = begun else {
@@ -257,7 +274,8 @@ impl Balancer {
                         prefill: None,
                     },
                 ));
-                let resp = self.client_header(&header, ctx, &replica, None, Some(body.len()));
+                let resp =
+                    self.client_header(&header, ctx, (&replica, Route::Pd), None, Some(body.len()));
                 session.write_response_header(resp, false).await?;
                 session.write_response_body(Some(body), true).await?;
                 Ok(true)
@@ -399,7 +417,7 @@ impl Balancer {
                     }
                     return Begun::Whole(d, "no_prefill_live");
                 };
-                if NO_PREFILL.swap(false, Ordering::Relaxed) {
+                if NO_PREFILL.load(Ordering::Relaxed) && NO_PREFILL.swap(false, Ordering::Relaxed) {
                     log::info!("pd: a prefill replica is live again");
                 }
                 if Arc::ptr_eq(&p, &d) {
@@ -483,16 +501,25 @@ impl Balancer {
         let body = handover::sglang_legs(&plan.body, &boot.ip().to_string(), boot.port(), room)
             .map_err(|_| ("prefill", LegError::NoParams))?;
         let prefill = {
-            let (this, plan_header, body, p) =
-                (self.leg_ctx(), plan.header.clone(), body.clone(), p.clone());
+            let (this, plan_header, body, p) = (
+                self.leg_ctx(self.conf.pd.prefill_timeout),
+                plan.header.clone(),
+                body.clone(),
+                p.clone(),
+            );
             let links = plan.links.clone();
             let request_id = plan.request_id.clone();
+            let prompt_tokens = plan.prompt_tokens;
+            let limit = self.conf.pd.prefill_timeout;
             tokio::spawn(async move {
                 let _flight = p.start();
-                let queued = p.queue_prefill(held);
-                let (status, _) = this.exchange(&p, &plan_header, &request_id, body).await?;
+                let queued = p.queue_prefill(prompt_tokens.saturating_sub(held));
+                let leg = this.exchange(&p, &plan_header, &request_id, body);
+                let (status, answer) = tokio::time::timeout(limit, leg)
+                    .await
+                    .map_err(|_| LegError::Broken("the prefill did not end in time".into()))??;
                 if !status.status.is_success() {
-                    return Err(LegError::Answered(status, Bytes::new()));
+                    return Err(LegError::Answered(status, answer));
                 }
                 queued.prefilled(&links);
                 Ok(())
@@ -523,9 +550,10 @@ impl Balancer {
         }
     }
 
-    fn leg_ctx(&self) -> LegCtx {
+    /// What a leg's exchange needs; `read_timeout` bounds each read of its answer.
+    fn leg_ctx(&self, read_timeout: Duration) -> LegCtx {
         LegCtx {
-            read_timeout: self.conf.upstream.read_timeout,
+            read_timeout,
             networks: self.conf.admin.allowed_networks.clone(),
         }
     }
@@ -542,11 +570,14 @@ impl Balancer {
         let _flight = p.start();
         let queued = p.queue_prefill(plan.prompt_tokens.saturating_sub(held));
         let leg = async {
+            // The prefill's first (and only) token may take as long as the prefill: its
+            // reads are bounded by the prefill's own timeout, the whole by the same below.
+            let limit = self.conf.pd.prefill_timeout;
             let (header, mut s) = self
-                .leg_ctx()
+                .leg_ctx(limit)
                 .exchange_keep(p, &plan.header, &plan.request_id, body)
                 .await?;
-            let answer = read_all(&mut s, self.conf.upstream.read_timeout).await?;
+            let answer = read_all(&mut s, limit).await?;
             release(s, p).await;
             Ok::<_, LegError>((header, answer))
         };
@@ -575,7 +606,7 @@ impl Balancer {
         let in_flight = d.start();
         let kv = d.hold_kv(plan.prompt_tokens);
         let (header, mut s) = self
-            .leg_ctx()
+            .leg_ctx(self.conf.upstream.read_timeout)
             .exchange_keep(d, &plan.header, &plan.request_id, body)
             .await?;
         if !header.status.is_success() {
@@ -597,7 +628,11 @@ impl Balancer {
                         .await
                         .map_err(|_| LegError::Broken("no first token in time".into()))?
                         .map_err(|e| LegError::Broken(e.to_string()))?;
-                let Some(chunk) = chunk else { break };
+                let Some(chunk) = chunk else {
+                    // Ended with nothing generated (a Responses stream whose pull failed
+                    // breaks off after its preamble): nothing of it reached the client.
+                    return Err(LegError::Broken("the stream ended before a token".into()));
+                };
                 let verdict = start.feed(&chunk);
                 held.push(chunk);
                 match verdict {
@@ -684,7 +719,7 @@ impl Balancer {
         let resp = self.client_header(
             &header,
             ctx,
-            &decode,
+            (&decode, Route::Pd),
             prefill.as_ref(),
             length.filter(|_| !sse),
         );
@@ -696,7 +731,7 @@ impl Balancer {
                 .await
                 .is_err()
             {
-                return Ok(());
+                return Err(client_left());
             }
         }
         let read_timeout = self.conf.upstream.read_timeout;
@@ -711,8 +746,7 @@ impl Balancer {
                         .is_err()
                     {
                         // The client left: the decode's connection closes with this request.
-                        session.set_keepalive(None);
-                        return Ok(());
+                        return Err(client_left());
                     }
                 }
                 Ok(Ok(None)) => {
@@ -721,21 +755,15 @@ impl Balancer {
                     release(upstream, &decode).await;
                     return Ok(());
                 }
-                Ok(Err(_)) | Err(_) => {
-                    // Cut after the first byte: never retried. An error event the client
-                    // can see, and this connection closes.
-                    METRICS.stream_errors.inc();
-                    METRICS
-                        .upstream_errors
-                        .with_label_values(&[&decode.id, "stream_cut"])
-                        .inc();
-                    if sse {
-                        let message = format!("replica {}'s stream broke", decode.id);
-                        let event = answers::stream_error_event(ctx.family, &message);
-                        let _ = session.write_response_body(Some(event), false).await;
-                    }
-                    session.set_keepalive(None);
-                    return Ok(());
+                Ok(Err(e)) => {
+                    // Cut after the first byte: never retried. As on the proxy path,
+                    // `fail_to_proxy` ends a stream with its API's error event and leaves
+                    // the body unterminated, so the client sees it cut, never complete.
+                    return Err(e.into_up());
+                }
+                Err(_) => {
+                    let why = format!("replica {} went silent for {read_timeout:?}", decode.id);
+                    return Err(Error::explain(ErrorType::ReadTimedout, why).into_up());
                 }
             }
         }
@@ -746,7 +774,7 @@ impl Balancer {
         &self,
         upstream: &ResponseHeader,
         ctx: &Ctx,
-        replica: &Replica,
+        (replica, route): (&Replica, Route),
         prefill: Option<&Arc<Replica>>,
         length: Option<usize>,
     ) -> Box<ResponseHeader> {
@@ -777,15 +805,15 @@ impl Balancer {
         if let Some(p) = prefill {
             let _ = resp.insert_header("x-inferlb-prefill", &*p.id);
         }
-        let route = if prefill.is_some() {
-            Route::Pd
-        } else {
-            Route::PdLocal
-        };
         let _ = resp.insert_header("x-inferlb-route", route.as_str());
         let _ = resp.insert_header("x-request-id", ctx.request_id.clone());
         Box::new(resp)
     }
+}
+
+/// The client went away while its answer was being written.
+fn client_left() -> Box<Error> {
+    Error::explain(ErrorType::WriteError, "the client left during the answer").into_down()
 }
 
 /// The APIs each protocol disaggregates (vLLM 0.33 takes `kv_transfer_params` on all four;
@@ -847,7 +875,7 @@ impl LegCtx {
         body: Bytes,
     ) -> Result<(Box<ResponseHeader>, HttpSession), LegError> {
         if let Err(why) = self.networks.check_peer(r.endpoint.peer.address()) {
-            return Err(LegError::Connect(format!("not connected to: {why}")));
+            return Err(LegError::NotAllowed(why.to_string()));
         }
         // A pooled connection the replica closed meanwhile fails at once: one more, fresh.
         for fresh in [false, true] {
@@ -872,7 +900,18 @@ impl LegCtx {
                         .ok_or_else(|| LegError::Broken("no response header".into()))?;
                     return Ok((Box::new(header), s));
                 }
-                Err(_) if reused && !fresh => continue,
+                // A pooled connection the replica closed meanwhile: once more. Never after a
+                // timeout: the replica may be working on it, and would do it twice.
+                Err(e)
+                    if reused
+                        && !fresh
+                        && !matches!(
+                            e.etype(),
+                            ErrorType::ReadTimedout | ErrorType::WriteTimedout
+                        ) =>
+                {
+                    continue
+                }
                 Err(e) => return Err(LegError::Broken(e.to_string())),
             }
         }
@@ -908,26 +947,21 @@ fn leg_header(
     let mut req = RequestHeader::build("POST", path, Some(client.headers.len() + 4))
         .map_err(|e| LegError::Broken(e.to_string()))?;
     for (name, value) in client.headers.iter() {
-        let skip = matches!(
-            name.as_str(),
-            "host"
-                | "authorization"
-                | "x-api-key"
-                | "content-length"
-                | "transfer-encoding"
-                | "expect"
-                | "connection"
-                | "keep-alive"
-                | "te"
-                | "trailer"
-                | "upgrade"
-                | "proxy-connection"
-                | "proxy-authorization"
-                | "x-request-id"
-        );
-        if !skip {
-            let _ = req.append_header(name.clone(), value.clone());
-        }
+        let _ = req.append_header(name.clone(), value.clone());
+    }
+    // As the proxy path sends it: no hop-by-hop headers (nor those `Connection` names), no
+    // client key, the body's own framing; and no compression, since both answers are read.
+    super::request::strip_hop_by_hop(&mut req);
+    for name in [
+        "authorization",
+        "x-api-key",
+        "content-length",
+        "transfer-encoding",
+        "expect",
+        "accept-encoding",
+        "x-request-id",
+    ] {
+        req.remove_header(name);
     }
     let set = |req: &mut RequestHeader, n: &'static str, v: String| {
         req.insert_header(n, v)

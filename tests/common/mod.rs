@@ -289,3 +289,22 @@ pub fn sse_events(resp: reqwest::blocking::Response) -> (Vec<(Instant, String)>,
         }
     }
 }
+
+/// The names of the metrics starting with `prefix` that the shipped Grafana dashboard queries,
+/// each as often as a query names it.
+pub fn dashboard_metrics(prefix: &str) -> Vec<String> {
+    let dashboard = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/conf/grafana/inferlb-dashboard.json"
+    ))
+    .expect("dashboard");
+    dashboard
+        .match_indices(prefix)
+        .map(|(at, _)| {
+            dashboard[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        })
+        .collect()
+}

@@ -12,11 +12,15 @@ use super::json::top_members;
 
 /// Fields that steer a replica's internals (vLLM's KV transfer from a remote host, SGLang's
 /// disaggregation bootstrap): only inferlb may set them.
-pub const STEERING: [&str; 4] = [
+pub const STEERING: [&str; 7] = [
     "kv_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
+    // SGLang's pairing and rank fields: where a decode's KV comes from is inferlb's to say.
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "disagg_prefill_dp_rank",
 ];
 
 #[derive(Debug, PartialEq, Eq)]
