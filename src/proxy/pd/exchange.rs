@@ -1,0 +1,219 @@
+//! A leg's exchange with a replica, over Pingora's connector (so TLS, SNI and the trusted roots
+//! are the data path's): its request head as the proxy path makes one, the answer's header, and
+//! bounded reads of its body. What can go wrong, as [`LegError`].
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use bytes::Bytes;
+use pingora_core::connectors::http::Connector;
+use pingora_core::protocols::http::client::HttpSession;
+use pingora_core::upstreams::peer::Peer;
+use pingora_core::ErrorType;
+use pingora_http::{RequestHeader, ResponseHeader};
+
+use crate::fleet::replica::Replica;
+
+/// One connector (and connection pool) for both legs of every disaggregated request.
+static CONNECTOR: LazyLock<Connector> = LazyLock::new(|| Connector::new(None));
+
+/// The largest prefill answer (or refused leg's answer) read.
+const MAX_ANSWER_BYTES: usize = 8 << 20;
+
+/// Why a leg failed.
+#[derive(Debug)]
+pub(super) enum LegError {
+    /// No connection: the replica is demoted.
+    Connect(String),
+    /// Not connected to at all: outside `admin.allowed_networks` (no fault of the replica's).
+    NotAllowed(String),
+    /// Its connection broke or went silent before an answer.
+    Broken(String),
+    /// It answered with this status (and this body): 4xx goes to the client as it is.
+    Answered(Box<ResponseHeader>, Bytes),
+    /// Its stream's first event was an error (a failed KV pull).
+    StreamFailed,
+    /// A prefill answer without `kv_transfer_params`: the replica has no KV connector.
+    NoParams,
+}
+
+impl std::fmt::Display for LegError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LegError::Connect(why) => write!(f, "no connection: {why}"),
+            LegError::NotAllowed(why) => write!(f, "not connected to: {why}"),
+            LegError::Broken(why) => write!(f, "broken: {why}"),
+            LegError::Answered(h, _) => write!(f, "answered {}", h.status.as_u16()),
+            LegError::StreamFailed => f.write_str("its stream's first event was an error"),
+            LegError::NoParams => f.write_str("no kv_transfer_params in the answer"),
+        }
+    }
+}
+
+impl LegError {
+    pub(super) fn reason(&self) -> &'static str {
+        match self {
+            LegError::Connect(_) => "connect",
+            LegError::NotAllowed(_) => "not_allowed",
+            LegError::Broken(_) => "broken",
+            LegError::Answered(h, _) if h.status.is_server_error() => "http_5xx",
+            LegError::Answered(..) => "http_4xx",
+            LegError::StreamFailed => "stream_error",
+            LegError::NoParams => "no_params",
+        }
+    }
+
+    /// A refusal of the request itself (4xx), which another replica would refuse too.
+    pub(super) fn is_refusal(&self) -> bool {
+        matches!(self, LegError::Answered(h, _) if h.status.is_client_error())
+    }
+}
+
+/// What a leg's exchange needs from the balancer, owned (an SGLang prefill leg runs apart).
+#[derive(Clone)]
+pub(super) struct LegCtx {
+    pub(super) read_timeout: Duration,
+    pub(super) networks: crate::conf::netpolicy::Networks,
+}
+
+impl LegCtx {
+    /// Sends `body` to `r` as the client's request (its path, content headers, the request
+    /// id; inferlb's key for it, never the client's) and reads the answer's header.
+    pub(super) async fn exchange_keep(
+        &self,
+        r: &Replica,
+        client: &RequestHeader,
+        request_id: &http::HeaderValue,
+        body: Bytes,
+    ) -> Result<(Box<ResponseHeader>, HttpSession), LegError> {
+        if let Err(why) = self.networks.check_peer(r.endpoint.peer.address()) {
+            return Err(LegError::NotAllowed(why.to_string()));
+        }
+        // A pooled connection the replica closed meanwhile fails at once: one more, fresh.
+        for fresh in [false, true] {
+            let (mut s, reused) = CONNECTOR
+                .get_http_session(&r.endpoint.peer)
+                .await
+                .map_err(|e| LegError::Connect(e.to_string()))?;
+            let req = leg_header(client, r, request_id, body.len())?;
+            s.set_read_timeout(Some(self.read_timeout));
+            let sent = async {
+                s.write_request_header(req).await?;
+                s.write_request_body(body.clone(), true).await?;
+                s.finish_request_body().await?;
+                s.read_response_header().await
+            }
+            .await;
+            match sent {
+                Ok(()) => {
+                    let header = s
+                        .response_header()
+                        .cloned()
+                        .ok_or_else(|| LegError::Broken("no response header".into()))?;
+                    return Ok((Box::new(header), s));
+                }
+                // A pooled connection the replica closed meanwhile: once more. Never after a
+                // timeout: the replica may be working on it, and would do it twice.
+                Err(e)
+                    if reused
+                        && !fresh
+                        && !matches!(
+                            e.etype(),
+                            ErrorType::ReadTimedout | ErrorType::WriteTimedout
+                        ) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(LegError::Broken(e.to_string())),
+            }
+        }
+        Err(LegError::Broken("unreachable".into()))
+    }
+
+    /// [`LegCtx::exchange_keep`], then the answer read whole and dropped (SGLang's prefill).
+    pub(super) async fn exchange(
+        &self,
+        r: &Replica,
+        client: &RequestHeader,
+        request_id: &http::HeaderValue,
+        body: Bytes,
+    ) -> Result<(Box<ResponseHeader>, Bytes), LegError> {
+        let (h, mut s) = self.exchange_keep(r, client, request_id, body).await?;
+        let answer = read_all(&mut s, self.read_timeout).await?;
+        release(s, r).await;
+        Ok((h, answer))
+    }
+}
+
+fn leg_header(
+    client: &RequestHeader,
+    r: &Replica,
+    request_id: &http::HeaderValue,
+    length: usize,
+) -> Result<Box<RequestHeader>, LegError> {
+    let path = client
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .as_bytes();
+    let mut req = RequestHeader::build("POST", path, Some(client.headers.len() + 4))
+        .map_err(|e| LegError::Broken(e.to_string()))?;
+    for (name, value) in client.headers.iter() {
+        let _ = req.append_header(name.clone(), value.clone());
+    }
+    // As the proxy path sends it: no hop-by-hop headers (nor those `Connection` names), no
+    // client key, the body's own framing; and no compression, since both answers are read.
+    crate::proxy::request::strip_hop_by_hop(&mut req);
+    for name in [
+        "authorization",
+        "x-api-key",
+        "content-length",
+        "transfer-encoding",
+        "expect",
+        "accept-encoding",
+        "x-request-id",
+    ] {
+        req.remove_header(name);
+    }
+    let set = |req: &mut RequestHeader, n: &'static str, v: String| {
+        req.insert_header(n, v)
+            .map_err(|e| LegError::Broken(e.to_string()))
+    };
+    set(&mut req, "host", r.endpoint.host.clone())?;
+    set(&mut req, "content-length", length.to_string())?;
+    req.insert_header("x-request-id", request_id.clone())
+        .map_err(|e| LegError::Broken(e.to_string()))?;
+    if let Some(key) = &r.endpoint.api_key {
+        set(
+            &mut req,
+            "authorization",
+            format!("Bearer {}", key.current()),
+        )?;
+    }
+    Ok(Box::new(req))
+}
+
+pub(super) async fn read_all(s: &mut HttpSession, timeout: Duration) -> Result<Bytes, LegError> {
+    let mut body = Vec::new();
+    loop {
+        let chunk = tokio::time::timeout(timeout, s.read_response_body())
+            .await
+            .map_err(|_| LegError::Broken("the answer did not end in time".into()))?
+            .map_err(|e| LegError::Broken(e.to_string()))?;
+        let Some(chunk) = chunk else { break };
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Err(LegError::Broken("the answer is too large".into()));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(body))
+}
+
+/// A connection whose answer ended goes back to the pool.
+pub(super) async fn release(mut s: HttpSession, r: &Replica) {
+    if s.response_done() {
+        CONNECTOR
+            .release_http_session(s, &r.endpoint.peer, r.endpoint.peer.options.idle_timeout)
+            .await;
+    }
+}
