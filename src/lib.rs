@@ -9,6 +9,7 @@
 //! - [`fleet`]: the replicas (endpoint, health, load, cache model), their registry and pins;
 //! - [`routing`]: the policies, pure over fleet snapshots;
 //! - [`link`] and [`cluster`]: one Redis link, and the state instances share over it;
+//! - [`history`]: the Responses store in the balancer, in memory and over the link;
 //! - [`overload`]: admission, fair queueing and budgets;
 //! - [`proxy`] and [`admin`]: a request's life through Pingora's hooks, and the admin plane.
 
@@ -25,6 +26,8 @@ pub mod routing;
 pub mod link;
 
 pub mod cluster;
+
+pub mod history;
 
 pub mod overload;
 

@@ -132,6 +132,16 @@ fn main() {
     }
     let state = background_service("affinity state", keeper);
 
+    // The Responses store, when the balancer keeps it; shared through the cluster's Redis.
+    let history = conf
+        .responses
+        .in_balancer()
+        .then(|| inferlb::history::Store::new(conf.responses.clone(), link.clone()));
+    let resender = history
+        .as_ref()
+        .filter(|_| link.is_some())
+        .map(|store| background_service("responses store", inferlb::history::Resender { store: store.clone() }));
+
     let mut proxy = pingora_proxy::http_proxy_service_with_name(
         &server.configuration,
         Balancer::new(
@@ -142,6 +152,7 @@ fn main() {
             conf.clone(),
             max_attempts,
             leaving,
+            history,
         ),
         "inferlb",
     );
@@ -263,6 +274,9 @@ fn main() {
         server.add_service(s);
     }
     if let Some(s) = cluster_service {
+        server.add_service(s);
+    }
+    if let Some(s) = resender {
         server.add_service(s);
     }
     server.add_service(health);

@@ -17,6 +17,7 @@ const LAYERS: &[&[&str]] = &[
     &["fleet"],
     &["link"],
     &["cluster"],
+    &["history"],
     &["overload"],
     &["proxy", "admin"],
 ];

@@ -25,6 +25,7 @@ pub mod netpolicy;
 pub mod overload;
 pub mod pd;
 mod replica;
+pub mod responses;
 pub mod secrets;
 mod section;
 pub mod tls;
@@ -86,6 +87,8 @@ pub struct Config {
     pub public_paths: Vec<crate::protocol::edge::PathRule>,
     /// Prefill/decode disaggregation, for models whose replicas take those roles.
     pub pd: PdConf,
+    /// Where the Responses API's stored exchanges are kept.
+    pub responses: crate::conf::responses::ResponsesConf,
 }
 
 #[derive(Debug, Clone)]

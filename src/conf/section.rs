@@ -55,6 +55,7 @@ pub(super) struct RawSection {
     forward_paths: Vec<String>,
     public_paths: Vec<String>,
     pd: crate::conf::pd::RawPd,
+    responses: crate::conf::responses::RawResponses,
 }
 
 impl Default for RawSection {
@@ -92,6 +93,7 @@ impl Default for RawSection {
             forward_paths: vec![],
             public_paths: vec![],
             pd: crate::conf::pd::RawPd::default(),
+            responses: crate::conf::responses::RawResponses::default(),
         }
     }
 }
@@ -456,6 +458,7 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
         forward_paths,
         public_paths,
         pd: crate::conf::pd::validate(raw.pd)?,
+        responses: crate::conf::responses::validate(raw.responses)?,
     })
 }
 

@@ -172,6 +172,12 @@ impl Overload {
         who::identify(&self.conf, headers)
     }
 
+    /// The conf name of the listed key the request carries (`Authorization: Bearer` or
+    /// `x-api-key`), if it is listed.
+    pub fn key_name(&self, headers: &http::HeaderMap) -> Option<Arc<str>> {
+        who::listed_name(&self.conf, headers)
+    }
+
     /// The load now of each replica that may serve `model`, with what was let go for it but
     /// is not counted on a replica yet.
     fn replica_loads(

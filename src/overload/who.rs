@@ -29,6 +29,12 @@ fn api_key(headers: &http::HeaderMap) -> Option<&[u8]> {
         .filter(|k| !k.is_empty())
 }
 
+/// The name of the listed key in the request's API key header, if any.
+pub(super) fn listed_name(c: &OverloadConf, headers: &http::HeaderMap) -> Option<Arc<str>> {
+    let key = api_key(headers)?;
+    c.keys.get(&key_id(key)).map(|k| k.name.clone())
+}
+
 /// The label of every key the conf does not list, made once.
 static OTHER: LazyLock<Arc<str>> = LazyLock::new(|| Arc::from("other"));
 

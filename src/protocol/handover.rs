@@ -7,77 +7,23 @@
 //!   client's own request, untouched, for the decode leg. inferlb reads none of their fields.
 //! - SGLang (bootstrap): both legs get `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
 
-use std::borrow::Cow;
-use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::protocol::api::Family;
+use crate::protocol::members::Members;
 
 /// Why a body could not be made into a handover leg: the request is served whole instead.
 #[derive(Debug, PartialEq, Eq)]
 pub struct NotHandedOver(pub &'static str);
 
-/// A JSON object's top-level members, each value kept as the raw text it came as: a long
-/// prompt is scanned once, never built into a tree and written out again (a 90k-token history
-/// is several hundred KB, and both legs are made from it on the request path).
-struct Top<'a>(BTreeMap<String, Cow<'a, RawValue>>);
-
-impl<'a> Top<'a> {
-    fn parse(body: &'a [u8]) -> Result<Top<'a>, NotHandedOver> {
-        let m: BTreeMap<String, &'a RawValue> = serde_json::from_slice(body)
-            .map_err(|_| NotHandedOver("the body is not a JSON object"))?;
-        Ok(Top(m
-            .into_iter()
-            .map(|(k, v)| (k, Cow::Borrowed(v)))
-            .collect()))
-    }
-
-    fn has(&self, key: &str) -> bool {
-        self.0.contains_key(key)
-    }
-
-    fn set(&mut self, key: &str, value: &str) {
-        let raw = RawValue::from_string(value.to_owned()).expect("a JSON literal");
-        self.0.insert(key.to_owned(), Cow::Owned(raw));
-    }
-
-    fn set_raw(&mut self, key: &str, raw: &'a RawValue) {
-        self.0.insert(key.to_owned(), Cow::Borrowed(raw));
-    }
-
-    fn remove(&mut self, key: &str) {
-        self.0.remove(key);
-    }
-
-    fn bytes(&self) -> Bytes {
-        let len: usize = self
-            .0
-            .iter()
-            .map(|(k, v)| k.len() + v.get().len() + 4)
-            .sum();
-        let mut out = Vec::with_capacity(len + 2);
-        out.push(b'{');
-        for (i, (k, v)) in self.0.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            serde_json::to_writer(&mut out, k).expect("a key serialises");
-            out.push(b':');
-            out.extend_from_slice(v.get().as_bytes());
-        }
-        out.push(b'}');
-        Bytes::from(out)
-    }
-}
-
 /// The vLLM prefill leg of `body`: one token, not streamed, one choice, `kv_transfer_params`
 /// asking the replica to keep the prompt's KV for a remote decode. A Responses prefill is not
 /// stored (the decode leg's answer is the one the client gets).
 pub fn vllm_prefill(family: Family, body: &[u8]) -> Result<Bytes, NotHandedOver> {
-    let mut m = Top::parse(body)?;
+    let mut m = Members::parse(body).map_err(|_| NotHandedOver("the body is not a JSON object"))?;
     if m.has("kv_transfer_params") {
         // Stripped at the edge; never trusted from a client.
         return Err(NotHandedOver("the client sent kv_transfer_params"));
@@ -127,7 +73,7 @@ pub fn vllm_params(answer: &[u8]) -> Option<Box<RawValue>> {
 
 /// The client's `body` for the decode leg, with the prefill's `params` as they came.
 pub fn vllm_decode(body: &[u8], params: &RawValue) -> Result<Bytes, NotHandedOver> {
-    let mut m = Top::parse(body)?;
+    let mut m = Members::parse(body).map_err(|_| NotHandedOver("the body is not a JSON object"))?;
     m.set_raw("kv_transfer_params", params);
     Ok(m.bytes())
 }
@@ -135,7 +81,7 @@ pub fn vllm_decode(body: &[u8], params: &RawValue) -> Result<Bytes, NotHandedOve
 /// `body` with SGLang's bootstrap fields: the prefill server's bootstrap host and port, and
 /// the room both legs meet in.
 pub fn sglang_legs(body: &[u8], host: &str, port: u16, room: u64) -> Result<Bytes, NotHandedOver> {
-    let mut m = Top::parse(body)?;
+    let mut m = Members::parse(body).map_err(|_| NotHandedOver("the body is not a JSON object"))?;
     for k in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
         if m.has(k) {
             return Err(NotHandedOver("the client sent bootstrap fields"));

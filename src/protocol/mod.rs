@@ -5,5 +5,7 @@
 pub mod api;
 pub mod body;
 pub mod edge;
+pub mod conversation;
 pub mod handover;
+pub mod members;
 pub mod usage;

@@ -5,6 +5,7 @@
 mod admission;
 pub mod answers;
 mod attempt;
+mod conversation;
 mod errors;
 pub mod failover;
 mod outcome;
@@ -54,6 +55,8 @@ pub struct Balancer {
     leaving: Arc<AtomicBool>,
     /// Overload protection, when the conf sets it.
     overload: Option<Arc<crate::overload::Overload>>,
+    /// The Responses store, when the balancer keeps it (`responses.store: balancer`).
+    history: Option<Arc<crate::history::Store>>,
 }
 
 impl Balancer {
@@ -65,8 +68,10 @@ impl Balancer {
         conf: Arc<Config>,
         max_attempts: usize,
         leaving: Arc<AtomicBool>,
+        history: Option<Arc<crate::history::Store>>,
     ) -> Balancer {
         Balancer {
+            history,
             policy: Router::new(conf.routing, conf.spill_margin),
             overload: crate::overload::Overload::from_conf(
                 conf.overload.clone(),
@@ -127,6 +132,8 @@ pub struct Ctx {
     forced: Option<(Arc<Replica>, Route)>,
     /// A disaggregated request's decode KV and pending leg, held until it ends.
     pd: pd::Held,
+    /// A Responses exchange the balancer's store expands and keeps.
+    conversation: Option<conversation::Conversation>,
 }
 
 impl Ctx {
@@ -174,6 +181,7 @@ impl ProxyHttp for Balancer {
             overload: Default::default(),
             forced: None,
             pd: Default::default(),
+            conversation: None,
         }
     }
 
@@ -206,6 +214,18 @@ impl ProxyHttp for Balancer {
                     None
                 }
                 Err(r) => Some(r),
+            },
+        };
+        let refusal = match refusal {
+            Some(r) => Some(r),
+            None => match self.converse(session, ctx).await {
+                conversation::Next::Go => None,
+                conversation::Next::Answered => return Ok(true),
+                conversation::Next::Refused(r, None) => Some(r),
+                conversation::Next::Refused(r, Some(coded)) => {
+                    conversation::refuse_coded(session, ctx.id(), &r, &coded).await?;
+                    return Ok(true);
+                }
             },
         };
         let refusal = match refusal {
@@ -351,6 +371,9 @@ impl ProxyHttp for Balancer {
                 .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
             ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
         }
+        if ctx.route().is_some() {
+            self.conversation_header(resp, ctx);
+        }
         Ok(())
     }
 
@@ -362,6 +385,7 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         self.observe_response(body.as_ref(), end_of_stream, ctx);
+        self.conversation_body(body, end_of_stream, ctx);
         Ok(None)
     }
 

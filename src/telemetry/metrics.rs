@@ -233,6 +233,11 @@ pub struct Metrics {
     pub pd_whole: IntCounterVec,
     /// KV tokens a decode replica was expected to pull (the prompt minus what it holds).
     pub pd_pull_tokens: ReplicaCounters,
+    /// The balancer's Responses store: exchanges held here and their bytes.
+    pub responses_items: IntGauge,
+    pub responses_bytes: IntGauge,
+    /// What befell stored exchanges and chains, by `event`.
+    pub responses_store: IntCounterVec,
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
@@ -289,6 +294,19 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "KV tokens decode replicas were expected to pull (prompt tokens they lacked).",
             &["replica"]
         )?),
+        responses_items: register_int_gauge!(
+            "inferlb_responses_store_items",
+            "Responses exchanges this instance holds in memory (responses.store: balancer)."
+        )?,
+        responses_bytes: register_int_gauge!(
+            "inferlb_responses_store_bytes",
+            "Bytes of the Responses exchanges this instance holds in memory."
+        )?,
+        responses_store: register_int_counter_vec!(
+            "inferlb_responses_store_total",
+            "The balancer's Responses store, by event: stored, expanded (a chain made into a prompt), not_found (a previous_response_id nowhere this instance can reach), broken (a chain missing a part), unsent (a write Redis did not take, retried), hold_expired (an answer that went on before Redis had its exchange).",
+            &["event"]
+        )?,
         upstream_errors: ReplicaCounters(register_int_counter_vec!(
             "inferlb_upstream_errors_total",
             "Requests that ended in a replica's failure, not retried (timeouts, cut streams), by reason.",

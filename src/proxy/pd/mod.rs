@@ -244,6 +244,8 @@ impl Balancer {
         let handed_over = req.method == http::Method::POST
             && ctx.owner.is_none()
             && info.previous_response_id.is_none()
+            // The balancer's Responses store reads the answer as the proxy path passes it.
+            && ctx.conversation.is_none()
             && handed_over_by(protocol, req.uri.path());
         let fleet = self.registry.all();
         let model = info.model.as_deref();
