@@ -35,6 +35,8 @@ pub struct ClusterSpec<'a> {
     pub log: Option<PathBuf>,
     /// inferlb's `spill_margin`; None: its default.
     pub spill_margin: Option<usize>,
+    /// Further lines of inferlb's `inferlb:` section (see `LbConf::extra`).
+    pub lb_extra: &'a str,
 }
 
 impl ClusterSpec<'_> {
@@ -48,6 +50,7 @@ impl ClusterSpec<'_> {
             sim_flags: &[],
             log: None,
             spill_margin: None,
+            lb_extra: "",
         }
     }
 }
@@ -179,6 +182,7 @@ impl Cluster {
                     routing: Some(routing.to_string()),
                     health_interval_seconds: Some(0.5),
                     spill_margin: spec.spill_margin,
+                    extra: spec.lb_extra.to_string(),
                     // Every duration of the replicas is divided by the speed: the load read
                     // keeps its 250 ms of the modelled engine's time.
                     load_poll_interval_seconds: Some((0.25 / spec.speed.max(1.0)).max(0.01)),

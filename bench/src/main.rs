@@ -315,6 +315,7 @@ async fn run_target(client: &reqwest::Client, target: &str, a: &Args, s: &Sizes)
         sim_flags: &sim_flags,
         log: Some(logs.join(format!("{target}-{scenario}.log"))),
         spill_margin: None,
+        lb_extra: "",
     };
 
     eprintln!("[{target}] agent loop");

@@ -20,17 +20,22 @@ pub enum AgentApi {
     Chat,
     /// `/v1/responses`, the whole conversation as `input` every turn, `store: false`.
     ResponsesFull,
-    /// `/v1/responses`, each turn only its new input and `previous_response_id`.
+    /// `/v1/responses`, each turn only its new input and `previous_response_id`; the replicas
+    /// keep the store (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`).
     ResponsesChained,
+    /// The same, with inferlb keeping the store (`responses.store: balancer`) in front of
+    /// replicas without one.
+    ResponsesBalancerStore,
     /// Anthropic `/v1/messages`.
     Messages,
 }
 
 impl AgentApi {
-    pub const ALL: [AgentApi; 4] = [
+    pub const ALL: [AgentApi; 5] = [
         AgentApi::Chat,
         AgentApi::ResponsesFull,
         AgentApi::ResponsesChained,
+        AgentApi::ResponsesBalancerStore,
         AgentApi::Messages,
     ];
 
@@ -38,7 +43,8 @@ impl AgentApi {
         match self {
             AgentApi::Chat => "chat",
             AgentApi::ResponsesFull => "responses (full input, store: false)",
-            AgentApi::ResponsesChained => "responses (previous_response_id)",
+            AgentApi::ResponsesChained => "responses (previous_response_id, replica store)",
+            AgentApi::ResponsesBalancerStore => "responses (previous_response_id, balancer store)",
             AgentApi::Messages => "messages (Anthropic)",
         }
     }
@@ -49,14 +55,36 @@ impl AgentApi {
             AgentApi::Chat => "chat",
             AgentApi::ResponsesFull => "responses-full",
             AgentApi::ResponsesChained => "responses-chained",
+            AgentApi::ResponsesBalancerStore => "responses-balancer-store",
             AgentApi::Messages => "messages",
+        }
+    }
+
+    /// Each turn sends only its new input and the previous response's id.
+    fn chained(self) -> bool {
+        matches!(
+            self,
+            AgentApi::ResponsesChained | AgentApi::ResponsesBalancerStore
+        )
+    }
+
+    /// What the front's conf and the replicas' flags add for this API.
+    fn store_in_balancer(self) -> (&'static str, &'static [&'static str]) {
+        match self {
+            AgentApi::ResponsesBalancerStore => (
+                "  responses: {store: balancer}\n",
+                &["--no-response-store"],
+            ),
+            _ => ("", &[]),
         }
     }
 
     fn api(self) -> Api {
         match self {
             AgentApi::Chat => Api::Chat,
-            AgentApi::ResponsesFull | AgentApi::ResponsesChained => Api::Responses,
+            AgentApi::ResponsesFull
+            | AgentApi::ResponsesChained
+            | AgentApi::ResponsesBalancerStore => Api::Responses,
             AgentApi::Messages => Api::Messages,
         }
     }
@@ -134,7 +162,7 @@ fn body(
         AgentApi::ResponsesFull => {
             json!({"model": "sim-model", "instructions": context, "input": items(history), "store": false, "stream": true, "max_output_tokens": reply_tokens})
         }
-        AgentApi::ResponsesChained => match previous {
+        AgentApi::ResponsesChained | AgentApi::ResponsesBalancerStore => match previous {
             // Only the new input; the instructions are inherited from the stored response.
             Some(id) => {
                 json!({"model": "sim-model", "previous_response_id": id, "input": items(&history[history.len() - 1..]), "stream": true, "max_output_tokens": reply_tokens})
@@ -179,7 +207,7 @@ async fn loops(
                         filler(&format!("c{c} tool output {turn}"), s.api_turn_tokens),
                     ));
                     let b = body(api, &context, &history, previous.as_deref(), s.reply_tokens);
-                    let keep = api != AgentApi::ResponsesChained;
+                    let keep = !api.chained();
                     let o: ApiOutcome = stream_api(&client, &base, api.api(), &b, keep).await;
                     *t.routes
                         .entry(o.route.clone().unwrap_or_else(|| "-".into()))
@@ -200,9 +228,9 @@ async fn loops(
                             None => t.missing_usage += 1,
                         }
                     }
-                    if api == AgentApi::ResponsesChained {
+                    if api.chained() {
                         previous = o.response_id.clone();
-                        // The replica holds the history; the client keeps only what it sends.
+                        // The store holds the history; the client keeps only what it sends.
                         history.push(("assistant", String::new()));
                     } else {
                         history.push(("assistant", o.reply));
@@ -248,7 +276,10 @@ pub async fn agent_apis(
     for api in AgentApi::ALL {
         for policy in policies {
             eprintln!("[agent apis] {} via {policy}", api.name());
+            let (lb_extra, sim_flags) = api.store_in_balancer();
             let c = Cluster::start(&ClusterSpec {
+                lb_extra,
+                sim_flags,
                 log: Some(
                     a.out
                         .join("logs")

@@ -93,6 +93,7 @@ pub async fn deploy(
                 .join(format!("deploy-spill{spill_margin}.log")),
         ),
         spill_margin: Some(spill_margin),
+        lb_extra: "",
     });
     let base = c.target();
     let admin = c.admin_port().unwrap_or(0);

@@ -102,6 +102,7 @@ pub async fn soak(a: &Args, connections: usize, seconds: f64) -> SoakResult {
         sim_flags: &["--max-batch", "2048", "--decode-interval-ms", "20"],
         log: Some(a.out.join("logs").join("soak.log")),
         spill_margin: None,
+        lb_extra: "",
     });
     let pid = c.lb.as_ref().map(|l| l.proc.pid()).unwrap_or(0);
     let base = c.target();
@@ -214,6 +215,7 @@ pub async fn open_streams(a: &Args, counts: &[usize]) -> Vec<OpenStreams> {
             ],
             log: Some(a.out.join("logs").join(format!("streams-{n}.log"))),
             spill_margin: None,
+            lb_extra: "",
         });
         let pid = c.lb.as_ref().map(|l| l.proc.pid()).unwrap_or(0);
         let base = c.target();

@@ -354,6 +354,7 @@ async fn reference(
         sim_flags: &["--prefill-tokens-per-s", "1e12", "--max-batch", "100000"],
         log: None,
         spill_margin: None,
+        lb_extra: "",
     });
     let scale = scale_for(reqs, tc.loads[0] / 100.0, tc.speed);
     let before = c.token_counts(client).await;
@@ -432,6 +433,7 @@ async fn row(
         sim_flags: &flags,
         log: Some(log),
         spill_margin: None,
+        lb_extra: "",
     }) {
         Ok(c) => c,
         Err(e) => {
