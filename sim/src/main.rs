@@ -5,14 +5,15 @@
 //!   `data: [DONE]` and not), `GET /v1/models`;
 //! - the OpenAI Responses API (`responses`): `POST /v1/responses` (streamed as named events),
 //!   `GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, with a bounded
-//!   in-memory store for `previous_response_id` (an unknown id is a 404, as vLLM answers);
+//!   in-memory store for `previous_response_id` (an unknown id is a 404, as vLLM answers), or
+//!   none (`--no-response-store`, vLLM's default), and function calls forced by `tool_choice`;
 //! - the Anthropic Messages API (`messages`): `POST /v1/messages` (streamed as Anthropic's
 //!   events and not) and `POST /v1/messages/count_tokens`, usage split as Anthropic reports it;
 //! - `/health`, `/metrics` (vLLM's names and shapes: `vllm:num_requests_running` and
 //!   `_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total` and `_hits_total`
 //!   in tokens, ..., and `vllm:cache_config_info`), `/sim/stats` (the same, plus what the engine
 //!   knows that a router estimates: requests decoding, uncached prompt tokens still to prefill),
-//!   `/sim/echo`, and a fault switch:
+//!   `/sim/echo`, `/sim/received` (the last bodies posted to `/v1/*`), and a fault switch:
 //!   `POST /sim/fault {"fault": "...", "seconds": s, "count": n}` (see `Fault`), which applies
 //!   to every API alike, errors in each API's own shape.
 //!
@@ -39,6 +40,7 @@ mod render;
 mod responses;
 mod tls;
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -118,6 +120,12 @@ struct Args {
     /// ... and at most this many MiB of their text.
     #[arg(long, default_value_t = 1024)]
     response_store_mib: usize,
+    /// Keep no Responses store, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE: `store` is
+    /// turned off in every request, any `previous_response_id` and `GET`/`DELETE
+    /// /v1/responses/{id}` answer 404, and `background` with `store` true is refused (400).
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    no_response_store: bool,
     /// Serve HTTPS with this certificate chain (PEM); needs --tls-key.
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<std::path::PathBuf>,
@@ -202,6 +210,8 @@ struct Sim {
     pd: Arc<Pd>,
     /// Request ids given when the client sends no X-Request-Id.
     next_request: std::sync::atomic::AtomicU64,
+    /// The last bodies received on `POST /v1/*`, oldest first: `GET /sim/received`.
+    received: Mutex<VecDeque<(String, Bytes)>>,
 }
 
 type App = Arc<Sim>;
@@ -267,6 +277,9 @@ struct Job {
     stream: bool,
     include_usage: bool,
     seed: u64,
+    /// The tokens to generate when they are not the seed's words (a function call's
+    /// arguments); `max_tokens` is then their count.
+    script: Option<Vec<String>>,
 }
 
 fn parse_job(
@@ -334,6 +347,7 @@ fn parse_job(
         stream,
         include_usage,
         seed,
+        script: None,
     };
     Ok((job, obj))
 }
@@ -632,7 +646,10 @@ async fn decode(
             cut(tx, "simulated stream cut").await;
             return (Decoded::Cut, i);
         }
-        let t = token_text(job.seed, i);
+        let t = match &job.script {
+            Some(s) => s.get(i).map_or("", String::as_str),
+            None => token_text(job.seed, i),
+        };
         reply.push_str(t);
         sim.engine
             .counters
@@ -943,6 +960,59 @@ async fn echo(
         .into_response()
 }
 
+/// How many request bodies `GET /sim/received` can show.
+const RECEIVED_KEPT: usize = 64;
+
+/// Keeps the body of every `POST /v1/*` request in the ring `GET /sim/received` reads, then
+/// hands the request on unchanged.
+async fn record_received(
+    State(sim): State<App>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.method() != axum::http::Method::POST || !req.uri().path().starts_with("/v1/") {
+        return next.run(req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path().to_owned();
+    // Read as the handlers read it: the same body limit, the same answer past it.
+    let request = axum::extract::Request::from_parts(parts.clone(), body);
+    let body = match <Bytes as axum::extract::FromRequest<()>>::from_request(request, &()).await {
+        Ok(b) => b,
+        Err(rejection) => return rejection.into_response(),
+    };
+    {
+        let mut ring = sim.received.lock().unwrap_or_else(|e| e.into_inner());
+        if ring.len() == RECEIVED_KEPT {
+            ring.pop_front();
+        }
+        ring.push_back((path, body.clone()));
+    }
+    next.run(axum::extract::Request::from_parts(parts, Body::from(body)))
+        .await
+}
+
+#[derive(Debug, Deserialize)]
+struct ReceivedQuery {
+    n: Option<usize>,
+}
+
+/// `GET /sim/received?n=K`: the last K (default 16, at most 64) bodies received on
+/// `POST /v1/*`, oldest first, each as UTF-8 (lossily), for tests of what a proxy sent.
+async fn received(
+    State(sim): State<App>,
+    axum::extract::Query(q): axum::extract::Query<ReceivedQuery>,
+) -> Response {
+    let n = q.n.unwrap_or(16).min(RECEIVED_KEPT);
+    let ring = sim.received.lock().unwrap_or_else(|e| e.into_inner());
+    let items: Vec<Value> = ring
+        .iter()
+        .skip(ring.len().saturating_sub(n))
+        .map(|(path, body)| json!({"path": path, "body": String::from_utf8_lossy(body)}))
+        .collect();
+    Json(json!({"received": items})).into_response()
+}
+
 fn load_args() -> Result<Args, String> {
     let args = Args::parse();
     let Some(path) = args.config.clone() else {
@@ -1025,6 +1095,7 @@ fn replica(args: &Args, listener_ctl: tokio::sync::mpsc::UnboundedSender<Duratio
         ),
         pd,
         next_request: std::sync::atomic::AtomicU64::new(0),
+        received: Mutex::new(VecDeque::with_capacity(RECEIVED_KEPT)),
         args: args.clone(),
     })
 }
@@ -1047,7 +1118,8 @@ fn router(sim: &App) -> Router {
         .route("/metrics", get(metrics))
         .route("/sim/stats", get(stats))
         .route("/sim/fault", post(set_fault))
-        .route("/sim/echo", axum::routing::any(echo));
+        .route("/sim/echo", axum::routing::any(echo))
+        .route("/sim/received", get(received));
     let args = &sim.args;
     let app = if args.pd_protocol == PdProtocol::Sglang && args.kv_role != KvRole::None {
         app.route("/server_info", get(server_info))
@@ -1059,6 +1131,10 @@ fn router(sim: &App) -> Router {
     };
     app.with_state(sim.clone())
         .route("/sim/kv/pull", post(kv_pull).with_state(sim.pd.clone()))
+        .layer(axum::middleware::from_fn_with_state(
+            sim.clone(),
+            record_received,
+        ))
 }
 
 #[tokio::main]
@@ -1259,5 +1335,122 @@ mod testkit {
 
     pub fn count(c: &std::sync::atomic::AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod received_tests {
+    use super::testkit::{client, serve};
+    use super::*;
+
+    async fn received(url: &str, query: &str) -> Vec<(String, String)> {
+        let v: Value = client()
+            .get(format!("{url}/sim/received{query}"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        v["received"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["path"].as_str().unwrap().to_owned(),
+                    e["body"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn the_last_bodies_posted_to_the_api_are_shown_as_sent() {
+        let (_, url) = serve(&[]).await;
+        let c = client();
+        // As a balancer might write it: its own spacing and key order, kept byte for byte.
+        let chat = r#"{ "messages":[{"role":"user","content":"hi"}],  "max_tokens":2 }"#;
+        let resp = c
+            .post(format!("{url}/v1/chat/completions"))
+            .body(chat)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-sim-body-bytes"], chat.len().to_string());
+        // Not UTF-8, and refused by the handler: still shown, lossily.
+        let bad: &[u8] = b"{\"input\": \"caf\xff\"";
+        let resp = c
+            .post(format!("{url}/v1/responses"))
+            .body(bad)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400);
+        // Neither a GET nor a POST outside /v1/ is recorded.
+        c.get(format!("{url}/v1/models")).send().await.unwrap();
+        c.post(format!("{url}/sim/fault"))
+            .json(&json!({"fault": "none"}))
+            .send()
+            .await
+            .unwrap();
+        let got = received(&url, "").await;
+        assert_eq!(
+            got,
+            [
+                ("/v1/chat/completions".to_owned(), chat.to_owned()),
+                (
+                    "/v1/responses".to_owned(),
+                    "{\"input\": \"caf\u{fffd}\"".to_owned()
+                ),
+            ]
+        );
+        assert_eq!(received(&url, "?n=1").await, got[1..]);
+        assert!(received(&url, "?n=0").await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_ring_keeps_the_last_64_and_shows_16_unless_asked() {
+        let (_, url) = serve(&[]).await;
+        let c = client();
+        for i in 0..70 {
+            let resp = c
+                .post(format!("{url}/v1/completions"))
+                .body(format!(r#"{{"prompt":"p{i}","max_tokens":1}}"#))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+        }
+        let body = |i: usize| format!(r#"{{"prompt":"p{i}","max_tokens":1}}"#);
+        let all = received(&url, "?n=1000").await;
+        assert_eq!(all.len(), 64);
+        let want: Vec<(String, String)> = (6..70)
+            .map(|i| ("/v1/completions".to_owned(), body(i)))
+            .collect();
+        assert_eq!(all, want, "oldest first");
+        assert_eq!(received(&url, "").await, want[48..]);
+        assert_eq!(received(&url, "?n=3").await, want[61..]);
+        let resp = c
+            .get(format!("{url}/sim/received?n=x"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400);
+    }
+
+    #[test]
+    fn no_response_store_is_a_switch_a_config_file_can_set() {
+        let parse = |flags: &[&str]| {
+            let argv = std::iter::once("inferlb-sim").chain(flags.iter().copied());
+            Args::try_parse_from(argv).unwrap().no_response_store
+        };
+        assert!(!parse(&[]));
+        assert!(parse(&["--no-response-store"]));
+        // How `load_args` passes `no_response_store: true` from YAML.
+        assert!(parse(&["--no-response-store=true"]));
+        assert!(!parse(&["--no-response-store=false"]));
+        assert!(parse(&["--no-response-store", "--id=x"]));
     }
 }

@@ -159,6 +159,7 @@ pub async fn create(
         max_tokens: req.max_tokens,
         stream: req.stream,
         include_usage: false,
+        script: None,
     };
     leg.shape(&mut job);
     let resp = if job.stream {

@@ -9,6 +9,10 @@
 //! when it gives some (they replace the previous ones, as OpenAI's do), else the previous
 //! response's; sent again unchanged, they keep the whole prompt warm.
 //!
+//! With `--no-response-store` nothing is stored, as vLLM keeps nothing without
+//! VLLM_ENABLE_RESPONSES_API_STORE. A `tool_choice` that forces a function makes the output one
+//! `function_call` item instead of the message (see `forced_call`).
+//!
 //! With a KV connector (`--kv-role`, `--pd-protocol vllm`) a request's `kv_transfer_params`
 //! make it a prefill or a decode leg of a handover, as on chat (see `pd`).
 
@@ -25,6 +29,7 @@ use axum::Json;
 use lru::LruCache;
 use serde_json::{json, Map, Value};
 
+use crate::engine::token_text;
 use crate::render::{self, render_message, Bad, GENERATION_PROMPT};
 use crate::{
     cut, decode, finish, gate, kv_load_failed, named_sse, now_secs, prefill, prefilled, seed_of,
@@ -285,6 +290,9 @@ struct Request {
     max_tokens: usize,
     stream: bool,
     store: bool,
+    background: bool,
+    /// The function the request's `tool_choice` makes the model call, if it forces one.
+    call: Option<String>,
     /// The request, for the fields the response object repeats.
     body: Map<String, Value>,
 }
@@ -334,12 +342,14 @@ fn parse(body: &[u8], default_model: &str, default_max: usize) -> Result<Request
     .min(MAX_TOKENS);
     let stream = opt_bool(&obj, "stream")?.unwrap_or(false);
     let store = opt_bool(&obj, "store")?.unwrap_or(true);
+    let background = opt_bool(&obj, "background")?.unwrap_or(false);
     if obj
         .get("tools")
         .is_some_and(|t| !t.is_null() && !t.is_array())
     {
         return Err(render::bad("tools", "must be a list"));
     }
+    let call = forced_call(&obj)?;
     Ok(Request {
         model,
         instructions,
@@ -348,8 +358,73 @@ fn parse(body: &[u8], default_model: &str, default_max: usize) -> Result<Request
         max_tokens,
         stream,
         store,
+        background,
+        call,
         body: obj,
     })
+}
+
+/// The function a request must call: with `tool_choice` `"required"`, its first function
+/// tool; with `{"type": "function", "name": X}`, X. Any other choice (`auto`, `none`, absent)
+/// leaves the model to answer in a message, as does `required` among tools of other types
+/// only. vLLM's errors for a choice its tools cannot meet.
+fn forced_call(obj: &Map<String, Value>) -> Result<Option<String>, Bad> {
+    let tools = obj
+        .get("tools")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice);
+    let mut functions = tools
+        .iter()
+        .filter(|t| t.get("type").and_then(Value::as_str) == Some("function"))
+        .filter_map(|t| t.get("name").and_then(Value::as_str));
+    let refused = |message: &str| Bad {
+        param: "tool_choice".into(),
+        message: message.into(),
+    };
+    match obj.get("tool_choice") {
+        Some(Value::String(c)) if c == "required" => {
+            if tools.is_empty() {
+                return Err(refused(
+                    "Tool choice 'required' must be specified with 'tools' parameter.",
+                ));
+            }
+            Ok(functions.next().map(str::to_owned))
+        }
+        Some(Value::Object(c)) if c.get("type").and_then(Value::as_str) == Some("function") => {
+            match c.get("name").and_then(Value::as_str) {
+                Some(name) if functions.any(|f| f == name) => Ok(Some(name.to_owned())),
+                _ => Err(refused(
+                    "Tool choice 'function' not found in 'tools' parameter.",
+                )),
+            }
+        }
+        _ => Ok(None),
+    }
+}
+
+/// A function call's arguments, token by token: a short JSON object of words drawn from the
+/// prompt's seed, `{"query": "w1 w2 w3"}` in 5 tokens (fewer words when `max_tokens` is
+/// smaller, never fewer than 3 tokens: the object stays whole).
+fn call_arguments(seed: u64, max_tokens: usize) -> Vec<String> {
+    let words = max_tokens.saturating_sub(2).clamp(1, 3);
+    let mut tokens = vec![r#"{"query": ""#.to_owned()];
+    for i in 0..words {
+        let w = token_text(seed, i).trim_end();
+        tokens.push(if i == 0 {
+            w.to_owned()
+        } else {
+            format!(" {w}")
+        });
+    }
+    tokens.push(r#""}"#.to_owned());
+    tokens
+}
+
+/// The function call a response makes instead of a message.
+struct Call {
+    id: String,
+    call_id: String,
+    name: String,
 }
 
 /// What every version of one response object shares.
@@ -361,6 +436,8 @@ struct Meta {
     instructions: Option<Arc<str>>,
     previous: Option<String>,
     store: bool,
+    /// Set when the output is a function call rather than a message.
+    call: Option<Call>,
     request: Map<String, Value>,
 }
 
@@ -404,12 +481,26 @@ impl Meta {
         })
     }
 
-    fn message(&self, status: &str, text: Option<&str>) -> Value {
+    /// The output item: the message (its text, none while in progress) or the function call
+    /// (its arguments so far).
+    fn item(&self, status: &str, text: Option<&str>) -> Value {
+        if let Some(c) = &self.call {
+            return json!({"type": "function_call", "id": c.id, "call_id": c.call_id,
+                          "name": c.name, "arguments": text.unwrap_or(""), "status": status});
+        }
         let content = match text {
             Some(t) => json!([text_part(t)]),
             None => json!([]),
         };
         json!({"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content})
+    }
+
+    /// What the assistant said, as a continuation's prompt shows it.
+    fn said(&self, reply: &str) -> String {
+        match &self.call {
+            Some(c) => render::tool_call(&c.name, reply),
+            None => reply.to_owned(),
+        }
     }
 
     /// The object once generation is over, and its status.
@@ -419,7 +510,7 @@ impl Meta {
         } else {
             (Status::Completed, "completed")
         };
-        let output_items = json!([self.message(item, Some(reply))]);
+        let output_items = json!([self.item(item, Some(reply))]);
         let usage = json!({
             "input_tokens": usage.prompt,
             "input_tokens_details": {"cached_tokens": usage.cached},
@@ -497,7 +588,7 @@ impl Run {
     /// The stored conversation after this request: its input and `reply`.
     fn turn(&self, reply: &str) -> Arc<Turn> {
         let mut text = self.input.clone();
-        text.push_str(&render_message("assistant", reply));
+        text.push_str(&render_message("assistant", &self.meta.said(reply)));
         self.sim.responses.turn(
             self.meta.instructions.clone(),
             self.fresh_instructions,
@@ -561,6 +652,21 @@ pub async fn create(
             Some("model_not_found"),
         );
     }
+    // Without a store (`--no-response-store`), vLLM refuses a background request that asks
+    // to be stored, and silently stores nothing of any other; its empty store then knows no
+    // `previous_response_id` and no id of `GET`/`DELETE`.
+    let keeps_store = !sim.args.no_response_store;
+    if req.store && req.background && !keeps_store {
+        return oai_error(
+            StatusCode::BAD_REQUEST,
+            "This vLLM engine does not support `store=True` and therefore does not support \
+             the background mode. To enable these features, set the environment variable \
+             `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+            Some("background"),
+            None,
+        );
+    }
+    let store = req.store && keeps_store;
     let parent = match &req.previous {
         None => None,
         Some(id) => match sim.responses.continuation(id) {
@@ -607,6 +713,18 @@ pub async fn create(
         Err((status, message)) => return oai_error(status, message, None, None),
     };
     sim.pd.count_leg(&leg.handover);
+    let seed = seed_of(&prompt);
+    let (call, script) = match req.call {
+        Some(name) => (
+            Some(Call {
+                id: sim.responses.new_id("fc"),
+                call_id: sim.responses.new_id("call"),
+                name,
+            }),
+            Some(call_arguments(seed, req.max_tokens)),
+        ),
+        None => (None, None),
+    };
     let meta = Meta {
         id: sim.responses.new_id("resp"),
         msg_id: sim.responses.new_id("msg"),
@@ -614,12 +732,13 @@ pub async fn create(
         model: req.model.clone(),
         instructions,
         previous: req.previous.clone(),
-        store: req.store,
+        store,
+        call,
         request: req.body,
     };
     let cancel = Arc::new(AtomicBool::new(false));
     let in_progress = meta.object(Status::InProgress, json!([]), Value::Null);
-    let pending = req.store.then(|| {
+    let pending = store.then(|| {
         sim.responses
             .insert(&meta.id, in_progress.to_string(), cancel.clone());
         Pending {
@@ -632,11 +751,12 @@ pub async fn create(
     let mut job = Job {
         chat: true,
         model: req.model,
-        seed: seed_of(&prompt),
+        seed,
         prompt,
-        max_tokens: req.max_tokens,
+        max_tokens: script.as_ref().map_or(req.max_tokens, Vec::len),
         stream: req.stream,
         include_usage: false,
+        script,
     };
     leg.shape(&mut job);
     let run = Run {
@@ -679,7 +799,7 @@ async fn whole(mut run: Run) -> Response {
     )
     .await;
     drop(running);
-    finish(&sim, &run.job, &reply);
+    finish(&sim, &run.job, &run.meta.said(&reply));
     let (mut obj, status) = run.meta.finished(how, &reply, &usage, n);
     if let Some(p) = kv_transfer_params {
         // A top-level field of the response object, as vLLM's `ResponsesResponse` has it.
@@ -729,8 +849,19 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
             done = prefill(&sim, &run.job) => done,
             _ = tx.closed() => return,
         };
-        let msg_id = run.meta.msg_id.clone();
-        let at = json!({"item_id": msg_id, "output_index": 0, "content_index": 0});
+        // The output item's events: a message's content part and text, or a function call's
+        // arguments, as vLLM streams each.
+        let call = run
+            .meta
+            .call
+            .as_ref()
+            .map(|c| (c.id.clone(), c.name.clone()));
+        let item_id = call.as_ref().map_or(&run.meta.msg_id, |(id, _)| id).clone();
+        let at = if call.is_some() {
+            json!({"item_id": item_id, "output_index": 0})
+        } else {
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0})
+        };
         let with = |extra: Value| {
             let mut v = at.clone();
             if let (Some(v), Value::Object(extra)) = (v.as_object_mut(), extra) {
@@ -738,16 +869,16 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
             }
             v
         };
-        let opening = [
-            events.next(
-                "response.output_item.added",
-                json!({"output_index": 0, "item": run.meta.message("in_progress", None)}),
-            ),
-            events.next(
+        let mut opening = vec![events.next(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": run.meta.item("in_progress", None)}),
+        )];
+        if call.is_none() {
+            opening.push(events.next(
                 "response.content_part.added",
                 with(json!({"part": text_part("")})),
-            ),
-        ];
+            ));
+        }
         for ev in opening {
             if tx.send(Ok(ev)).await.is_err() {
                 return;
@@ -761,11 +892,15 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
             cut_after,
             Some(&run.cancel),
             Some(&tx),
-            |t| {
-                events.next(
+            |t| match call {
+                Some(_) => events.next(
+                    "response.function_call_arguments.delta",
+                    with(json!({"delta": t})),
+                ),
+                None => events.next(
                     "response.output_text.delta",
                     with(json!({"delta": t, "logprobs": []})),
-                )
+                ),
             },
             &mut reply,
         )
@@ -781,27 +916,33 @@ fn stream(mut run: Run, cut_after: Option<usize>) -> Response {
             Decoded::Done | Decoded::Cancelled => {}
         }
         drop(running);
-        finish(&sim, &run.job, &reply);
+        finish(&sim, &run.job, &run.meta.said(&reply));
         let (obj, status) = run.meta.finished(how, &reply, &usage, n);
         run.record(&obj, status, &reply);
         if how == Decoded::Cancelled {
             return;
         }
-        let closing = [
-            events.next(
-                "response.output_text.done",
-                with(json!({"text": reply, "logprobs": []})),
-            ),
-            events.next(
-                "response.content_part.done",
-                with(json!({"part": text_part(&reply)})),
-            ),
-            events.next(
-                "response.output_item.done",
-                json!({"output_index": 0, "item": obj["output"][0]}),
-            ),
-            events.next("response.completed", json!({"response": obj})),
-        ];
+        let mut closing = match &call {
+            Some((_, name)) => vec![events.next(
+                "response.function_call_arguments.done",
+                with(json!({"arguments": reply, "name": name})),
+            )],
+            None => vec![
+                events.next(
+                    "response.output_text.done",
+                    with(json!({"text": reply, "logprobs": []})),
+                ),
+                events.next(
+                    "response.content_part.done",
+                    with(json!({"part": text_part(&reply)})),
+                ),
+            ],
+        };
+        closing.push(events.next(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": obj["output"][0]}),
+        ));
+        closing.push(events.next("response.completed", json!({"response": obj})));
         for ev in closing {
             if tx.send(Ok(ev)).await.is_err() {
                 return;
@@ -1026,5 +1167,316 @@ mod handover_tests {
         assert_eq!(count(&c.kv_pull_failures), 2);
         assert_eq!(count(&c.kv_pulls), 0);
         assert_eq!(count(&d.engine.counters.generation_tokens), 0);
+    }
+}
+
+/// `--no-response-store` and function calls forced by `tool_choice`.
+#[cfg(test)]
+mod store_and_call_tests {
+    use serde_json::{json, Value};
+
+    use crate::testkit::{client, count, events, serve};
+
+    async fn post(url: &str, body: &Value) -> (u16, Value) {
+        let resp = client()
+            .post(format!("{url}/v1/responses"))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json().await.unwrap())
+    }
+
+    async fn status(req: reqwest::RequestBuilder) -> u16 {
+        req.send().await.unwrap().status().as_u16()
+    }
+
+    fn tools() -> Value {
+        json!([
+            {"type": "web_search_preview"},
+            {"type": "function", "name": "lookup", "parameters": {"type": "object"}},
+            {"type": "function", "name": "fetch", "parameters": {"type": "object"}},
+        ])
+    }
+
+    /// The 404 of an id a store does not hold, without the id.
+    fn without_id(mut v: Value) -> Value {
+        let m = v["error"]["message"].as_str().unwrap().to_owned();
+        let start = m.find('\'').unwrap();
+        let end = m.rfind('\'').unwrap();
+        v["error"]["message"] = json!(format!("{}{}", &m[..start], &m[end + 1..]));
+        v
+    }
+
+    #[tokio::test]
+    async fn without_a_store_nothing_is_kept_and_background_is_refused() {
+        let (_, url) = serve(&["--no-response-store"]).await;
+        let (_, on_url) = serve(&[]).await;
+        for store in [json!(true), Value::Null] {
+            let mut body = json!({"input": "Tell me of the hills.", "max_output_tokens": 3});
+            if !store.is_null() {
+                body["store"] = store;
+            }
+            let (code, r) = post(&url, &body).await;
+            assert_eq!(code, 200);
+            assert_eq!(r["store"], false, "store is turned off silently");
+            assert_eq!(r["status"], "completed");
+            let id = r["id"].as_str().unwrap();
+            let at = format!("{url}/v1/responses/{id}");
+            assert_eq!(status(client().get(&at)).await, 404);
+            assert_eq!(status(client().delete(&at)).await, 404);
+            assert_eq!(status(client().post(format!("{at}/cancel"))).await, 404);
+            // Continuing it gets what an unknown id gets from a replica with a store.
+            let next = json!({"input": "And then?", "previous_response_id": id});
+            let (code, err) = post(&url, &next).await;
+            assert_eq!(code, 404);
+            assert_eq!(
+                err["error"]["message"],
+                format!("Response with id '{id}' not found.")
+            );
+            let (on_code, on_err) = post(&on_url, &next).await;
+            assert_eq!((code, without_id(err)), (on_code, without_id(on_err)));
+        }
+        // The same request keeps its response where there is a store.
+        let (_, r) = post(&on_url, &json!({"input": "Tell me of the hills."})).await;
+        assert_eq!(r["store"], true);
+        let at = format!("{on_url}/v1/responses/{}", r["id"].as_str().unwrap());
+        assert_eq!(status(client().get(&at)).await, 200);
+
+        let message = "This vLLM engine does not support `store=True` and therefore does not \
+                       support the background mode. To enable these features, set the \
+                       environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching \
+                       the vLLM server.";
+        for body in [
+            json!({"input": "hi", "background": true}),
+            json!({"input": "hi", "background": true, "store": true}),
+        ] {
+            let (code, err) = post(&url, &body).await;
+            assert_eq!(code, 400);
+            assert_eq!(
+                err,
+                json!({"error": {"message": message, "type": "invalid_request_error",
+                                 "param": "background", "code": null}})
+            );
+        }
+        let (code, _) = post(
+            &url,
+            &json!({"input": "hi", "background": true, "store": false}),
+        )
+        .await;
+        assert_eq!(code, 200);
+        // Streamed, the response objects say so too.
+        let resp = client()
+            .post(format!("{url}/v1/responses"))
+            .json(&json!({"input": "hi", "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let (evs, broken) = events(resp).await;
+        assert!(!broken);
+        assert!(evs
+            .iter()
+            .all(|(_, d)| d["response"].is_null() || d["response"]["store"] == json!(false)));
+        assert_eq!(evs.last().unwrap().0, "response.completed");
+    }
+
+    #[tokio::test]
+    async fn a_forced_tool_choice_answers_with_one_function_call() {
+        let (sim, url) = serve(&["--no-response-store"]).await;
+        let body = json!({"input": "Find the weather in Oslo.", "tools": tools(),
+                          "tool_choice": "required", "max_output_tokens": 50});
+        let before = count(&sim.engine.counters.generation_tokens);
+        let (code, r) = post(&url, &body).await;
+        assert_eq!(code, 200, "{r}");
+        let output = r["output"].as_array().unwrap();
+        assert_eq!(output.len(), 1);
+        let call = &output[0];
+        assert_eq!(call["type"], "function_call");
+        assert_eq!(call["name"], "lookup", "the first function tool");
+        assert_eq!(call["status"], "completed");
+        assert!(call["id"].as_str().unwrap().starts_with("fc_"));
+        assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
+        let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        let words = args["query"].as_str().unwrap();
+        assert_eq!(words.split(' ').count(), 3, "{args}");
+        // The arguments are what was generated: 5 tokens.
+        assert_eq!(r["usage"]["output_tokens"], 5);
+        assert_eq!(count(&sim.engine.counters.generation_tokens) - before, 5);
+
+        // The same prompt calls with the same arguments, under new ids; another prompt's differ.
+        let (_, again) = post(&url, &body).await;
+        assert_eq!(again["output"][0]["arguments"], call["arguments"]);
+        assert_ne!(again["output"][0]["id"], call["id"]);
+        assert_ne!(again["output"][0]["call_id"], call["call_id"]);
+        let mut other = body.clone();
+        other["input"] = json!("Something else entirely, a long way from here.");
+        let (_, other) = post(&url, &other).await;
+        assert_ne!(other["output"][0]["arguments"], call["arguments"]);
+
+        // A named function; a small max_output_tokens shortens the call, keeping it whole.
+        let mut named = body.clone();
+        named["tool_choice"] = json!({"type": "function", "name": "fetch"});
+        named["max_output_tokens"] = json!(1);
+        let (_, r) = post(&url, &named).await;
+        assert_eq!(r["output"][0]["name"], "fetch");
+        assert_eq!(r["usage"]["output_tokens"], 3);
+        let args: Value =
+            serde_json::from_str(r["output"][0]["arguments"].as_str().unwrap()).unwrap();
+        assert!(args["query"].is_string());
+
+        // Any other choice answers with a message.
+        for choice in [json!("auto"), json!("none"), Value::Null] {
+            let mut b = body.clone();
+            b["tool_choice"] = choice.clone();
+            let (_, r) = post(&url, &b).await;
+            assert_eq!(r["output"][0]["type"], "message", "{choice}");
+            assert_eq!(r["usage"]["output_tokens"], 50);
+        }
+        let mut b = body.clone();
+        b["tools"] = json!([{"type": "web_search_preview"}]);
+        let (_, r) = post(&url, &b).await;
+        assert_eq!(r["output"][0]["type"], "message", "no function tool");
+
+        // Choices the tools cannot meet, refused as vLLM refuses them.
+        let refused = [
+            (
+                json!({"input": "x", "tool_choice": "required"}),
+                "Tool choice 'required' must be specified with 'tools' parameter.",
+            ),
+            (
+                json!({"input": "x", "tools": tools(),
+                       "tool_choice": {"type": "function", "name": "nope"}}),
+                "Tool choice 'function' not found in 'tools' parameter.",
+            ),
+            (
+                json!({"input": "x", "tool_choice": {"type": "function", "name": "lookup"}}),
+                "Tool choice 'function' not found in 'tools' parameter.",
+            ),
+        ];
+        for (b, message) in refused {
+            let (code, err) = post(&url, &b).await;
+            assert_eq!(code, 400, "{b}");
+            assert_eq!(err["error"]["message"], message);
+            assert_eq!(err["error"]["param"], "tool_choice");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_streamed_function_call_has_the_events_of_vllm() {
+        let (sim, url) = serve(&[]).await;
+        let body = json!({"input": "Find the weather in Oslo.", "tools": tools(),
+                          "tool_choice": {"type": "function", "name": "fetch"}, "stream": true});
+        let before = count(&sim.engine.counters.generation_tokens);
+        let resp = client()
+            .post(format!("{url}/v1/responses"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let (evs, broken) = events(resp).await;
+        assert!(!broken);
+        let names: Vec<&str> = evs.iter().map(|(n, _)| n.as_str()).collect();
+        let delta = "response.function_call_arguments.delta";
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                delta,
+                delta,
+                delta,
+                delta,
+                delta,
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, (name, data)) in evs.iter().enumerate() {
+            assert_eq!(data["type"], name.as_str());
+            assert_eq!(data["sequence_number"], i);
+        }
+        let added = &evs[2].1;
+        assert_eq!(added["output_index"], 0);
+        assert_eq!(added["item"]["type"], "function_call");
+        assert_eq!(added["item"]["status"], "in_progress");
+        assert_eq!(added["item"]["arguments"], "");
+        assert_eq!(added["item"]["name"], "fetch");
+        let id = added["item"]["id"].clone();
+        let streamed: String = evs[3..8]
+            .iter()
+            .map(|(_, d)| {
+                assert_eq!(d["item_id"], id);
+                assert_eq!(d["output_index"], 0);
+                d["delta"].as_str().unwrap().to_owned()
+            })
+            .collect();
+        let done = &evs[8].1;
+        assert_eq!(done["arguments"], streamed.as_str());
+        assert_eq!((&done["item_id"], &done["name"]), (&id, &json!("fetch")));
+        let item = &evs[9].1["item"];
+        let completed = &evs[10].1["response"];
+        assert_eq!(completed["output"], json!([item]));
+        assert_eq!(item["arguments"], streamed.as_str());
+        assert_eq!(item["status"], "completed");
+        assert_eq!(item["id"], id);
+        assert_eq!(item["call_id"], added["item"]["call_id"]);
+        assert_eq!(completed["status"], "completed");
+        assert_eq!(completed["usage"]["output_tokens"], 5);
+        assert_eq!(count(&sim.engine.counters.generation_tokens) - before, 5);
+        // The same request unstreamed calls with the same arguments.
+        let mut whole = body.clone();
+        whole["stream"] = json!(false);
+        let (_, r) = post(&url, &whole).await;
+        assert_eq!(r["output"][0]["arguments"], streamed.as_str());
+        // Stored: the call is what GET returns.
+        let at = format!("{url}/v1/responses/{}", completed["id"].as_str().unwrap());
+        let got: Value = client()
+            .get(&at)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(got["output"], completed["output"]);
+    }
+
+    /// A chain continued by id renders the call as the same conversation resent in full does:
+    /// the same prompt, so the continuation finds its history cached.
+    #[tokio::test]
+    async fn a_call_continued_by_id_is_the_conversation_sent_in_full() {
+        let (sim, url) = serve(&["--block-tokens=4"]).await;
+        let first = json!({"instructions": "Be brief.", "input": "Find the weather in Oslo.",
+                           "tools": tools(), "tool_choice": "required"});
+        let (_, r) = post(&url, &first).await;
+        let call = r["output"][0].clone();
+        assert_eq!(call["type"], "function_call");
+        let output = json!({"type": "function_call_output", "call_id": call["call_id"],
+                            "output": "{\"temp\": 3}"});
+        let by_id = json!({"instructions": "Be brief.", "input": [output],
+                           "previous_response_id": r["id"], "tools": tools()});
+        let in_full = json!({"instructions": "Be brief.", "tools": tools(), "store": false,
+                             "input": [{"role": "user", "content": "Find the weather in Oslo."},
+                                       call, output]});
+        let (_, a) = post(&url, &by_id).await;
+        let (_, b) = post(&url, &in_full).await;
+        assert_eq!(a["output"][0]["type"], "message", "tool_choice auto");
+        assert_eq!(a["usage"]["input_tokens"], b["usage"]["input_tokens"]);
+        assert_eq!(a["output"][0]["content"], b["output"][0]["content"]);
+        let cached = a["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        // The first turn with its call, as the continuation's prompt begins.
+        let turn = crate::render::render_message("system", "Be brief.")
+            + &crate::render::responses_input(&json!([in_full["input"][0], call])).unwrap();
+        let whole_blocks = (turn.len() / (4 * crate::engine::BYTES_PER_TOKEN) * 4) as u64;
+        assert!(
+            cached >= whole_blocks,
+            "the first turn and its call are cached: {cached} < {whole_blocks}"
+        );
+        assert!(sim.engine.cached_prefix(turn.as_bytes()) as u64 >= whole_blocks);
     }
 }
