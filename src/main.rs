@@ -137,10 +137,14 @@ fn main() {
         .responses
         .in_balancer()
         .then(|| inferlb::history::Store::new(conf.responses.clone(), link.clone()));
-    let resender = history
-        .as_ref()
-        .filter(|_| link.is_some())
-        .map(|store| background_service("responses store", inferlb::history::Resender { store: store.clone() }));
+    let resender = history.as_ref().filter(|_| link.is_some()).map(|store| {
+        background_service(
+            "responses store",
+            inferlb::history::Resender {
+                store: store.clone(),
+            },
+        )
+    });
 
     let mut proxy = pingora_proxy::http_proxy_service_with_name(
         &server.configuration,

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use inferlb_harness::redis::Redis;
+use inferlb_harness::Redis;
 use serde_json::{json, Value};
 
 const NO_STORE: &[&str] = &["--no-response-store"];
@@ -21,10 +21,7 @@ fn store_conf(more: &str) -> LbConf {
 }
 
 /// (status, JSON body) of a request with `headers`.
-fn send(
-    req: reqwest::blocking::RequestBuilder,
-    headers: &[(&str, &str)],
-) -> (u16, Value, String) {
+fn send(req: reqwest::blocking::RequestBuilder, headers: &[(&str, &str)]) -> (u16, Value, String) {
     let mut req = req;
     for (n, v) in headers {
         req = req.header(*n, *v);
@@ -38,7 +35,11 @@ fn send(
         .unwrap_or("")
         .to_owned();
     let text = r.text().unwrap_or_default();
-    (status, serde_json::from_str(&text).unwrap_or(Value::Null), replica)
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::Null),
+        replica,
+    )
 }
 
 fn create(lb: &Lb, body: &Value, headers: &[(&str, &str)]) -> (u16, Value, String) {
@@ -63,7 +64,14 @@ fn create_streamed(lb: &Lb, body: &Value) -> (u16, Value, Vec<String>) {
         let kind = v["type"].as_str().unwrap_or("").to_owned();
         if kind.starts_with("response.") && v["response"].is_object() {
             // Every response object the client sees says what it sent.
-            assert_eq!(v["response"]["store"], body["store"].clone().as_bool().map_or(json!(true), Value::from), "{kind}");
+            assert_eq!(
+                v["response"]["store"],
+                body["store"]
+                    .clone()
+                    .as_bool()
+                    .map_or(json!(true), Value::from),
+                "{kind}"
+            );
         }
         if kind == "response.completed" {
             done = v["response"].clone();
@@ -137,7 +145,11 @@ fn tool_chain(lb: &Lb, tag: &str, turns: usize) -> Vec<String> {
             (s, r)
         };
         assert_eq!(status, 200, "turn {i}: {response}");
-        assert_eq!(response["store"], json!(true), "turn {i}: what the client sent");
+        assert_eq!(
+            response["store"],
+            json!(true),
+            "turn {i}: what the client sent"
+        );
         let previous = ids.last().map_or(Value::Null, |p| json!(p));
         assert_eq!(response["previous_response_id"], previous, "turn {i}");
         ids.push(response["id"].as_str().expect("an id").to_owned());
@@ -168,7 +180,10 @@ fn a_tool_calling_chain_runs_on_replicas_without_a_store_streamed_and_not() {
     let items = newest["input"].as_array().expect("a list");
     assert_eq!(items.len(), 5 + 2 * 4 + 9 + 2, "{newest}");
     // The store answers for what it holds.
-    let (status, got, _) = send(http().get(lb.url(&format!("/v1/responses/{}", ids[9]))), &[]);
+    let (status, got, _) = send(
+        http().get(lb.url(&format!("/v1/responses/{}", ids[9]))),
+        &[],
+    );
     assert_eq!(status, 200);
     assert_eq!(got["id"], json!(ids[9]));
     assert_eq!(got["previous_response_id"], json!(ids[8]));
@@ -180,16 +195,27 @@ fn a_tool_calling_chain_runs_on_replicas_without_a_store_streamed_and_not() {
     assert_eq!(list["data"].as_array().map(Vec::len), Some(2));
     assert_eq!(list["has_more"], json!(false));
     // Deleted: gone from the store and from the chain.
-    let (status, del, _) = send(http().delete(lb.url(&format!("/v1/responses/{}", ids[9]))), &[]);
+    let (status, del, _) = send(
+        http().delete(lb.url(&format!("/v1/responses/{}", ids[9]))),
+        &[],
+    );
     assert_eq!((status, &del["deleted"]), (200, &json!(true)));
-    let (status, _, _) = send(http().get(lb.url(&format!("/v1/responses/{}", ids[9]))), &[]);
+    let (status, _, _) = send(
+        http().get(lb.url(&format!("/v1/responses/{}", ids[9]))),
+        &[],
+    );
     assert_eq!(status, 404);
     let (status, err, _) = create(&lb, &turn(json!("more"), Some(&ids[9])), &[]);
     assert_eq!(status, 400);
     assert_eq!(err["error"]["code"], json!("previous_response_not_found"));
     let metrics = lb.metrics();
     assert!(
-        sample_value(&metrics, r#"inferlb_responses_store_total{event="expanded"}"#).unwrap_or(0.0) >= 9.0,
+        sample_value(
+            &metrics,
+            r#"inferlb_responses_store_total{event="expanded"}"#
+        )
+        .unwrap_or(0.0)
+            >= 9.0,
         "{metrics}"
     );
 }
@@ -204,20 +230,29 @@ fn a_replica_restarted_mid_chain_changes_nothing_in_the_prompt() {
     let (status, _, _) = create(&lb, &next, &[]);
     assert_eq!(status, 200);
     let before = last_received(&[&a, &b]);
-    let before = before
-        .into_iter()
-        .max_by_key(String::len)
-        .expect("a body");
+    let before = before.into_iter().max_by_key(String::len).expect("a body");
     // Both replicas restart (their caches and any state gone); the same turn again.
-    a.restart(NO_STORE);
-    b.restart(NO_STORE);
-    let up = || lb.samples("inferlb_replica_up").iter().filter(|(_, v)| *v == 1.0).count();
-    assert!(wait_until(Duration::from_secs(10), || up() == 2), "the replicas came back");
+    // Restarted with the flags they had.
+    a.restart(&[]);
+    b.restart(&[]);
+    let up = || {
+        lb.samples("inferlb_replica_up")
+            .iter()
+            .filter(|(_, v)| *v == 1.0)
+            .count()
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || up() == 2),
+        "the replicas came back"
+    );
     let (status, response, _) = create(&lb, &next, &[]);
     assert_eq!(status, 200, "{response}");
     let after = last_received(&[&a, &b]);
     assert_eq!(after.len(), 1, "only one replica served since the restart");
-    assert_eq!(after[0], before, "the expanded prompt is byte for byte the same");
+    assert_eq!(
+        after[0], before,
+        "the expanded prompt is byte for byte the same"
+    );
 }
 
 #[test]
@@ -236,21 +271,30 @@ fn bad_chains_and_other_keys_ids_get_clear_errors() {
     let code = |v: &Value| v["error"]["code"].clone();
     // Unknown id: 400 previous_response_not_found, no replica asked to serve it.
     let (status, err, _) = create(&lb, &turn(json!("x"), Some("resp_unknown")), &alice);
-    assert_eq!((status, code(&err)), (400, json!("previous_response_not_found")));
+    assert_eq!(
+        (status, code(&err)),
+        (400, json!("previous_response_not_found"))
+    );
     assert_eq!(err["error"]["param"], json!("previous_response_id"));
     assert_eq!(received_count(&[&a, &b]), sent_before);
     // A stored turn: alice's alone.
     let (status, first, _) = create(&lb, &turn(json!("hello"), None), &alice);
     assert_eq!(status, 200);
     let id = first["id"].as_str().expect("id").to_owned();
-    for path in [format!("/v1/responses/{id}"), format!("/v1/responses/{id}/input_items")] {
+    for path in [
+        format!("/v1/responses/{id}"),
+        format!("/v1/responses/{id}/input_items"),
+    ] {
         let (status, _, _) = send(http().get(lb.url(&path)), &bob);
         assert_eq!(status, 404, "bob sees no {path}");
         let (status, _, _) = send(http().get(lb.url(&path)), &alice);
         assert_eq!(status, 200, "alice sees {path}");
     }
     let (status, err, _) = create(&lb, &turn(json!("x"), Some(&id)), &bob);
-    assert_eq!((status, code(&err)), (400, json!("previous_response_not_found")));
+    assert_eq!(
+        (status, code(&err)),
+        (400, json!("previous_response_not_found"))
+    );
     let (status, _, _) = send(http().delete(lb.url(&format!("/v1/responses/{id}"))), &bob);
     assert_eq!(status, 404, "bob cannot delete it");
     // GET, DELETE, input_items of an unknown id: 404.
@@ -269,13 +313,19 @@ fn bad_chains_and_other_keys_ids_get_clear_errors() {
     assert_eq!((status, &r["store"]), (200, &json!(false)));
     let gone = r["id"].as_str().expect("id").to_owned();
     let (status, err, _) = create(&lb, &turn(json!("x"), Some(&gone)), &alice);
-    assert_eq!((status, code(&err)), (400, json!("previous_response_not_found")));
+    assert_eq!(
+        (status, code(&err)),
+        (400, json!("previous_response_not_found"))
+    );
     // background needs a store on the replica.
     let mut background = turn(json!("x"), None);
     background["background"] = json!(true);
     let (status, err, _) = create(&lb, &background, &alice);
     assert_eq!(status, 400, "{err}");
-    assert!(err["error"]["message"].as_str().unwrap_or("").contains("background"));
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("background"));
     // A chain whose expanded body passes max_body_bytes: 413.
     let mut last = id.clone();
     let big = "y".repeat(20 * 1024);
@@ -299,7 +349,11 @@ fn the_store_evicts_by_count_and_by_age() {
     let (_a, _b, lb) = cluster(dir.path(), NO_STORE, conf);
     let mut ids = vec![];
     for i in 0..3 {
-        let (status, r, _) = create(&lb, &turn(json!(format!("turn {i}")), ids.last().map(String::as_str)), &[]);
+        let (status, r, _) = create(
+            &lb,
+            &turn(json!(format!("turn {i}")), ids.last().map(String::as_str)),
+            &[],
+        );
         assert_eq!(status, 200, "{r}");
         ids.push(r["id"].as_str().expect("id").to_owned());
     }
@@ -307,7 +361,10 @@ fn the_store_evicts_by_count_and_by_age() {
     assert_eq!(get(&ids[0]), 404, "the least recently used went first");
     assert_eq!((get(&ids[1]), get(&ids[2])), (200, 200));
     let (status, err, _) = create(&lb, &turn(json!("x"), Some(&ids[2])), &[]);
-    assert_eq!(status, 400, "a chain missing its start is never served as a fresh start");
+    assert_eq!(
+        status, 400,
+        "a chain missing its start is never served as a fresh start"
+    );
     assert_eq!(err["error"]["code"], json!("previous_response_not_found"));
     drop(lb);
 
@@ -321,7 +378,10 @@ fn the_store_evicts_by_count_and_by_age() {
     });
     assert!(expired, "kept past its TTL");
     let (status, err, _) = create(&lb, &turn(json!("x"), Some(&id)), &[]);
-    assert_eq!((status, err["error"]["code"].clone()), (400, json!("previous_response_not_found")));
+    assert_eq!(
+        (status, err["error"]["code"].clone()),
+        (400, json!("previous_response_not_found"))
+    );
 }
 
 struct Three {
@@ -346,7 +406,8 @@ fn three_instances() -> Three {
         })
         .collect();
     let joined = wait_until(Duration::from_secs(10), || {
-        lbs.iter().all(|lb| lb.metric("inferlb_cluster_connected") == 1.0)
+        lbs.iter()
+            .all(|lb| lb.metric("inferlb_cluster_connected") == 1.0)
     });
     assert!(joined, "the instances did not reach Redis");
     Three {
@@ -363,7 +424,10 @@ fn three_instances_share_every_chain_turn_by_turn() {
     let mut last: Option<String> = None;
     for i in 0..12 {
         let lb = &t.lbs[i % 3];
-        let body = turn(json!(format!("turn {i} {}", "words ".repeat(30))), last.as_deref());
+        let body = turn(
+            json!(format!("turn {i} {}", "words ".repeat(30))),
+            last.as_deref(),
+        );
         let (status, r) = if i % 2 == 0 {
             let (s, r, _) = create(lb, &body, &[]);
             (s, r)
@@ -397,12 +461,18 @@ fn redis_killed_mid_chain_keeps_the_chain_where_it_is_held() {
     // lb-a holds the whole chain: it goes on.
     for i in 4..7 {
         let (status, r) = step(&t.lbs[0], i, &mut last);
-        assert_eq!(status, 200, "through the instance that holds the chain: {r}");
+        assert_eq!(
+            status, 200,
+            "through the instance that holds the chain: {r}"
+        );
     }
     // lb-b cannot reach lb-a's newest exchanges.
     let probe = turn(json!("elsewhere"), last.as_deref());
     let (status, err, _) = create(&t.lbs[1], &probe, &[]);
-    assert_eq!((status, err["error"]["code"].clone()), (400, json!("previous_response_not_found")));
+    assert_eq!(
+        (status, err["error"]["code"].clone()),
+        (400, json!("previous_response_not_found"))
+    );
     // Redis back (empty): lb-a writes what it made again, and every instance serves the chain.
     t.redis.restart();
     let shared = wait_until(Duration::from_secs(15), || {

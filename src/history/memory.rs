@@ -134,7 +134,11 @@ impl Memory {
                 break;
             }
             let Some(k) = q.order.pop_front() else { break };
-            if self.entries.peek(&k).is_some_and(|h| h.exchange.scope == scope) {
+            if self
+                .entries
+                .peek(&k)
+                .is_some_and(|h| h.exchange.scope == scope)
+            {
                 self.remove(k);
             }
         }
@@ -163,7 +167,6 @@ impl Memory {
             .collect()
     }
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -225,7 +228,11 @@ mod tests {
         assert_eq!(m.bytes(), 3 * one);
         m.remove(3);
         m.insert(2, exchange("r", 2, 1000, 0), true, 0);
-        assert_eq!(m.bytes(), 2 * one, "a replaced exchange is not counted twice");
+        assert_eq!(
+            m.bytes(),
+            2 * one,
+            "a replaced exchange is not counted twice"
+        );
     }
 
     #[test]

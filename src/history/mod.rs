@@ -263,9 +263,8 @@ impl Store {
             let _ = done.send(());
         });
         let hold = self.conf.hold;
-        let can_block = tokio::runtime::Handle::try_current().is_ok_and(|h| {
-            h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
-        });
+        let can_block = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         if hold.is_zero() || !can_block {
             return;
         }
@@ -273,7 +272,10 @@ impl Store {
         // other threads meanwhile) for a write that takes a round trip.
         let waited = tokio::task::block_in_place(|| wait.recv_timeout(hold));
         if waited.is_err() {
-            METRICS.responses_store.with_label_values(&["hold_expired"]).inc();
+            METRICS
+                .responses_store
+                .with_label_values(&["hold_expired"])
+                .inc();
         }
     }
 

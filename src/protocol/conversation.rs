@@ -71,7 +71,8 @@ pub fn turn(body: &[u8]) -> Result<Turn, BadTurn> {
         Some(raw) if raw.get().starts_with('[') => raw.to_owned(),
         Some(raw) => match serde_json::from_str::<String>(raw.get()) {
             Ok(text) => {
-                let item = serde_json::json!([{"type": "message", "role": "user", "content": text}]);
+                let item =
+                    serde_json::json!([{"type": "message", "role": "user", "content": text}]);
                 serde_json::value::to_raw_value(&item).expect("JSON")
             }
             Err(_) => {
@@ -323,7 +324,9 @@ impl EventRewriter {
         let mut m = Members::parse(json).ok()?;
         let response = m.get("response").filter(|r| r.get().starts_with('{'))?;
         let restored = restore(response.get().as_bytes(), &self.sent)?;
-        let kind: Option<String> = m.get("type").and_then(|t| serde_json::from_str(t.get()).ok());
+        let kind: Option<String> = m
+            .get("type")
+            .and_then(|t| serde_json::from_str(t.get()).ok());
         if kind.as_deref().is_some_and(|k| FINAL.contains(&k)) {
             self.last = Some(restored.clone());
         }
@@ -445,18 +448,39 @@ fn with_id<'a>(response: &str, i: usize, item: &'a RawValue) -> (String, Cow<'a,
     let Ok(mut m) = Members::parse(item.get().as_bytes()) else {
         return (format!("item_{i}"), Cow::Borrowed(item));
     };
-    if let Some(id) = m
+    // A message's text content, as OpenAI lists it: a list of parts.
+    let text: Option<String> = m
+        .get("content")
+        .and_then(|c| serde_json::from_str::<String>(c.get()).ok());
+    let given = m
         .get("id")
-        .and_then(|id| serde_json::from_str::<String>(id.get()).ok())
-    {
-        return (id, Cow::Borrowed(item));
+        .and_then(|id| serde_json::from_str::<String>(id.get()).ok());
+    if let Some(text) = &text {
+        let role: Option<String> = m
+            .get("role")
+            .and_then(|r| serde_json::from_str(r.get()).ok());
+        let kind = if role.as_deref() == Some("assistant") {
+            "output_text"
+        } else {
+            "input_text"
+        };
+        let parts = serde_json::json!([{"type": kind, "text": text}]);
+        m.set("content", &parts.to_string());
+        if !m.has("type") {
+            m.set("type", "\"message\"");
+        }
     }
-    let id = format!(
-        "msg_{:016x}{:04x}",
-        xxhash_rust::xxh3::xxh3_64(response.as_bytes()),
-        i
+    if let (Some(id), None) = (&given, &text) {
+        return (id.clone(), Cow::Borrowed(item));
+    }
+    let id = given.unwrap_or_else(|| {
+        let h = xxhash_rust::xxh3::xxh3_64(response.as_bytes());
+        format!("msg_{h:016x}{i:04x}")
+    });
+    m.set(
+        "id",
+        &serde_json::to_string(&id).expect("a string serialises"),
     );
-    m.set("id", &serde_json::to_string(&id).expect("a string serialises"));
     let text = String::from_utf8(m.bytes().to_vec()).expect("JSON is UTF-8");
     (id, Cow::Owned(RawValue::from_string(text).expect("JSON")))
 }
@@ -487,8 +511,8 @@ mod tests {
 
     #[test]
     fn a_turn_reads_its_fields_and_a_string_input_is_one_user_message() {
-        let t = turn(br#"{"input":"hi","previous_response_id":"resp_1","store":false}"#)
-            .expect("turn");
+        let t =
+            turn(br#"{"input":"hi","previous_response_id":"resp_1","store":false}"#).expect("turn");
         assert!(!t.store && !t.background);
         assert_eq!(t.previous.as_deref(), Some("resp_1"));
         assert_eq!(
@@ -631,9 +655,16 @@ mod tests {
         let first = all["first_id"].as_str().expect("an id").to_owned();
         assert_eq!(list("order=asc")["first_id"], json!(first), "stable ids");
         let desc = list("limit=2");
-        assert_eq!(desc["data"][0]["content"], json!("c"), "newest first");
+        assert_eq!(
+            desc["data"][0]["content"],
+            json!([{"type": "input_text", "text": "c"}]),
+            "newest first, its text as OpenAI lists it"
+        );
         assert_eq!(desc["has_more"], json!(true));
-        let next = list(&format!("limit=2&after={}", desc["last_id"].as_str().expect("id")));
+        let next = list(&format!(
+            "limit=2&after={}",
+            desc["last_id"].as_str().expect("id")
+        ));
         assert_eq!(next["data"].as_array().map(Vec::len), Some(1));
         assert_eq!(next["last_id"], json!(first));
         assert_eq!(next["has_more"], json!(false));

@@ -7,7 +7,6 @@
 //!   client's own request, untouched, for the decode leg. inferlb reads none of their fields.
 //! - SGLang (bootstrap): both legs get `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
 
-
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;

@@ -84,7 +84,10 @@ mod tests {
         assert_eq!(m.get("b").map(RawValue::get), Some("[1, 2 ,3]"));
         m.remove("c");
         m.set("d", "false");
-        assert_eq!(&m.bytes()[..], br#"{"a":{"x" : "\u00e9"},"b":[1, 2 ,3],"d":false}"#);
+        assert_eq!(
+            &m.bytes()[..],
+            br#"{"a":{"x" : "\u00e9"},"b":[1, 2 ,3],"d":false}"#
+        );
         assert!(Members::parse(b"[1]").is_err() && Members::parse(b"{").is_err());
     }
 }

@@ -4,8 +4,8 @@
 
 pub mod api;
 pub mod body;
-pub mod edge;
 pub mod conversation;
+pub mod edge;
 pub mod handover;
 pub mod members;
 pub mod usage;

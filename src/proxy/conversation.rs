@@ -253,7 +253,11 @@ impl Balancer {
         };
         let history: Vec<&Exchange> = chain.iter().map(|e| &**e).collect();
         let Some(body) = conv::expand(ctx.body.bytes(), &history, &turn.input) else {
-            return refused(400, "bad_body", "the request body must be a JSON object".into());
+            return refused(
+                400,
+                "bad_body",
+                "the request body must be a JSON object".into(),
+            );
         };
         let limit = self.conf.max_body_bytes;
         if body.len() > limit {

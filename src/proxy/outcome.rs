@@ -197,7 +197,9 @@ impl Balancer {
             }
             // A stream announces its id first; a JSON answer has it once finished.
             let replica = ctx.attempt.as_ref().and_then(Attempt::current);
-            if let (false, Some(id), Some(r)) = (ctx.id_learnt, reader.response_id(), replica) {
+            // With the store in the balancer, no replica holds the id: never sent there.
+            let learns = !ctx.id_learnt && ctx.conversation.is_none();
+            if let (true, Some(id), Some(r)) = (learns, reader.response_id(), replica) {
                 self.remember(Table::Stored, stored_key(id), &r.id);
                 ctx.id_learnt = true;
             }

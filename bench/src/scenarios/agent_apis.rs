@@ -71,10 +71,9 @@ impl AgentApi {
     /// What the front's conf and the replicas' flags add for this API.
     fn store_in_balancer(self) -> (&'static str, &'static [&'static str]) {
         match self {
-            AgentApi::ResponsesBalancerStore => (
-                "  responses: {store: balancer}\n",
-                &["--no-response-store"],
-            ),
+            AgentApi::ResponsesBalancerStore => {
+                ("  responses: {store: balancer}\n", &["--no-response-store"])
+            }
             _ => ("", &[]),
         }
     }
