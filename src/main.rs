@@ -156,8 +156,8 @@ fn main() {
             conf.clone(),
             max_attempts,
             leaving,
-            history,
-        ),
+        )
+        .with_history(history),
         "inferlb",
     );
     // A plain listener reads the socket straight into Pingora's HTTP buffers: its default

@@ -444,7 +444,7 @@ fn three_instances_share_every_chain_turn_by_turn() {
 fn redis_killed_mid_chain_keeps_the_chain_where_it_is_held() {
     let mut t = three_instances();
     let mut last: Option<String> = None;
-    let mut step = |lb: &Lb, i: usize, last: &mut Option<String>| -> (u16, Value) {
+    let step = |lb: &Lb, i: usize, last: &mut Option<String>| -> (u16, Value) {
         let (status, r, _) = create(lb, &turn(json!(format!("step {i}")), last.as_deref()), &[]);
         if status == 200 {
             *last = Some(r["id"].as_str().expect("id").to_owned());

@@ -94,7 +94,7 @@ pub fn validate(raw: RawResponses) -> Result<ResponsesConf, String> {
         );
     }
     let t = raw.ttl_seconds;
-    if !(t.is_finite() && t >= 1.0 && t <= 365.0 * 86_400.0) {
+    if !(t.is_finite() && (1.0..=365.0 * 86_400.0).contains(&t)) {
         return Err(format!(
             "inferlb.responses.ttl_seconds: {t} must be at least 1 and at most a year"
         ));

@@ -126,10 +126,7 @@ impl Memory {
             }
             self.remove(k);
         }
-        loop {
-            let Some(q) = self.scopes.get_mut(&scope) else {
-                break;
-            };
+        while let Some(q) = self.scopes.get_mut(&scope) {
             if q.items <= self.bounds.key_max_items && q.bytes <= self.bounds.key_max_bytes {
                 break;
             }

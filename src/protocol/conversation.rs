@@ -295,9 +295,7 @@ impl EventRewriter {
     }
 
     fn rewrite(&mut self, event: &[u8]) -> Option<Vec<u8>> {
-        if memchr::memmem::find(event, b"\"response\":").is_none() {
-            return None;
-        }
+        memchr::memmem::find(event, b"\"response\":")?;
         let mut out = Vec::with_capacity(event.len() + 64);
         let mut changed = false;
         for line in event.split_inclusive(|&b| b == b'\n') {

@@ -68,10 +68,9 @@ impl Balancer {
         conf: Arc<Config>,
         max_attempts: usize,
         leaving: Arc<AtomicBool>,
-        history: Option<Arc<crate::history::Store>>,
     ) -> Balancer {
         Balancer {
-            history,
+            history: None,
             policy: Router::new(conf.routing, conf.spill_margin),
             overload: crate::overload::Overload::from_conf(
                 conf.overload.clone(),
@@ -91,6 +90,11 @@ impl Balancer {
             max_attempts: max_attempts.try_into().unwrap_or(u32::MAX),
             leaving,
         }
+    }
+
+    /// The Responses store this balancer keeps (`responses.store: balancer`).
+    pub fn with_history(self, history: Option<Arc<crate::history::Store>>) -> Balancer {
+        Balancer { history, ..self }
     }
 }
 
