@@ -162,9 +162,10 @@ fn body(
             json!({"model": "sim-model", "instructions": context, "input": items(history), "store": false, "stream": true, "max_output_tokens": reply_tokens})
         }
         AgentApi::ResponsesChained | AgentApi::ResponsesBalancerStore => match previous {
-            // Only the new input; the instructions are inherited from the stored response.
+            // Only the new input, and the instructions again: OpenAI does not carry them over
+            // from the previous response (the Agents SDK sends them every turn).
             Some(id) => {
-                json!({"model": "sim-model", "previous_response_id": id, "input": items(&history[history.len() - 1..]), "stream": true, "max_output_tokens": reply_tokens})
+                json!({"model": "sim-model", "instructions": context, "previous_response_id": id, "input": items(&history[history.len() - 1..]), "stream": true, "max_output_tokens": reply_tokens})
             }
             None => {
                 json!({"model": "sim-model", "instructions": context, "input": items(history), "stream": true, "max_output_tokens": reply_tokens})
