@@ -302,11 +302,25 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "inferlb_responses_store_bytes",
             "Bytes of the Responses exchanges this instance holds in memory."
         )?,
-        responses_store: register_int_counter_vec!(
-            "inferlb_responses_store_total",
-            "The balancer's Responses store, by event: stored, expanded (a chain made into a prompt), not_found (a previous_response_id nowhere this instance can reach), broken (a chain missing a part), unsent (a write Redis did not take, retried), hold_expired (an answer that went on before Redis had its exchange).",
-            &["event"]
-        )?,
+        responses_store: {
+            let events = register_int_counter_vec!(
+                "inferlb_responses_store_total",
+                "The balancer's Responses store, by event: stored, expanded (a chain made into a prompt), not_found (a previous_response_id nowhere this instance can reach), broken (a chain missing a part), unsent (a write Redis did not take, retried), hold_expired (an answer that went on before Redis had its exchange).",
+                &["event"]
+            )?;
+            // Every event has a series from the start, so dashboards and alerts find them.
+            for event in [
+                "stored",
+                "expanded",
+                "not_found",
+                "broken",
+                "unsent",
+                "hold_expired",
+            ] {
+                events.with_label_values(&[event]);
+            }
+            events
+        },
         upstream_errors: ReplicaCounters(register_int_counter_vec!(
             "inferlb_upstream_errors_total",
             "Requests that ended in a replica's failure, not retried (timeouts, cut streams), by reason.",
