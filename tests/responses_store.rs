@@ -235,6 +235,8 @@ fn a_replica_restarted_mid_chain_changes_nothing_in_the_prompt() {
     // Restarted with the flags they had.
     a.restart(&[]);
     b.restart(&[]);
+    a.assert_healthy();
+    b.assert_healthy();
     let up = || {
         lb.samples("inferlb_replica_up")
             .iter()
@@ -343,29 +345,52 @@ fn bad_chains_and_other_keys_ids_get_clear_errors() {
 }
 
 #[test]
-fn the_store_evicts_by_count_and_by_age() {
+fn the_store_evicts_the_least_recently_used_by_count_and_bytes_and_by_age() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let conf = store_conf(", max_items: 2, key_max_items: 2");
+    let conf = store_conf(", max_items: 2");
     let (_a, _b, lb) = cluster(dir.path(), NO_STORE, conf);
-    let mut ids = vec![];
-    for i in 0..3 {
-        let (status, r, _) = create(
-            &lb,
-            &turn(json!(format!("turn {i}")), ids.last().map(String::as_str)),
-            &[],
-        );
+    let new = |input: &str, previous: Option<&str>| {
+        let (status, r, _) = create(&lb, &turn(json!(input), previous), &[]);
         assert_eq!(status, 200, "{r}");
-        ids.push(r["id"].as_str().expect("id").to_owned());
-    }
+        r["id"].as_str().expect("id").to_owned()
+    };
     let get = |id: &str| send(http().get(lb.url(&format!("/v1/responses/{id}"))), &[]).0;
-    assert_eq!(get(&ids[0]), 404, "the least recently used went first");
-    assert_eq!((get(&ids[1]), get(&ids[2])), (200, 200));
-    let (status, err, _) = create(&lb, &turn(json!("x"), Some(&ids[2])), &[]);
+    let (x, y) = (new("x", None), new("y", None));
     assert_eq!(
-        status, 400,
-        "a chain missing its start is never served as a fresh start"
+        get(&x),
+        200,
+        "x is used again: y is the least recently used"
     );
-    assert_eq!(err["error"]["code"], json!("previous_response_not_found"));
+    let z = new("z", None);
+    assert_eq!((get(&x), get(&y), get(&z)), (200, 404, 200));
+    // A chain whose first turn was evicted is never served as a fresh start.
+    let w = new("w", Some(&z));
+    assert_eq!(get(&w), 200);
+    let _ = new("v", None);
+    let _ = new("u", None);
+    let (status, err, _) = create(&lb, &turn(json!("more"), Some(&w)), &[]);
+    assert_eq!(
+        (status, err["error"]["code"].clone()),
+        (400, json!("previous_response_not_found"))
+    );
+    drop(lb);
+
+    // By bytes: 1 MiB holds three of these and not four.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_a, _b, lb) = cluster(dir.path(), NO_STORE, store_conf(", max_mib: 1"));
+    let big = "b".repeat(300 * 1024);
+    let ids: Vec<String> = (0..4)
+        .map(|i| {
+            let (status, r, _) = create(&lb, &turn(json!(format!("{i} {big}")), None), &[]);
+            assert_eq!(status, 200);
+            r["id"].as_str().expect("id").to_owned()
+        })
+        .collect();
+    assert_eq!(lb.metric("inferlb_responses_store_items"), 3.0);
+    assert!(lb.metric("inferlb_responses_store_bytes") <= (1 << 20) as f64);
+    let get = |id: &str| send(http().get(lb.url(&format!("/v1/responses/{id}"))), &[]).0;
+    assert_eq!(get(&ids[0]), 404);
+    assert_eq!(get(&ids[3]), 200);
     drop(lb);
 
     let dir = tempfile::tempdir().expect("tempdir");

@@ -26,10 +26,14 @@ pub struct RawResponses {
     max_items: usize,
     max_mib: usize,
     ttl_seconds: f64,
-    key_max_items: usize,
-    key_max_mib: usize,
+    key_max_items: Option<usize>,
+    key_max_mib: Option<usize>,
     hold_ms: u64,
 }
+
+/// A key's quota when the conf sets none: this, or the store's bound if smaller.
+const KEY_ITEMS: usize = 20_000;
+const KEY_MIB: usize = 256;
 
 impl Default for RawResponses {
     fn default() -> Self {
@@ -38,8 +42,8 @@ impl Default for RawResponses {
             max_items: 100_000,
             max_mib: 1024,
             ttl_seconds: 30.0 * 86_400.0,
-            key_max_items: 20_000,
-            key_max_mib: 256,
+            key_max_items: None,
+            key_max_mib: None,
             hold_ms: 50,
         }
     }
@@ -84,9 +88,11 @@ pub fn validate(raw: RawResponses) -> Result<ResponsesConf, String> {
     };
     positive("max_items", raw.max_items)?;
     positive("max_mib", raw.max_mib)?;
-    positive("key_max_items", raw.key_max_items)?;
-    positive("key_max_mib", raw.key_max_mib)?;
-    if raw.key_max_items > raw.max_items || raw.key_max_mib > raw.max_mib {
+    let key_items = raw.key_max_items.unwrap_or(KEY_ITEMS.min(raw.max_items));
+    let key_mib = raw.key_max_mib.unwrap_or(KEY_MIB.min(raw.max_mib));
+    positive("key_max_items", key_items)?;
+    positive("key_max_mib", key_mib)?;
+    if key_items > raw.max_items || key_mib > raw.max_mib {
         return Err(
             "inferlb.responses: a key's quota (key_max_items, key_max_mib) may not exceed the \
              store's (max_items, max_mib)"
@@ -112,8 +118,8 @@ pub fn validate(raw: RawResponses) -> Result<ResponsesConf, String> {
         max_items: raw.max_items,
         max_bytes: mib(raw.max_mib),
         ttl: Duration::from_secs_f64(t),
-        key_max_items: raw.key_max_items,
-        key_max_bytes: mib(raw.key_max_mib),
+        key_max_items: key_items,
+        key_max_bytes: mib(key_mib),
         hold: Duration::from_millis(raw.hold_ms),
     })
 }
@@ -133,6 +139,9 @@ mod tests {
         assert!(!c.in_balancer());
         assert_eq!(c.hold, Duration::from_millis(50));
         assert!(raw("store: balancer").expect("balancer").in_balancer());
+        let small = raw("max_items: 10\nmax_mib: 2").expect("a key's quota follows the store's");
+        assert_eq!((small.key_max_items, small.key_max_bytes), (10, 2 << 20));
+        assert_eq!(c.key_max_items, 20_000);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The exchanges this process holds: bounded by count and bytes (least recently used go
-//! first), by age (the TTL), and per client key (its own least recently used go first), so one
-//! tenant cannot fill the store. Pure: the caller gives the time.
+//! first), by age (the TTL, from the last use: a live chain keeps its early turns), and per
+//! client key (its own least recently used go first), so one tenant cannot fill the store; the
+//! shared scope of a fleet without client keys ([`SHARED`]) has no quota of its own. Pure: the
+//! caller gives the time.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -18,6 +20,9 @@ pub struct Bounds {
     pub key_max_bytes: usize,
 }
 
+/// The scope of every request when the fleet has no client keys: one tenant, no quota.
+pub const SHARED: u64 = 0;
+
 /// One exchange held, and whether this process made it (it is written to Redis again when
 /// Redis comes back empty).
 #[derive(Debug, Clone)]
@@ -25,14 +30,17 @@ pub struct Held {
     pub exchange: Arc<Exchange>,
     pub made_here: bool,
     size: usize,
+    /// When it was last used (seconds), and the use's place in its scope's order.
+    used_at: u64,
+    use_seq: u64,
 }
 
 #[derive(Debug, Default)]
 struct Quota {
     items: usize,
     bytes: usize,
-    /// Its keys, oldest first; some may be gone already (evicted or removed elsewhere).
-    order: VecDeque<u64>,
+    /// Its uses, least recent first, as (key, use); a use that is not its key's last is stale.
+    order: VecDeque<(u64, u64)>,
 }
 
 pub struct Memory {
@@ -40,6 +48,7 @@ pub struct Memory {
     entries: LruCache<u64, Held>,
     bytes: usize,
     scopes: HashMap<u64, Quota>,
+    uses: u64,
 }
 
 impl Memory {
@@ -49,6 +58,7 @@ impl Memory {
             entries: LruCache::unbounded(),
             bytes: 0,
             scopes: HashMap::new(),
+            uses: 0,
         }
     }
 
@@ -64,18 +74,35 @@ impl Memory {
         self.bytes
     }
 
-    fn expired(&self, e: &Exchange, now: u64) -> bool {
-        now.saturating_sub(e.stored_at) >= self.bounds.ttl_seconds
+    fn expired(&self, used_at: u64, now: u64) -> bool {
+        now.saturating_sub(used_at) >= self.bounds.ttl_seconds
     }
 
-    /// The exchange under `key`, if held and not expired; it becomes the most recently used.
+    /// The exchange under `key`, if held and not expired; it becomes the most recently used,
+    /// here and in its scope, and its TTL starts again.
     pub fn get(&mut self, key: u64, now: u64) -> Option<Arc<Exchange>> {
-        let held = self.entries.get(&key)?;
-        if now.saturating_sub(held.exchange.stored_at) >= self.bounds.ttl_seconds {
+        let used_at = self.entries.peek(&key)?.used_at;
+        if self.expired(used_at, now) {
             self.remove(key);
             return None;
         }
-        Some(held.exchange.clone())
+        self.uses += 1;
+        let seq = self.uses;
+        let held = self.entries.get_mut(&key)?;
+        held.used_at = now.max(held.used_at);
+        held.use_seq = seq;
+        let (scope, e) = (held.exchange.scope, held.exchange.clone());
+        if let Some(q) = self.scopes.get_mut(&scope) {
+            q.order.push_back((key, seq));
+        }
+        self.compact(scope);
+        Some(e)
+    }
+
+    /// The exchange under `key`, if held and not expired, its recency unchanged.
+    pub fn peek(&self, key: u64, now: u64) -> Option<Arc<Exchange>> {
+        let held = self.entries.peek(&key)?;
+        (!self.expired(held.used_at, now)).then(|| held.exchange.clone())
     }
 
     /// Holds `exchange` under `key` (replacing what it held), then evicts past the bounds:
@@ -84,14 +111,19 @@ impl Memory {
     pub fn insert(&mut self, key: u64, exchange: Arc<Exchange>, made_here: bool, now: u64) {
         self.remove(key);
         let size = exchange.size();
-        if size > self.bounds.key_max_bytes || self.expired(&exchange, now) {
+        let used_at = exchange.stored_at;
+        let too_big = size > self.bounds.max_bytes
+            || (exchange.scope != SHARED && size > self.bounds.key_max_bytes);
+        if too_big || self.expired(used_at, now) {
             return;
         }
         let scope = exchange.scope;
+        self.uses += 1;
+        let seq = self.uses;
         let q = self.scopes.entry(scope).or_default();
         q.items += 1;
         q.bytes += size;
-        q.order.push_back(key);
+        q.order.push_back((key, seq));
         self.bytes += size;
         self.entries.put(
             key,
@@ -99,6 +131,8 @@ impl Memory {
                 exchange,
                 made_here,
                 size,
+                used_at,
+                use_seq: seq,
             },
         );
         self.evict(scope, now);
@@ -119,33 +153,29 @@ impl Memory {
     }
 
     fn evict(&mut self, scope: u64, now: u64) {
-        // The oldest of the whole store may have expired.
+        // The least recently used of the whole store may have expired.
         while let Some((&k, held)) = self.entries.peek_lru() {
-            if !self.expired(&held.exchange, now) {
+            if !self.expired(held.used_at, now) {
                 break;
             }
             self.remove(k);
         }
-        while let Some(q) = self.scopes.get_mut(&scope) {
+        while scope != SHARED {
+            let Some(q) = self.scopes.get_mut(&scope) else {
+                break;
+            };
             if q.items <= self.bounds.key_max_items && q.bytes <= self.bounds.key_max_bytes {
                 break;
             }
-            let Some(k) = q.order.pop_front() else { break };
-            if self
-                .entries
-                .peek(&k)
-                .is_some_and(|h| h.exchange.scope == scope)
-            {
+            let Some((k, seq)) = q.order.pop_front() else {
+                break;
+            };
+            // Only its key's last use is its place in the order.
+            if self.entries.peek(&k).is_some_and(|h| h.use_seq == seq) {
                 self.remove(k);
             }
         }
-        if let Some(q) = self.scopes.get_mut(&scope) {
-            // Keys evicted or removed elsewhere leave their place behind: drop it now and then.
-            if q.order.len() > 2 * q.items + 16 {
-                let entries = &self.entries;
-                q.order.retain(|k| entries.peek(k).is_some());
-            }
-        }
+        self.compact(scope);
         while self.entries.len() > self.bounds.max_items || self.bytes > self.bounds.max_bytes {
             let Some((&k, _)) = self.entries.peek_lru() else {
                 break;
@@ -154,12 +184,23 @@ impl Memory {
         }
     }
 
+    /// Drops a scope's stale uses once they outnumber its live ones.
+    fn compact(&mut self, scope: u64) {
+        if let Some(q) = self.scopes.get_mut(&scope) {
+            if q.order.len() > 2 * q.items + 16 {
+                let entries = &self.entries;
+                q.order
+                    .retain(|(k, seq)| entries.peek(k).is_some_and(|h| h.use_seq == *seq));
+            }
+        }
+    }
+
     /// Every exchange this process made, as held now, with its key: what is written to Redis
     /// again after it came back.
     pub fn made_here(&self, now: u64) -> Vec<(u64, Arc<Exchange>)> {
         self.entries
             .iter()
-            .filter(|(_, h)| h.made_here && !self.expired(&h.exchange, now))
+            .filter(|(_, h)| h.made_here && !self.expired(h.used_at, now))
             .map(|(k, h)| (*k, h.exchange.clone()))
             .collect()
     }
@@ -237,9 +278,17 @@ mod tests {
         let mut m = Memory::new(bounds());
         m.insert(1, exchange("r", 1, 1, 0), true, 0);
         m.insert(2, exchange("r", 1, 1, 50), true, 50);
-        assert_eq!(held(&mut m, &[1, 2], 99), [1, 2]);
-        assert_eq!(held(&mut m, &[1, 2], 100), [2]);
-        assert_eq!(held(&mut m, &[1, 2], 150), Vec::<u64>::new());
+        let peeked = |m: &Memory, now| {
+            [1, 2]
+                .into_iter()
+                .filter(|k| m.peek(*k, now).is_some())
+                .collect::<Vec<u64>>()
+        };
+        assert_eq!(peeked(&m, 99), [1, 2]);
+        assert_eq!(peeked(&m, 100), [2]);
+        assert!(m.get(1, 100).is_none(), "expired: removed");
+        assert_eq!(peeked(&m, 150), Vec::<u64>::new());
+        assert!(m.get(2, 150).is_none());
         assert!(m.is_empty() && m.bytes() == 0);
         m.insert(3, exchange("r", 1, 1, 0), true, 200);
         assert!(m.get(3, 200).is_none(), "stored expired: not held");
@@ -252,10 +301,16 @@ mod tests {
             ..bounds()
         });
         m.insert(100, exchange("other", 9, 1, 0), true, 0);
-        for k in 1..=5 {
+        for k in 1..=3 {
             m.insert(k, exchange("r", 1, 1, 0), true, 0);
         }
-        assert_eq!(held(&mut m, &[100, 1, 2, 3, 4, 5], 0), [100, 3, 4, 5]);
+        assert!(
+            m.get(1, 0).is_some(),
+            "1 is used again: 2 is its key's least recent"
+        );
+        m.insert(4, exchange("r", 1, 1, 0), true, 0);
+        m.insert(5, exchange("r", 1, 1, 0), true, 0);
+        assert_eq!(held(&mut m, &[100, 1, 2, 3, 4, 5], 0), [100, 1, 4, 5]);
         let size = exchange("r", 1, 100, 0).size();
         let mut m = Memory::new(Bounds {
             key_max_bytes: 2 * size,
@@ -268,6 +323,20 @@ mod tests {
         assert_eq!(held(&mut m, &[100, 1, 2, 3], 0), [100, 2, 3]);
         m.insert(4, exchange("r", 1, 1000, 0), true, 0);
         assert!(m.get(4, 0).is_none(), "larger than the quota: never held");
+    }
+
+    #[test]
+    fn a_use_restarts_the_ttl_and_the_shared_scope_has_no_quota() {
+        let mut m = Memory::new(bounds());
+        m.insert(1, exchange("r", 1, 1, 0), true, 0);
+        assert!(m.get(1, 90).is_some());
+        assert!(m.get(1, 180).is_some(), "used at 90: lives to 190");
+        assert!(m.peek(1, 280).is_none());
+        let mut m = Memory::new(bounds());
+        for k in 1..=4 {
+            m.insert(k, exchange("r", SHARED, 1, 0), true, 0);
+        }
+        assert_eq!(m.len(), 4, "only the store's bound (4) applies");
     }
 
     #[test]

@@ -4,12 +4,15 @@
 //! - **Memory** ([`memory`]): each process holds what it made and what it read, bounded by
 //!   count, bytes, TTL and a quota per client key.
 //! - **Redis** (with `cluster.redis_url`, on [`Lane::Bulk`]): every exchange made is written
-//!   there too, so any instance expands any chain. A chain is read in one round trip: the
-//!   exchanges this process lacks, and for those it holds, whether one was deleted since
-//!   (`DELETE` leaves a tombstone for the TTL: another instance's copy must not bring it back).
-//! - **Redis down**: exchanges are kept here and written once it is back; and when it comes
-//!   back (possibly empty, after a restart), each process writes again every exchange it made
-//!   and still holds, so chains made before the outage survive it.
+//!   there too, so any instance expands any chain; continuing a chain renews its exchanges'
+//!   TTL. A chain is read in one round trip when its last exchange is held here (two when it is
+//!   not): the exchanges this process lacks, and for those it holds, whether one was deleted
+//!   since (`DELETE` leaves a tombstone for the TTL: another instance's copy must not bring it
+//!   back). A read waits at most [`READ_BOUND`]; past it, what is held here is used.
+//! - **Redis down**: exchanges and deletions are kept here and written once it is back; and
+//!   when Redis comes back restarted (its `run_id` changed, so possibly empty), each process
+//!   writes again every exchange it made and still holds, so chains made before the outage
+//!   survive it.
 //!
 //! Keys: `inferlb:responses:v1:{key}` and `inferlb:responses:v1:gone:{key}`, where the key is
 //! a hash of the client key's scope and the response id: an id never names another key's
@@ -17,7 +20,7 @@
 
 pub mod memory;
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -60,8 +63,22 @@ pub struct Store {
     conf: ResponsesConf,
     memory: Mutex<Memory>,
     link: Option<Arc<Link>>,
-    /// Exchanges made here that Redis has not taken yet.
-    unsent: Mutex<HashMap<u64, Arc<Exchange>>>,
+    /// Exchanges made here (by key) that Redis has not taken yet; written from memory, so an
+    /// exchange evicted meanwhile is not kept alive for it.
+    unsent: Mutex<HashSet<u64>>,
+    /// Deletions Redis has not taken yet: their tombstones are written first when it is back.
+    unsent_gone: Mutex<HashSet<u64>>,
+}
+
+/// How long a read on the request path waits for Redis before going on with what is held here.
+pub const READ_BOUND: Duration = Duration::from_millis(250);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn event(name: &str) {
+    METRICS.responses_store.with_label_values(&[name]).inc();
 }
 
 impl Store {
@@ -77,21 +94,18 @@ impl Store {
             conf,
             memory: Mutex::new(Memory::new(bounds)),
             link,
-            unsent: Mutex::new(HashMap::new()),
+            unsent: Mutex::new(HashSet::new()),
+            unsent_gone: Mutex::new(HashSet::new()),
         })
     }
 
-    fn memory(&self) -> MutexGuard<'_, Memory> {
-        self.memory.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn unsent(&self) -> MutexGuard<'_, HashMap<u64, Arc<Exchange>>> {
-        self.unsent.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn gauges(&self, m: &Memory) {
+    /// Runs `f` on the memory, then shows its size in the gauges.
+    fn memory<R>(&self, f: impl FnOnce(&mut Memory) -> R) -> R {
+        let mut m = lock(&self.memory);
+        let r = f(&mut m);
         METRICS.responses_items.set(m.len() as i64);
         METRICS.responses_bytes.set(m.bytes() as i64);
+        r
     }
 
     /// The link, when it is up: while it is down nothing waits on it.
@@ -99,47 +113,65 @@ impl Store {
         self.link.as_ref().filter(|l| l.is_up())
     }
 
-    fn ttl_left(&self, e: &Exchange) -> u64 {
-        let age = now().saturating_sub(e.stored_at);
-        self.conf.ttl.as_secs().saturating_sub(age).max(1)
+    fn ttl(&self) -> u64 {
+        self.conf.ttl.as_secs().max(1)
+    }
+
+    /// A pipeline on the bulk lane, bounded by [`READ_BOUND`] (the request waits on it).
+    async fn read<T: redis::FromRedisValue>(link: &Link, pipe: &redis::Pipeline) -> Option<T> {
+        match tokio::time::timeout(READ_BOUND, link.pipe::<T>(Lane::Bulk, pipe)).await {
+            Ok(Ok(v)) => Some(v),
+            Ok(Err(e)) => {
+                log::debug!("reading stored responses from redis: {e}");
+                None
+            }
+            Err(_) => {
+                event("read_slow");
+                None
+            }
+        }
     }
 
     /// The chain ending at `id` (its exchanges oldest first, `id`'s last), or `None` when any
     /// of it is nowhere this process can reach: never part of a chain.
     pub async fn chain(&self, scope: u64, id: &str) -> Option<Vec<Arc<Exchange>>> {
-        let leaf = self.get(scope, id).await?;
+        let now = now();
+        let leaf_key = key(scope, id);
+        let leaf = match self.memory(|m| m.get(leaf_key, now)) {
+            Some(held) => held,
+            // Not held: read first, for its ancestors (its tombstone is read with it).
+            None => self.get(scope, id).await?,
+        };
         let ids: Vec<&str> = leaf.ancestors.iter().map(String::as_str).collect();
         let keys: Vec<u64> = ids.iter().map(|a| key(scope, a)).collect();
-        let now = now();
-        let mut found: Vec<Option<Arc<Exchange>>> = {
-            let mut m = self.memory();
-            keys.iter().map(|k| m.get(*k, now)).collect()
-        };
+        let mut found: Vec<Option<Arc<Exchange>>> =
+            self.memory(|m| keys.iter().map(|k| m.get(*k, now)).collect());
         if let Some(link) = self.up() {
-            // One round trip: what is missing, and whether what is held was deleted.
+            // One round trip: what is missing, and whether what is held was deleted (the
+            // leaf's own tombstone too, when it was held here).
             let mut pipe = redis::pipe();
+            pipe.exists(gone_key(leaf_key));
             for (k, f) in keys.iter().zip(&found) {
                 pipe.exists(gone_key(*k));
                 if f.is_none() {
                     pipe.get(redis_key(*k));
                 }
             }
-            if !keys.is_empty() {
-                match link.pipe::<Vec<redis::Value>>(Lane::Bulk, &pipe).await {
-                    Ok(answers) => {
-                        let mut answers = answers.into_iter();
-                        for (k, f) in keys.iter().zip(found.iter_mut()) {
-                            let gone = matches!(answers.next(), Some(redis::Value::Int(1)));
-                            let value = if f.is_none() { answers.next() } else { None };
-                            if gone {
-                                self.memory().remove(*k);
-                                *f = None;
-                            } else if let Some(v) = value {
-                                *f = self.read(scope, *k, &v, now);
-                            }
-                        }
+            if let Some(answers) = Self::read::<Vec<redis::Value>>(link, &pipe).await {
+                let mut answers = answers.into_iter();
+                if matches!(answers.next(), Some(redis::Value::Int(1))) {
+                    self.memory(|m| m.remove(leaf_key));
+                    return None;
+                }
+                for (k, f) in keys.iter().zip(found.iter_mut()) {
+                    let gone = matches!(answers.next(), Some(redis::Value::Int(1)));
+                    let value = if f.is_none() { answers.next() } else { None };
+                    if gone {
+                        self.memory(|m| m.remove(*k));
+                        *f = None;
+                    } else if let Some(v) = value {
+                        *f = self.held_from(scope, *k, &v, now);
                     }
-                    Err(e) => log::debug!("reading a Responses chain from redis: {e}"),
                 }
             }
         }
@@ -148,7 +180,7 @@ impl Store {
             match f {
                 Some(e) if e.id == *a => chain.push(e),
                 _ => {
-                    METRICS.responses_store.with_label_values(&["broken"]).inc();
+                    event("broken");
                     return None;
                 }
             }
@@ -158,7 +190,7 @@ impl Store {
     }
 
     /// An exchange read from Redis, held here from now on; `None` unless it is the one asked.
-    fn read(&self, scope: u64, k: u64, v: &redis::Value, now: u64) -> Option<Arc<Exchange>> {
+    fn held_from(&self, scope: u64, k: u64, v: &redis::Value, now: u64) -> Option<Arc<Exchange>> {
         let redis::Value::BulkString(bytes) = v else {
             return None;
         };
@@ -167,9 +199,7 @@ impl Store {
             return None;
         }
         let e = Arc::new(e);
-        let mut m = self.memory();
-        m.insert(k, e.clone(), false, now);
-        self.gauges(&m);
+        self.memory(|m| m.insert(k, e.clone(), false, now));
         Some(e)
     }
 
@@ -178,71 +208,84 @@ impl Store {
     pub async fn get(&self, scope: u64, id: &str) -> Option<Arc<Exchange>> {
         let k = key(scope, id);
         let now = now();
-        let held = self.memory().get(k, now);
+        let held = self.memory(|m| m.get(k, now));
         let Some(link) = self.up() else {
             return held;
         };
-        if held.is_some() {
-            let cmd = redis::cmd("EXISTS").arg(gone_key(k)).clone();
-            return match link.query::<i64>(Lane::Bulk, &cmd).await {
-                Ok(1) => {
-                    self.memory().remove(k);
-                    None
-                }
-                _ => held,
-            };
-        }
         let mut pipe = redis::pipe();
-        pipe.exists(gone_key(k)).get(redis_key(k));
-        match link.pipe::<(i64, redis::Value)>(Lane::Bulk, &pipe).await {
-            Ok((0, v)) => self.read(scope, k, &v, now),
-            Ok(_) => None,
-            Err(e) => {
-                log::debug!("reading a stored response from redis: {e}");
-                None
-            }
+        pipe.exists(gone_key(k));
+        if held.is_none() {
+            pipe.get(redis_key(k));
+        }
+        let Some(answers) = Self::read::<Vec<redis::Value>>(link, &pipe).await else {
+            return held;
+        };
+        let mut answers = answers.into_iter();
+        if matches!(answers.next(), Some(redis::Value::Int(1))) {
+            self.memory(|m| m.remove(k));
+            return None;
+        }
+        match (held, answers.next()) {
+            (Some(h), _) => Some(h),
+            (None, Some(v)) => self.held_from(scope, k, &v, now),
+            (None, None) => None,
         }
     }
 
-    /// Holds a new exchange here: from now on this process finds it.
-    pub fn keep(&self, e: Exchange) -> Arc<Exchange> {
+    /// Holds a new exchange here: from now on this process finds it. `None` when it is not
+    /// kept: it names itself among its ancestors, or is larger than its key may hold.
+    pub fn keep(&self, e: Exchange) -> Option<Arc<Exchange>> {
+        if e.ancestors.iter().any(|a| *a == e.id) {
+            return None;
+        }
         let k = key(e.scope, &e.id);
         let e = Arc::new(e);
-        let mut m = self.memory();
-        m.insert(k, e.clone(), true, now());
-        self.gauges(&m);
-        METRICS.responses_store.with_label_values(&["stored"]).inc();
+        let held = self.memory(|m| {
+            m.insert(k, e.clone(), true, now());
+            m.peek(k, now()).is_some()
+        });
+        if !held {
+            return None;
+        }
+        event("stored");
         if self.link.is_some() {
-            let mut unsent = self.unsent();
-            // A long outage keeps at most what memory may hold; past it, Redis never gets
-            // the rest (this process still has them while they last).
+            let mut unsent = lock(&self.unsent);
+            // A long outage keeps at most what memory may hold (an exchange evicted meanwhile
+            // is skipped when the rest is written).
             if unsent.len() < self.conf.max_items {
-                unsent.insert(k, e.clone());
+                unsent.insert(k);
             }
         }
-        e
+        Some(e)
     }
 
-    /// Writes a kept exchange to Redis; it stays unsent (written when Redis is back) if that
-    /// fails.
+    /// Writes a kept exchange to Redis, renewing its ancestors' TTL; it stays unsent (written
+    /// when Redis is back) if that fails.
     pub async fn share(&self, e: &Exchange) {
         let Some(link) = self.up() else { return };
         let k = key(e.scope, &e.id);
         let Ok(json) = serde_json::to_vec(e) else {
             return;
         };
-        let cmd = redis::cmd("SET")
+        let mut pipe = redis::pipe();
+        // Never over another exchange of the same id.
+        pipe.cmd("SET")
             .arg(redis_key(k))
             .arg(json)
             .arg("EX")
-            .arg(self.ttl_left(e))
-            .clone();
-        match link.query::<()>(Lane::Bulk, &cmd).await {
+            .arg(self.ttl())
+            .arg("NX")
+            .ignore();
+        for a in &e.ancestors {
+            pipe.expire(redis_key(key(e.scope, a)), self.ttl() as i64)
+                .ignore();
+        }
+        match link.pipe::<()>(Lane::Bulk, &pipe).await {
             Ok(()) => {
-                self.unsent().remove(&k);
+                lock(&self.unsent).remove(&k);
             }
             Err(e) => {
-                METRICS.responses_store.with_label_values(&["unsent"]).inc();
+                event("unsent");
                 log::debug!("writing a stored response to redis: {e}");
             }
         }
@@ -250,12 +293,12 @@ impl Store {
 
     /// Keeps `e` and writes it to Redis, waiting at most `responses.hold_ms` for the write:
     /// the caller (a response's last chunk) goes on then, and a write still running finishes
-    /// or is retried when Redis is back. For the hooks Pingora calls without `await`.
-    pub fn keep_and_share(self: &Arc<Self>, e: Exchange) {
-        let e = self.keep(e);
-        if self.up().is_none() {
-            return;
-        }
+    /// or is retried when Redis is back. For the hooks Pingora calls without `await`. Where
+    /// this thread cannot wait (a runtime of one thread, `work_stealing: false`), the time the
+    /// caller should wait instead, before its chunk goes on.
+    pub fn keep_and_share(self: &Arc<Self>, e: Exchange) -> Option<Duration> {
+        let e = self.keep(e)?;
+        self.up()?;
         let (done, wait) = std::sync::mpsc::sync_channel::<()>(1);
         let store = self.clone();
         tokio::spawn(async move {
@@ -263,86 +306,134 @@ impl Store {
             let _ = done.send(());
         });
         let hold = self.conf.hold;
+        if hold.is_zero() {
+            return None;
+        }
         let can_block = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if hold.is_zero() || !can_block {
-            return;
+        if !can_block {
+            // The write runs on this thread once the caller yields: a sleep lets it.
+            return Some(hold);
         }
         // The hook is synchronous: this thread waits (its other tasks move to the runtime's
         // other threads meanwhile) for a write that takes a round trip.
         let waited = tokio::task::block_in_place(|| wait.recv_timeout(hold));
         if waited.is_err() {
-            METRICS
-                .responses_store
-                .with_label_values(&["hold_expired"])
-                .inc();
+            event("hold_expired");
         }
+        None
     }
 
-    /// Forgets `id` of `scope` here and in Redis, leaving a tombstone there; whether it was
-    /// stored.
+    /// Forgets `id` of `scope` here and in Redis, leaving a tombstone there (written when
+    /// Redis is back, if it is down now); whether it was stored.
     pub async fn delete(&self, scope: u64, id: &str) -> bool {
         let found = self.get(scope, id).await.is_some();
-        let k = key(scope, id);
-        {
-            let mut m = self.memory();
-            m.remove(k);
-            self.gauges(&m);
+        if !found {
+            return false;
         }
-        self.unsent().remove(&k);
-        if let (true, Some(link)) = (found, self.up()) {
-            let mut pipe = redis::pipe();
-            pipe.del(redis_key(k)).ignore();
-            pipe.cmd("SET")
-                .arg(gone_key(k))
-                .arg(1)
-                .arg("EX")
-                .arg(self.conf.ttl.as_secs().max(1))
-                .ignore();
-            if let Err(e) = link.pipe::<()>(Lane::Bulk, &pipe).await {
-                log::warn!("deleting a stored response in redis: {e}");
+        let k = key(scope, id);
+        self.memory(|m| m.remove(k));
+        lock(&self.unsent).remove(&k);
+        let written = match self.up() {
+            Some(link) => link
+                .pipe::<()>(Lane::Bulk, &self.tombstone(k))
+                .await
+                .is_ok(),
+            None => false,
+        };
+        if !written && self.link.is_some() {
+            let mut gone = lock(&self.unsent_gone);
+            if gone.len() < self.conf.max_items {
+                gone.insert(k);
             }
         }
-        found
+        true
     }
 
-    /// Writes what Redis lacks: what was never sent and, after a reconnection (Redis may have
-    /// restarted empty), everything made here and still held. In batches, one at a time.
+    fn tombstone(&self, k: u64) -> redis::Pipeline {
+        let mut pipe = redis::pipe();
+        pipe.del(redis_key(k)).ignore();
+        pipe.cmd("SET")
+            .arg(gone_key(k))
+            .arg(1)
+            .arg("EX")
+            .arg(self.ttl())
+            .ignore();
+        pipe
+    }
+
+    /// Writes what Redis lacks: deletions first, then what was never sent and, when Redis
+    /// restarted (`everything`), every exchange made here and still held; an exchange with a
+    /// tombstone is not brought back. In batches, one at a time.
     async fn resend(&self, everything: bool) -> Result<usize, crate::link::Failed> {
         let Some(link) = &self.link else {
             return Ok(0);
         };
+        let gone: Vec<u64> = lock(&self.unsent_gone).iter().copied().collect();
+        for k in gone {
+            link.pipe::<()>(Lane::Bulk, &self.tombstone(k)).await?;
+            lock(&self.unsent_gone).remove(&k);
+        }
         let now = now();
-        let mut todo: HashMap<u64, Arc<Exchange>> = self.unsent().clone();
+        let unsent: Vec<u64> = lock(&self.unsent).iter().copied().collect();
+        let mut todo: Vec<(u64, Arc<Exchange>)> = self.memory(|m| {
+            unsent
+                .iter()
+                .filter_map(|k| m.peek(*k, now).map(|e| (*k, e)))
+                .collect()
+        });
         if everything {
-            todo.extend(self.memory().made_here(now));
+            let mine = self.memory(|m| m.made_here(now));
+            let known: HashSet<u64> = todo.iter().map(|(k, _)| *k).collect();
+            todo.extend(mine.into_iter().filter(|(k, _)| !known.contains(k)));
         }
         let mut sent = 0;
-        let all: Vec<(u64, Arc<Exchange>)> = todo.into_iter().collect();
-        for batch in all.chunks(64) {
+        for batch in todo.chunks(64) {
+            let mut exists = redis::pipe();
+            for (k, _) in batch {
+                exists.exists(gone_key(*k));
+            }
+            let deleted: Vec<i64> = link.pipe(Lane::Bulk, &exists).await?;
             let mut pipe = redis::pipe();
-            for (k, e) in batch {
+            for ((k, e), gone) in batch.iter().zip(deleted) {
                 let Ok(json) = serde_json::to_vec(&**e) else {
                     continue;
                 };
-                // Not over a newer write, nor over a deletion made meanwhile.
+                if gone == 1 {
+                    continue;
+                }
                 pipe.cmd("SET")
                     .arg(redis_key(*k))
                     .arg(json)
                     .arg("EX")
-                    .arg(self.ttl_left(e))
+                    .arg(self.ttl())
                     .arg("NX")
                     .ignore();
             }
             link.pipe::<()>(Lane::Bulk, &pipe).await?;
-            let mut unsent = self.unsent();
+            let mut unsent = lock(&self.unsent);
             for (k, _) in batch {
                 unsent.remove(k);
             }
             sent += batch.len();
         }
+        // What memory evicted before it could be written is gone for Redis too.
+        lock(&self.unsent).retain(|k| self.memory(|m| m.peek(*k, now).is_some()));
         Ok(sent)
     }
+}
+
+/// The `run_id` of the Redis server: it changes when Redis restarts (and may be empty).
+async fn run_id(link: &Link) -> Result<String, crate::link::Failed> {
+    let info: String = link
+        .query(Lane::Bulk, redis::cmd("INFO").arg("server"))
+        .await?;
+    Ok(info
+        .lines()
+        .find_map(|l| l.strip_prefix("run_id:"))
+        .unwrap_or("")
+        .trim()
+        .to_owned())
 }
 
 /// The background task that writes to Redis what it lacks, each time the link comes up.
@@ -357,28 +448,48 @@ impl BackgroundService for Resender {
             return;
         };
         let mut status = link.status();
-        let mut seen = None;
+        let mut seen: Option<u64> = None;
+        let mut server: Option<String> = None;
         loop {
             let generation = tokio::select! {
                 g = crate::link::up(&mut status) => g,
                 _ = shutdown.changed() => return,
             };
             if seen != Some(generation) {
-                // The first connection finds Redis as other instances left it; a later one
-                // may find it restarted.
-                let everything = seen.is_some();
-                match self.store.resend(everything).await {
-                    Ok(0) => {}
-                    Ok(n) => log::info!("{n} stored responses written to redis again"),
-                    Err(e) => log::warn!("writing stored responses to redis again: {e}"),
+                let done = match run_id(&link).await {
+                    Ok(id) => {
+                        // Another server than the last one seen: it may have come back empty.
+                        let restarted = server.as_ref().is_some_and(|s| *s != id);
+                        match self.store.resend(restarted).await {
+                            Ok(n) => {
+                                if n > 0 {
+                                    log::info!("{n} stored responses written to redis");
+                                }
+                                server = Some(id);
+                                true
+                            }
+                            Err(e) => {
+                                log::warn!("writing stored responses to redis: {e}");
+                                false
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        log::warn!("asking redis for its run_id: {e}");
+                        false
+                    }
+                };
+                if done {
+                    seen = Some(generation);
                 }
-                seen = Some(generation);
             }
             tokio::select! {
                 _ = status.changed() => {}
-                _ = tokio::time::sleep(Duration::from_secs(5)) => {
-                    // Writes that failed while the link stayed up.
-                    if !self.store.unsent().is_empty() && link.is_up() {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                    // Writes that failed while the link stayed up, and a resend that failed.
+                    let pending = !lock(&self.store.unsent).is_empty()
+                        || !lock(&self.store.unsent_gone).is_empty();
+                    if seen == Some(generation) && pending && link.is_up() {
                         let _ = self.store.resend(false).await;
                     }
                 }

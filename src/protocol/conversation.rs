@@ -6,8 +6,9 @@
 //!
 //! OpenAI's semantics: a request continuing `previous_response_id` sees, in order, every
 //! earlier turn's input items and output items, then its own input. Instructions are not
-//! carried over. vLLM 0.33 refuses a reasoning item's `encrypted_content` in input, so that
-//! field is kept in the store (a `GET` shows it) but never sent to a replica.
+//! carried over. As vLLM 0.33's own store chains a previous response, its reasoning items are
+//! not sent again; and vLLM refuses a reasoning item's `encrypted_content` in input, so a
+//! client's own reasoning items go without it. The store keeps both (a `GET` shows them).
 
 use std::borrow::Cow;
 
@@ -31,6 +32,8 @@ pub struct Turn {
     pub store: bool,
     pub previous: Option<String>,
     pub background: bool,
+    /// It names a Conversations API conversation (the replica's, not the store's).
+    pub conversation: bool,
     /// Its `input` as a list of items: a string is one user message.
     pub input: Box<RawValue>,
 }
@@ -87,6 +90,7 @@ pub fn turn(body: &[u8]) -> Result<Turn, BadTurn> {
         store: flag(&m, "store")?.unwrap_or(true),
         previous,
         background: flag(&m, "background")?.unwrap_or(false),
+        conversation: m.get("conversation").is_some_and(|c| c.get() != "null"),
         input,
     })
 }
@@ -138,6 +142,12 @@ fn elements(array: &RawValue) -> Vec<&RawValue> {
     serde_json::from_str(array.get()).unwrap_or_default()
 }
 
+fn is_reasoning(item: &RawValue) -> bool {
+    item.get().contains("\"reasoning\"")
+        && Members::parse(item.get().as_bytes())
+            .is_ok_and(|m| m.get("type").map(RawValue::get) == Some("\"reasoning\""))
+}
+
 /// An item as a replica is sent it: a reasoning item without its `encrypted_content`.
 fn for_replica(item: &RawValue) -> Cow<'_, RawValue> {
     if !item.get().contains("\"encrypted_content\"") {
@@ -162,6 +172,9 @@ pub fn expand(body: &[u8], history: &[&Exchange], own: &RawValue) -> Option<Byte
     let mut m = Members::parse(body).ok()?;
     m.set("store", "false");
     m.remove("previous_response_id");
+    // vLLM makes a client's `request_id` the response's id: one client could then name its
+    // answer as another exchange of the store.
+    m.remove("request_id");
     if history.is_empty() {
         return Some(m.bytes());
     }
@@ -183,7 +196,11 @@ pub fn expand(body: &[u8], history: &[&Exchange], own: &RawValue) -> Option<Byte
     for (e, output) in history.iter().zip(&outputs) {
         elements(&e.input).into_iter().for_each(&mut push);
         if let Some(output) = output {
-            elements(output).into_iter().for_each(&mut push);
+            // As vLLM's own store chains a previous output: without its reasoning items.
+            elements(output)
+                .into_iter()
+                .filter(|item| !is_reasoning(item))
+                .for_each(&mut push);
         }
     }
     elements(own).into_iter().for_each(&mut push);
@@ -284,6 +301,11 @@ impl EventRewriter {
         self.last.take()
     }
 
+    /// Bytes of an event not yet whole.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
     /// Whether the final response object has been seen (and not taken).
     pub fn has_final(&self) -> bool {
         self.last.is_some()
@@ -364,6 +386,7 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Page {
     pub after: Option<String>,
+    pub before: Option<String>,
     pub limit: usize,
     /// Oldest first; OpenAI's default is newest first.
     pub ascending: bool,
@@ -373,6 +396,7 @@ pub struct Page {
 pub fn page(query: Option<&str>) -> Result<Page, String> {
     let mut page = Page {
         after: None,
+        before: None,
         limit: 20,
         ascending: false,
     };
@@ -380,6 +404,7 @@ pub fn page(query: Option<&str>) -> Result<Page, String> {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         match k {
             "after" => page.after = Some(v.to_owned()).filter(|v| !v.is_empty()),
+            "before" => page.before = Some(v.to_owned()).filter(|v| !v.is_empty()),
             "limit" => {
                 page.limit = v
                     .parse()
@@ -419,7 +444,18 @@ pub fn input_items(e: &Exchange, page: &Page) -> Bytes {
             .map_or(items.len(), |p| p + 1),
         None => 0,
     };
-    let end = (start + page.limit).min(items.len());
+    let (start, end) = match &page.before {
+        // The page just before that item, in the same order.
+        Some(before) => {
+            let until = items
+                .iter()
+                .position(|(id, _)| id == before)
+                .unwrap_or(0)
+                .max(start);
+            (until.saturating_sub(page.limit).max(start), until)
+        }
+        None => (start, (start + page.limit).min(items.len())),
+    };
     let shown = &items[start..end];
     let mut out = String::from(r#"{"object":"list","data":["#);
     for (i, (_, item)) in shown.iter().enumerate() {
@@ -569,14 +605,23 @@ mod tests {
                 "message",
                 "function_call",
                 "function_call_output",
-                "reasoning",
                 "message",
                 "message"
-            ]
+            ],
+            "a previous reasoning item is not sent again"
         );
-        assert!(v["input"][3].get("encrypted_content").is_none());
-        assert_eq!(v["input"][3]["id"], json!("rs_1"));
         assert!(!String::from_utf8_lossy(&out).contains("SECRET"));
+        // A client's own reasoning item goes without its encrypted content.
+        let own =
+            raw(json!([{"type":"reasoning","id":"rs_2","summary":[],"encrypted_content":"E"}]));
+        let out = expand(br#"{"input":[],"request_id":"resp_1"}"#, &[&first], &own).expect("body");
+        let v = value(&out);
+        assert_eq!(v["input"][2]["id"], json!("rs_2"));
+        assert!(v["input"][2].get("encrypted_content").is_none());
+        assert!(
+            v.get("request_id").is_none(),
+            "a client may not name its response"
+        );
         // Alone, only the store is switched off; the input passes as it came.
         let alone = expand(br#"{"input":"hi","store":true}"#, &[], &own).expect("body");
         assert_eq!(&alone[..], br#"{"input":"hi","store":false}"#);
@@ -666,6 +711,11 @@ mod tests {
         assert_eq!(next["data"].as_array().map(Vec::len), Some(1));
         assert_eq!(next["last_id"], json!(first));
         assert_eq!(next["has_more"], json!(false));
+        let back = list(&format!(
+            "limit=1&before={}",
+            next["last_id"].as_str().expect("id")
+        ));
+        assert_eq!(back["data"][0]["id"], desc["last_id"], "the page before");
         let none = list("after=unknown");
         assert_eq!(none["data"], json!([]));
         assert_eq!(none["first_id"], Value::Null);

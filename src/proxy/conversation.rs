@@ -5,6 +5,7 @@
 //! [`crate::protocol::conversation`]'s.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use pingora_http::ResponseHeader;
@@ -46,10 +47,10 @@ pub(super) enum Next {
     Refused(Refusal, Option<Coded>),
 }
 
-/// An OpenAI error's `param` and `code`, where the bare status does not say enough.
+/// An OpenAI error's `param` and `code`, as OpenAI gives them for this error.
 pub(super) struct Coded {
-    param: &'static str,
-    code: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
 }
 
 fn refused(status: u16, reason: &'static str, message: String) -> Next {
@@ -65,12 +66,22 @@ fn refused(status: u16, reason: &'static str, message: String) -> Next {
 }
 
 fn not_found(id: &str) -> Next {
-    refused(
-        404,
-        "response_not_found",
-        format!("Response with id '{id}' not found."),
+    Next::Refused(
+        Refusal {
+            status: 404,
+            reason: "response_not_found",
+            message: format!("Response with id '{id}' not found."),
+            close: false,
+        },
+        Some(Coded {
+            param: None,
+            code: None,
+        }),
     )
 }
+
+/// Answers larger than this are passed on as they are, neither rewritten nor kept.
+const ANSWER_CAP: usize = 32 << 20;
 
 /// Which of the store's own paths a request is on.
 enum Path<'a> {
@@ -211,13 +222,25 @@ impl Balancer {
             }
         };
         if turn.background {
-            return refused(
-                400,
-                "background",
-                "`background: true` needs a store on the replica, and this balancer keeps the \
-                 Responses store itself (responses.store: balancer)"
-                    .into(),
+            return Next::Refused(
+                Refusal {
+                    status: 400,
+                    reason: "background",
+                    message: "`background: true` needs a store on the replica, and this \
+                              balancer keeps the Responses store itself (responses.store: \
+                              balancer)"
+                        .into(),
+                    close: false,
+                },
+                Some(Coded {
+                    param: Some("background"),
+                    code: None,
+                }),
             );
+        }
+        if turn.conversation {
+            // The Conversations API is the replica's: passed as it came.
+            return Next::Go;
         }
         let chain = match &turn.previous {
             None => Vec::new(),
@@ -244,8 +267,8 @@ impl Balancer {
                             close: false,
                         },
                         Some(Coded {
-                            param: "previous_response_id",
-                            code: "previous_response_not_found",
+                            param: Some("previous_response_id"),
+                            code: Some("previous_response_not_found"),
                         }),
                     );
                 }
@@ -320,14 +343,29 @@ impl Balancer {
 
     /// A chunk of a successful answer: rewritten, and the exchange kept (and written to Redis,
     /// within `responses.hold_ms`) before the chunk that ends it goes to the client.
-    pub(super) fn conversation_body(&self, body: &mut Option<Bytes>, end: bool, ctx: &mut Ctx) {
+    /// The time to wait before the chunk goes on, where the store's write could not be waited
+    /// for here.
+    pub(super) fn conversation_body(
+        &self,
+        body: &mut Option<Bytes>,
+        end: bool,
+        ctx: &mut Ctx,
+    ) -> Option<Duration> {
         let (Some(c), Some(store)) = (ctx.conversation.as_mut(), self.history.as_ref()) else {
-            return;
+            return None;
         };
         let final_object = match c.answer.as_mut() {
-            None => return,
+            None => return None,
             Some(Answer::Events(r)) => {
                 let mut out = body.as_deref().map(|b| r.feed(b)).unwrap_or_default();
+                if r.pending_len() > ANSWER_CAP {
+                    // An event without an end in sight: the rest passes as it comes.
+                    let mut joined = out.to_vec();
+                    joined.extend_from_slice(&r.finish());
+                    *body = Some(Bytes::from(joined));
+                    c.answer = None;
+                    return None;
+                }
                 if end {
                     let rest = r.finish();
                     if !rest.is_empty() {
@@ -343,8 +381,13 @@ impl Balancer {
                 if let Some(b) = body.take() {
                     buf.extend_from_slice(&b);
                 }
+                if buf.len() > ANSWER_CAP {
+                    *body = Some(Bytes::from(std::mem::take(buf)));
+                    c.answer = None;
+                    return None;
+                }
                 if !end {
-                    return;
+                    return None;
                 }
                 let whole = std::mem::take(buf);
                 match conv::restore(&whole, &c.sent) {
@@ -359,20 +402,17 @@ impl Balancer {
                 }
             }
         };
-        let Some(object) = final_object else { return };
+        let object = final_object?;
         if !c.keep {
-            return;
+            return None;
         }
-        let Some((id, status)) = conv::id_and_status(&object) else {
-            return;
-        };
+        let (id, status) = conv::id_and_status(&object)?;
         if !conv::is_kept(&status) {
-            return;
+            return None;
         }
-        let Ok(response) = String::from_utf8(object.to_vec()).map(RawValue::from_string) else {
-            return;
-        };
-        let Ok(response) = response else { return };
+        let text = String::from_utf8(object.to_vec()).ok()?;
+        let response = RawValue::from_string(text).ok()?;
+        c.keep = false;
         store.keep_and_share(Exchange {
             id,
             scope: c.scope,
@@ -380,8 +420,7 @@ impl Balancer {
             input: c.input.clone(),
             response,
             stored_at: crate::history::now(),
-        });
-        c.keep = false;
+        })
     }
 }
 
@@ -401,5 +440,8 @@ pub(super) async fn refuse_coded(
             "code": coded.code,
         }
     });
+    if r.close {
+        session.set_keepalive(None);
+    }
     answers::respond_json(session, request_id, r.status, Bytes::from(body.to_string())).await
 }

@@ -389,8 +389,7 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         self.observe_response(body.as_ref(), end_of_stream, ctx);
-        self.conversation_body(body, end_of_stream, ctx);
-        Ok(None)
+        Ok(self.conversation_body(body, end_of_stream, ctx))
     }
 
     fn fail_to_connect(

@@ -305,7 +305,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         responses_store: {
             let events = register_int_counter_vec!(
                 "inferlb_responses_store_total",
-                "The balancer's Responses store, by event: stored, expanded (a chain made into a prompt), not_found (a previous_response_id nowhere this instance can reach), broken (a chain missing a part), unsent (a write Redis did not take, retried), hold_expired (an answer that went on before Redis had its exchange).",
+                "The balancer's Responses store, by event: stored, expanded (a chain made into a prompt), not_found (a previous_response_id nowhere this instance can reach), broken (a chain missing a part), unsent (a write Redis did not take, retried), hold_expired (an answer that went on before Redis had its exchange), read_slow (a read that went on without Redis after 250 ms).",
                 &["event"]
             )?;
             // Every event has a series from the start, so dashboards and alerts find them.
@@ -316,6 +316,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
                 "broken",
                 "unsent",
                 "hold_expired",
+                "read_slow",
             ] {
                 events.with_label_values(&[event]);
             }
