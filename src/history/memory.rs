@@ -160,10 +160,8 @@ impl Memory {
             }
             self.remove(k);
         }
-        while scope != SHARED {
-            let Some(q) = self.scopes.get_mut(&scope) else {
-                break;
-            };
+        // The shared scope of a fleet without client keys has no quota of its own.
+        while let Some(q) = self.scopes.get_mut(&scope).filter(|_| scope != SHARED) {
             if q.items <= self.bounds.key_max_items && q.bytes <= self.bounds.key_max_bytes {
                 break;
             }

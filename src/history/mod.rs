@@ -235,7 +235,7 @@ impl Store {
     /// Holds a new exchange here: from now on this process finds it. `None` when it is not
     /// kept: it names itself among its ancestors, or is larger than its key may hold.
     pub fn keep(&self, e: Exchange) -> Option<Arc<Exchange>> {
-        if e.ancestors.iter().any(|a| *a == e.id) {
+        if e.ancestors.contains(&e.id) {
             return None;
         }
         let k = key(e.scope, &e.id);
