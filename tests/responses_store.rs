@@ -463,6 +463,25 @@ fn three_instances_share_every_chain_turn_by_turn() {
         assert_eq!(status, 200, "turn {i} through instance {}: {r}", i % 3);
         last = Some(r["id"].as_str().expect("id").to_owned());
     }
+    // Deleted through one instance: gone through the one that made it and holds it too.
+    let last = last.expect("an id");
+    let url = |lb: &Lb| lb.url(&format!("/v1/responses/{last}"));
+    let maker = &t.lbs[11 % 3];
+    assert_eq!(send(http().get(url(maker)), &[]).0, 200);
+    let (status, _, _) = send(http().delete(url(&t.lbs[0])), &[]);
+    assert_eq!(status, 200);
+    for lb in &t.lbs {
+        assert_eq!(
+            send(http().get(url(lb)), &[]).0,
+            404,
+            "a tombstone hides every copy"
+        );
+    }
+    let (status, err, _) = create(maker, &turn(json!("after"), Some(&last)), &[]);
+    assert_eq!(
+        (status, err["error"]["code"].clone()),
+        (400, json!("previous_response_not_found"))
+    );
 }
 
 #[test]
