@@ -528,3 +528,35 @@ fn redis_killed_mid_chain_keeps_the_chain_where_it_is_held() {
         assert_eq!(status, 200, "after Redis came back: {r}");
     }
 }
+
+#[test]
+fn a_named_key_keeps_its_chains_when_its_value_rotates() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("keys");
+    std::fs::write(&file, "alice sk-alice-old-0001\nbob sk-bob-000000001\n").expect("keys");
+    let mut conf = store_conf("");
+    conf.extra.push_str(&format!(
+        "  api_keys_file: {:?}\n  secrets_reload_interval_seconds: 0.2\n",
+        file.display().to_string()
+    ));
+    let (_a, _b, lb) = cluster(dir.path(), NO_STORE, conf);
+    let old = [("authorization", "Bearer sk-alice-old-0001")];
+    let new = [("authorization", "Bearer sk-alice-new-0002")];
+    let bob = [("authorization", "Bearer sk-bob-000000001")];
+    let (status, first, _) = create(&lb, &turn(json!("hello"), None), &old);
+    assert_eq!(status, 200, "{first}");
+    let id = first["id"].as_str().expect("id").to_owned();
+    // Rotated: alice's new value replaces the old one.
+    std::fs::write(&file, "alice sk-alice-new-0002\nbob sk-bob-000000001\n").expect("keys");
+    let rotated = wait_until(Duration::from_secs(5), || {
+        create(&lb, &turn(json!("x"), None), &old).0 == 401
+    });
+    assert!(rotated, "the old value still works");
+    let (status, next, _) = create(&lb, &turn(json!("again"), Some(&id)), &new);
+    assert_eq!(status, 200, "the chain outlives the key's value: {next}");
+    let (status, err, _) = create(&lb, &turn(json!("x"), Some(&id)), &bob);
+    assert_eq!(
+        (status, err["error"]["code"].clone()),
+        (400, json!("previous_response_not_found"))
+    );
+}

@@ -6,6 +6,7 @@
 //! alive, like the TLS certificate reloader): a rotated Kubernetes Secret takes effect without a
 //! restart. A file that cannot be read, or reads as nothing usable, keeps the value in use.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
@@ -185,16 +186,41 @@ pub fn check_key(key: &str, at: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The keys of an `api_keys_file`: one a line; blank lines and `#` comments are ignored.
-pub fn parse_key_file(text: &str) -> Result<Vec<String>, String> {
+/// The keys of an `api_keys_file`: one a line, alone or after its name (`alice sk-...`); blank
+/// lines and `#` comments are ignored. A key keeps its name across a rotation: two lines may
+/// give one name (the old key and the new), and what is kept for a name (the balancer's
+/// Responses store) is kept for both.
+pub fn parse_key_file(text: &str) -> Result<Vec<(Option<String>, String)>, String> {
     let mut keys = vec![];
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        check_key(line, &format!("line {}", i + 1))?;
-        keys.push(line.to_string());
+        let at = format!("line {}", i + 1);
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (name, key) = match fields[..] {
+            [key] => (None, key),
+            [name, key] => {
+                let ok = name.len() <= 64
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+                if !ok {
+                    return Err(format!(
+                        "{at}: a name is up to 64 letters, digits, `-`, `_` or `.`"
+                    ));
+                }
+                (Some(name.to_owned()), key)
+            }
+            _ => {
+                return Err(format!(
+                    "{at}: a line is a key, or a name and a key; a key may not contain spaces"
+                ))
+            }
+        };
+        check_key(key, &at)?;
+        keys.push((name, key.to_string()));
     }
     Ok(keys)
 }
@@ -220,6 +246,8 @@ pub struct KeyList {
     fixed: Vec<String>,
     file: Option<PathBuf>,
     current: ArcSwap<Vec<String>>,
+    /// The names the file gives its keys (key → name).
+    names: ArcSwap<HashMap<String, Arc<str>>>,
     loaded: Mutex<Vec<u8>>,
     sources: String,
     /// Some keys are written in the conf.
@@ -233,6 +261,7 @@ impl KeyList {
             fixed: vec![],
             file: None,
             current: ArcSwap::from_pointee(vec![]),
+            names: ArcSwap::from_pointee(HashMap::new()),
             loaded: Mutex::new(vec![]),
             sources: String::new(),
             in_conf: false,
@@ -275,8 +304,11 @@ impl KeyList {
             from_file = file_keys(&loaded, path).map_err(|e| format!("{at}: {e}"))?;
             sources.push(format!("file {}", path.display()));
         }
+        let names = names_of(&from_file);
+        let from_file: Vec<String> = from_file.into_iter().map(|(_, k)| k).collect();
         let list = Arc::new(KeyList {
             current: ArcSwap::from_pointee([fixed.clone(), from_file].concat()),
+            names: ArcSwap::from_pointee(names),
             fixed,
             file: file.map(Path::to_path_buf),
             loaded: Mutex::new(loaded),
@@ -298,14 +330,26 @@ impl KeyList {
         self.current.load().is_empty()
     }
 
+    /// The name `api_keys_file` gives `key` (one of [`KeyList::current`]), if any.
+    pub fn name_of(&self, key: &[u8]) -> Option<Arc<str>> {
+        let key = std::str::from_utf8(key).ok()?;
+        self.names.load().get(key).cloned()
+    }
+
     /// Some keys are written in the conf itself (`api_keys:`).
     pub fn in_conf(&self) -> bool {
         self.in_conf
     }
 }
 
-/// The keys of a key file's bytes; none at all is an error.
-fn file_keys(bytes: &[u8], path: &Path) -> Result<Vec<String>, String> {
+fn names_of(keys: &[(Option<String>, String)]) -> HashMap<String, Arc<str>> {
+    keys.iter()
+        .filter_map(|(n, k)| Some((k.clone(), Arc::from(n.as_deref()?))))
+        .collect()
+}
+
+/// The keys of a key file's bytes, with their names; none at all is an error.
+fn file_keys(bytes: &[u8], path: &Path) -> Result<Vec<(Option<String>, String)>, String> {
     let text =
         std::str::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", path.display()))?;
     let keys = parse_key_file(text).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -340,6 +384,8 @@ impl Watched for KeyList {
             return Ok(false);
         }
         let keys = file_keys(&bytes, path)?;
+        self.names.store(Arc::new(names_of(&keys)));
+        let keys: Vec<String> = keys.into_iter().map(|(_, k)| k).collect();
         self.current
             .store(Arc::new([self.fixed.clone(), keys].concat()));
         *loaded = bytes;
@@ -442,11 +488,26 @@ mod tests {
             ("\r\nk3-abcdefgh\r\n", &["k3-abcdefgh"]),
         ];
         for (text, want) in ok {
-            assert_eq!(parse_key_file(text).unwrap(), want, "{text:?}");
+            let keys: Vec<String> = parse_key_file(text)
+                .unwrap()
+                .into_iter()
+                .map(|(_, k)| k)
+                .collect();
+            assert_eq!(keys, want, "{text:?}");
         }
+        assert_eq!(
+            parse_key_file("alice k1-abcdefgh\n  bob\tk2-abcdefgh\nk3-abcdefgh\n").unwrap(),
+            [
+                (Some("alice".to_string()), "k1-abcdefgh".to_string()),
+                (Some("bob".to_string()), "k2-abcdefgh".to_string()),
+                (None, "k3-abcdefgh".to_string()),
+            ]
+        );
         for (text, needle) in [
             ("k1-abcdefgh\nshort\n", "line 2"),
             ("has a space-in-it\n", "spaces"),
+            ("al/ice k1-abcdefgh\n", "a name"),
+            ("alice short\n", "line 1"),
         ] {
             let e = parse_key_file(text).unwrap_err();
             assert!(e.contains(needle), "{e}");

@@ -115,31 +115,38 @@ fn path_of<'a>(method: &http::Method, path: &'a str) -> Path<'a> {
 }
 
 impl Balancer {
-    /// The client key's scope: the listed key's conf name (overload protection's `keys`), so a
-    /// rotated value keeps its chains; else the key itself, hashed; one scope without keys.
+    /// The client key's scope: the key's name (`api_keys_file`'s `name key` lines, or
+    /// overload protection's `keys`), so a rotated value keeps its chains; else the key itself,
+    /// hashed; one shared scope without keys.
     fn scope(&self, session: &Session) -> u64 {
         if self.conf.api_keys.current().is_empty() {
-            return 0;
+            return crate::history::memory::SHARED;
         }
         let headers = &session.req_header().headers;
+        let key = headers
+            .get("authorization")
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .or_else(|| headers.get("x-api-key").map(|v| v.as_bytes()))
+            .unwrap_or(b"");
+        let name = self
+            .conf
+            .api_keys
+            .name_of(key)
+            .or_else(|| self.overload.as_ref().and_then(|o| o.key_name(headers)));
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         h.update(b"inferlb-scope\0");
-        match self.overload.as_ref().and_then(|o| o.key_name(headers)) {
+        match name {
             Some(name) => {
                 h.update(b"name\0");
                 h.update(name.as_bytes());
             }
             None => {
-                let key = headers
-                    .get("authorization")
-                    .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-                    .or_else(|| headers.get("x-api-key").map(|v| v.as_bytes()))
-                    .unwrap_or(b"");
                 h.update(b"key\0");
                 h.update(key);
             }
         }
-        h.digest()
+        // Never the shared scope's tag.
+        h.digest().max(1)
     }
 
     /// Before routing, with the store in the balancer: a create request's chain expanded, or
