@@ -108,10 +108,17 @@ impl Memory {
     /// Holds `exchange` under `key` (replacing what it held), then evicts past the bounds:
     /// expired first, then the key's own oldest past its quota, then the least recently used.
     /// An exchange larger than its key's quota is not held at all.
-    pub fn insert(&mut self, key: u64, exchange: Arc<Exchange>, made_here: bool, now: u64) {
+    /// `used_at`: when its TTL starts (it was made, or read from Redis).
+    pub fn insert(
+        &mut self,
+        key: u64,
+        exchange: Arc<Exchange>,
+        made_here: bool,
+        used_at: u64,
+        now: u64,
+    ) {
         self.remove(key);
         let size = exchange.size();
-        let used_at = exchange.stored_at;
         let too_big = size > self.bounds.max_bytes
             || (exchange.scope != SHARED && size > self.bounds.key_max_bytes);
         if too_big || self.expired(used_at, now) {
@@ -242,10 +249,10 @@ mod tests {
     fn the_least_recently_used_go_first_past_the_count() {
         let mut m = Memory::new(bounds());
         for k in 1..=4 {
-            m.insert(k, exchange("r", k, 10, 0), true, 0);
+            m.insert(k, exchange("r", k, 10, 0), true, 0, 0);
         }
         assert!(m.get(1, 1).is_some(), "1 is used again");
-        m.insert(5, exchange("r", 5, 10, 0), true, 1);
+        m.insert(5, exchange("r", 5, 10, 0), true, 0, 1);
         assert_eq!(held(&mut m, &[1, 2, 3, 4, 5], 1), [1, 3, 4, 5]);
         assert_eq!(m.len(), 4);
     }
@@ -258,12 +265,12 @@ mod tests {
             ..bounds()
         });
         for k in 1..=4 {
-            m.insert(k, exchange("r", k, 1000, 0), true, 0);
+            m.insert(k, exchange("r", k, 1000, 0), true, 0, 0);
         }
         assert_eq!(held(&mut m, &[1, 2, 3, 4], 0), [2, 3, 4]);
         assert_eq!(m.bytes(), 3 * one);
         m.remove(3);
-        m.insert(2, exchange("r", 2, 1000, 0), true, 0);
+        m.insert(2, exchange("r", 2, 1000, 0), true, 0, 0);
         assert_eq!(
             m.bytes(),
             2 * one,
@@ -274,8 +281,8 @@ mod tests {
     #[test]
     fn an_exchange_expires_with_its_ttl() {
         let mut m = Memory::new(bounds());
-        m.insert(1, exchange("r", 1, 1, 0), true, 0);
-        m.insert(2, exchange("r", 1, 1, 50), true, 50);
+        m.insert(1, exchange("r", 1, 1, 0), true, 0, 0);
+        m.insert(2, exchange("r", 1, 1, 50), true, 50, 50);
         let peeked = |m: &Memory, now| {
             [1, 2]
                 .into_iter()
@@ -288,7 +295,7 @@ mod tests {
         assert_eq!(peeked(&m, 150), Vec::<u64>::new());
         assert!(m.get(2, 150).is_none());
         assert!(m.is_empty() && m.bytes() == 0);
-        m.insert(3, exchange("r", 1, 1, 0), true, 200);
+        m.insert(3, exchange("r", 1, 1, 0), true, 0, 200);
         assert!(m.get(3, 200).is_none(), "stored expired: not held");
     }
 
@@ -298,41 +305,41 @@ mod tests {
             max_items: 10,
             ..bounds()
         });
-        m.insert(100, exchange("other", 9, 1, 0), true, 0);
+        m.insert(100, exchange("other", 9, 1, 0), true, 0, 0);
         for k in 1..=3 {
-            m.insert(k, exchange("r", 1, 1, 0), true, 0);
+            m.insert(k, exchange("r", 1, 1, 0), true, 0, 0);
         }
         assert!(
             m.get(1, 0).is_some(),
             "1 is used again: 2 is its key's least recent"
         );
-        m.insert(4, exchange("r", 1, 1, 0), true, 0);
-        m.insert(5, exchange("r", 1, 1, 0), true, 0);
+        m.insert(4, exchange("r", 1, 1, 0), true, 0, 0);
+        m.insert(5, exchange("r", 1, 1, 0), true, 0, 0);
         assert_eq!(held(&mut m, &[100, 1, 2, 3, 4, 5], 0), [100, 1, 4, 5]);
         let size = exchange("r", 1, 100, 0).size();
         let mut m = Memory::new(Bounds {
             key_max_bytes: 2 * size,
             ..bounds()
         });
-        m.insert(100, exchange("other", 9, 100, 0), true, 0);
+        m.insert(100, exchange("other", 9, 100, 0), true, 0, 0);
         for k in 1..=3 {
-            m.insert(k, exchange("r", 1, 100, 0), true, 0);
+            m.insert(k, exchange("r", 1, 100, 0), true, 0, 0);
         }
         assert_eq!(held(&mut m, &[100, 1, 2, 3], 0), [100, 2, 3]);
-        m.insert(4, exchange("r", 1, 1000, 0), true, 0);
+        m.insert(4, exchange("r", 1, 1000, 0), true, 0, 0);
         assert!(m.get(4, 0).is_none(), "larger than the quota: never held");
     }
 
     #[test]
     fn a_use_restarts_the_ttl_and_the_shared_scope_has_no_quota() {
         let mut m = Memory::new(bounds());
-        m.insert(1, exchange("r", 1, 1, 0), true, 0);
+        m.insert(1, exchange("r", 1, 1, 0), true, 0, 0);
         assert!(m.get(1, 90).is_some());
         assert!(m.get(1, 180).is_some(), "used at 90: lives to 190");
         assert!(m.peek(1, 280).is_none());
         let mut m = Memory::new(bounds());
         for k in 1..=4 {
-            m.insert(k, exchange("r", SHARED, 1, 0), true, 0);
+            m.insert(k, exchange("r", SHARED, 1, 0), true, 0, 0);
         }
         assert_eq!(m.len(), 4, "only the store's bound (4) applies");
     }
@@ -340,8 +347,8 @@ mod tests {
     #[test]
     fn only_what_was_made_here_is_written_again() {
         let mut m = Memory::new(bounds());
-        m.insert(1, exchange("a", 1, 1, 0), true, 0);
-        m.insert(2, exchange("b", 1, 1, 0), false, 0);
+        m.insert(1, exchange("a", 1, 1, 0), true, 0, 0);
+        m.insert(2, exchange("b", 1, 1, 0), false, 0, 0);
         let mine: Vec<u64> = m.made_here(1).into_iter().map(|(k, _)| k).collect();
         assert_eq!(mine, [1]);
     }

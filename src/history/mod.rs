@@ -199,7 +199,8 @@ impl Store {
             return None;
         }
         let e = Arc::new(e);
-        self.memory(|m| m.insert(k, e.clone(), false, now));
+        // Read now: its TTL starts now here (Redis renews it as its chain goes on).
+        self.memory(|m| m.insert(k, e.clone(), false, now, now));
         Some(e)
     }
 
@@ -240,30 +241,43 @@ impl Store {
         }
         let k = key(e.scope, &e.id);
         let e = Arc::new(e);
+        let now = now();
         let held = self.memory(|m| {
-            m.insert(k, e.clone(), true, now());
-            m.peek(k, now()).is_some()
+            m.insert(k, e.clone(), true, e.stored_at.min(now), now);
+            m.peek(k, now).is_some()
         });
         if !held {
             return None;
         }
         event("stored");
-        if self.link.is_some() {
-            let mut unsent = lock(&self.unsent);
-            // A long outage keeps at most what memory may hold (an exchange evicted meanwhile
-            // is skipped when the rest is written).
-            if unsent.len() < self.conf.max_items {
-                unsent.insert(k);
-            }
-        }
         Some(e)
+    }
+
+    /// Marks an exchange made here as not in Redis yet: it is written when Redis is back. At
+    /// most as many as memory may hold, those it still holds first.
+    fn not_sent(&self, k: u64) {
+        if self.link.is_none() {
+            return;
+        }
+        let mut unsent = lock(&self.unsent);
+        if unsent.len() >= self.conf.max_items {
+            let now = now();
+            let m = lock(&self.memory);
+            unsent.retain(|k| m.peek(*k, now).is_some());
+        }
+        if unsent.len() < self.conf.max_items {
+            unsent.insert(k);
+        }
     }
 
     /// Writes a kept exchange to Redis, renewing its ancestors' TTL; it stays unsent (written
     /// when Redis is back) if that fails.
     pub async fn share(&self, e: &Exchange) {
-        let Some(link) = self.up() else { return };
         let k = key(e.scope, &e.id);
+        let Some(link) = self.up() else {
+            self.not_sent(k);
+            return;
+        };
         let Ok(json) = serde_json::to_vec(e) else {
             return;
         };
@@ -281,11 +295,10 @@ impl Store {
                 .ignore();
         }
         match link.pipe::<()>(Lane::Bulk, &pipe).await {
-            Ok(()) => {
-                lock(&self.unsent).remove(&k);
-            }
+            Ok(()) => {}
             Err(e) => {
                 event("unsent");
+                self.not_sent(k);
                 log::debug!("writing a stored response to redis: {e}");
             }
         }
@@ -298,7 +311,10 @@ impl Store {
     /// caller should wait instead, before its chunk goes on.
     pub fn keep_and_share(self: &Arc<Self>, e: Exchange) -> Option<Duration> {
         let e = self.keep(e)?;
-        self.up()?;
+        if self.up().is_none() {
+            self.not_sent(key(e.scope, &e.id));
+            return None;
+        }
         let (done, wait) = std::sync::mpsc::sync_channel::<()>(1);
         let store = self.clone();
         tokio::spawn(async move {
@@ -388,37 +404,57 @@ impl Store {
             todo.extend(mine.into_iter().filter(|(k, _)| !known.contains(k)));
         }
         let mut sent = 0;
-        for batch in todo.chunks(64) {
+        // Batches of about 4 MiB: each must land within the bulk lane's bound.
+        let mut batches: Vec<Vec<(u64, Vec<u8>)>> = vec![];
+        let mut bytes = 0;
+        for (k, e) in todo {
+            let Ok(json) = serde_json::to_vec(&*e) else {
+                continue;
+            };
+            if batches.is_empty() || bytes + json.len() > 4 << 20 {
+                batches.push(vec![]);
+                bytes = 0;
+            }
+            bytes += json.len();
+            if let Some(b) = batches.last_mut() {
+                b.push((k, json));
+            }
+        }
+        for batch in batches {
             let mut exists = redis::pipe();
-            for (k, _) in batch {
+            for (k, _) in &batch {
                 exists.exists(gone_key(*k));
             }
             let deleted: Vec<i64> = link.pipe(Lane::Bulk, &exists).await?;
             let mut pipe = redis::pipe();
-            for ((k, e), gone) in batch.iter().zip(deleted) {
-                let Ok(json) = serde_json::to_vec(&**e) else {
-                    continue;
-                };
+            let mut sets = 0;
+            for ((k, json), gone) in batch.iter().zip(deleted) {
                 if gone == 1 {
                     continue;
                 }
                 pipe.cmd("SET")
                     .arg(redis_key(*k))
-                    .arg(json)
+                    .arg(json.as_slice())
                     .arg("EX")
                     .arg(self.ttl())
                     .arg("NX")
                     .ignore();
+                sets += 1;
             }
-            link.pipe::<()>(Lane::Bulk, &pipe).await?;
+            if sets > 0 {
+                link.pipe::<()>(Lane::Bulk, &pipe).await?;
+            }
             let mut unsent = lock(&self.unsent);
-            for (k, _) in batch {
+            for (k, _) in &batch {
                 unsent.remove(k);
             }
-            sent += batch.len();
+            sent += sets;
         }
         // What memory evicted before it could be written is gone for Redis too.
-        lock(&self.unsent).retain(|k| self.memory(|m| m.peek(*k, now).is_some()));
+        {
+            let m = lock(&self.memory);
+            lock(&self.unsent).retain(|k| m.peek(*k, now).is_some());
+        }
         Ok(sent)
     }
 }
@@ -456,7 +492,16 @@ impl BackgroundService for Resender {
                 _ = shutdown.changed() => return,
             };
             if seen != Some(generation) {
-                let done = match run_id(&link).await {
+                // A user Redis refuses INFO (an ACL without @dangerous): no restart is seen, but
+                // what was not sent is still written.
+                let id = match run_id(&link).await {
+                    Err(crate::link::Failed::Refused(e)) => {
+                        log::warn!("redis refuses INFO ({e}): a restart of redis is not detected, and exchanges made before it are not written again");
+                        Ok(String::new())
+                    }
+                    other => other,
+                };
+                let done = match id {
                     Ok(id) => {
                         // Another server than the last one seen: it may have come back empty.
                         let restarted = server.as_ref().is_some_and(|s| *s != id);

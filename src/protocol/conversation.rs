@@ -278,8 +278,10 @@ impl EventRewriter {
 
     /// The whole events `chunk` completes, rewritten; the rest waits for its end.
     pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        // Only the new bytes (and the three before them) can hold a new blank line.
+        let from = self.pending.len().saturating_sub(3);
         self.pending.extend_from_slice(chunk);
-        let Some(end) = last_boundary(&self.pending) else {
+        let Some(end) = last_boundary(&self.pending[from..]).map(|e| e + from) else {
             return Bytes::new();
         };
         let rest = self.pending.split_off(end);
@@ -444,17 +446,21 @@ pub fn input_items(e: &Exchange, page: &Page) -> Bytes {
             .map_or(items.len(), |p| p + 1),
         None => 0,
     };
-    let (start, end) = match &page.before {
-        // The page just before that item, in the same order.
+    let (start, end, has_more) = match &page.before {
+        // The page just before that item, in the same order: more lie before it.
         Some(before) => {
             let until = items
                 .iter()
                 .position(|(id, _)| id == before)
-                .unwrap_or(0)
+                .unwrap_or(start)
                 .max(start);
-            (until.saturating_sub(page.limit).max(start), until)
+            let from = until.saturating_sub(page.limit).max(start);
+            (from, until, from > start)
         }
-        None => (start, (start + page.limit).min(items.len())),
+        None => {
+            let end = (start + page.limit).min(items.len());
+            (start, end, end < items.len())
+        }
     };
     let shown = &items[start..end];
     let mut out = String::from(r#"{"object":"list","data":["#);
@@ -473,7 +479,7 @@ pub fn input_items(e: &Exchange, page: &Page) -> Bytes {
         r#"],"first_id":{},"last_id":{},"has_more":{}}}"#,
         id(shown.first()),
         id(shown.last()),
-        end < items.len()
+        has_more
     ));
     Bytes::from(out)
 }
@@ -716,6 +722,17 @@ mod tests {
             next["last_id"].as_str().expect("id")
         ));
         assert_eq!(back["data"][0]["id"], desc["last_id"], "the page before");
+        assert_eq!(back["has_more"], json!(true), "the newest lies before it");
+        let first_page = list(&format!(
+            "limit=5&before={}",
+            desc["last_id"].as_str().expect("id")
+        ));
+        assert_eq!(
+            first_page["has_more"],
+            json!(false),
+            "nothing before the newest"
+        );
+        assert_eq!(list("before=unknown")["has_more"], json!(false));
         let none = list("after=unknown");
         assert_eq!(none["data"], json!([]));
         assert_eq!(none["first_id"], Value::Null);

@@ -188,7 +188,8 @@ impl Balancer {
                         let body = conv::input_items(&e, &page);
                         self.answer(session, ctx, body).await
                     }
-                    None => not_found(id),
+                    // A replica's own, from before the switch, if one says so.
+                    None => self.on_a_replica(id, ctx).await,
                 }
             }
             Path::Other => Next::Go,
