@@ -18,6 +18,12 @@ use serde_json::value::RawValue;
 
 use crate::protocol::members::Members;
 
+mod events;
+mod items;
+
+pub use events::EventRewriter;
+pub use items::{input_items, page, Page};
+
 /// Why a create request's conversation fields cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BadTurn {
@@ -138,7 +144,7 @@ impl Exchange {
 }
 
 /// The items of a raw JSON array (empty when it is not one).
-fn elements(array: &RawValue) -> Vec<&RawValue> {
+pub(super) fn elements(array: &RawValue) -> Vec<&RawValue> {
     serde_json::from_str(array.get()).unwrap_or_default()
 }
 
@@ -217,7 +223,7 @@ pub struct Sent {
 }
 
 impl Sent {
-    fn apply(&self, m: &mut Members) {
+    pub(super) fn apply(&self, m: &mut Members) {
         m.set("store", if self.store { "true" } else { "false" });
         match &self.previous {
             Some(id) => m.set(
@@ -251,278 +257,6 @@ pub fn id_and_status(response: &[u8]) -> Option<(String, String)> {
 /// Whether a response in this status is kept: finished, whole or cut short by a limit.
 pub fn is_kept(status: &str) -> bool {
     matches!(status, "completed" | "incomplete")
-}
-
-/// A Responses stream as it passes: each event whose `response` member is the response object
-/// (`response.created`, `.in_progress`, `.completed`, ...) gets the client's fields back; any
-/// other event passes byte for byte. Events are passed whole, once their blank line came.
-#[derive(Debug)]
-pub struct EventRewriter {
-    sent: Sent,
-    pending: Vec<u8>,
-    /// The final response object (`response.completed` or `.incomplete`), as rewritten.
-    last: Option<Bytes>,
-}
-
-/// The events of a stream that end it with a response worth keeping.
-const FINAL: [&str; 2] = ["response.completed", "response.incomplete"];
-
-impl EventRewriter {
-    pub fn new(sent: Sent) -> EventRewriter {
-        EventRewriter {
-            sent,
-            pending: Vec::new(),
-            last: None,
-        }
-    }
-
-    /// The whole events `chunk` completes, rewritten; the rest waits for its end.
-    pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
-        // Only the new bytes (and the three before them) can hold a new blank line.
-        let from = self.pending.len().saturating_sub(3);
-        self.pending.extend_from_slice(chunk);
-        let Some(end) = last_boundary(&self.pending[from..]).map(|e| e + from) else {
-            return Bytes::new();
-        };
-        let rest = self.pending.split_off(end);
-        let whole = std::mem::replace(&mut self.pending, rest);
-        let mut out = Vec::with_capacity(whole.len() + 64);
-        for event in split_events(&whole) {
-            self.event(event, &mut out);
-        }
-        Bytes::from(out)
-    }
-
-    /// What is left once the stream ended (an event without its blank line), as it came.
-    pub fn finish(&mut self) -> Bytes {
-        Bytes::from(std::mem::take(&mut self.pending))
-    }
-
-    /// The final response object seen, once.
-    pub fn take_final(&mut self) -> Option<Bytes> {
-        self.last.take()
-    }
-
-    /// Bytes of an event not yet whole.
-    pub fn pending_len(&self) -> usize {
-        self.pending.len()
-    }
-
-    /// Whether the final response object has been seen (and not taken).
-    pub fn has_final(&self) -> bool {
-        self.last.is_some()
-    }
-
-    fn event(&mut self, event: &[u8], out: &mut Vec<u8>) {
-        let rewritten = self.rewrite(event);
-        out.extend_from_slice(rewritten.as_deref().unwrap_or(event));
-    }
-
-    fn rewrite(&mut self, event: &[u8]) -> Option<Vec<u8>> {
-        memchr::memmem::find(event, b"\"response\":")?;
-        let mut out = Vec::with_capacity(event.len() + 64);
-        let mut changed = false;
-        for line in event.split_inclusive(|&b| b == b'\n') {
-            let Some(data) = line.strip_prefix(b"data:") else {
-                out.extend_from_slice(line);
-                continue;
-            };
-            let eol = line.len() - line.trim_ascii_end().len();
-            let json = data[..data.len() - eol].trim_ascii();
-            match self.data(json) {
-                Some(new) => {
-                    out.extend_from_slice(b"data: ");
-                    out.extend_from_slice(&new);
-                    out.extend_from_slice(&line[line.len() - eol..]);
-                    changed = true;
-                }
-                None => out.extend_from_slice(line),
-            }
-        }
-        changed.then_some(out)
-    }
-
-    fn data(&mut self, json: &[u8]) -> Option<Bytes> {
-        let mut m = Members::parse(json).ok()?;
-        let response = m.get("response").filter(|r| r.get().starts_with('{'))?;
-        let restored = restore(response.get().as_bytes(), &self.sent)?;
-        let kind: Option<String> = m
-            .get("type")
-            .and_then(|t| serde_json::from_str(t.get()).ok());
-        if kind.as_deref().is_some_and(|k| FINAL.contains(&k)) {
-            self.last = Some(restored.clone());
-        }
-        let text = String::from_utf8(restored.to_vec()).ok()?;
-        m.set_owned("response", RawValue::from_string(text).ok()?);
-        Some(m.bytes())
-    }
-}
-
-/// The end of the last whole event in `buf` (past its blank line).
-fn last_boundary(buf: &[u8]) -> Option<usize> {
-    let lf = memchr::memmem::rfind(buf, b"\n\n").map(|i| i + 2);
-    let crlf = memchr::memmem::rfind(buf, b"\r\n\r\n").map(|i| i + 4);
-    lf.max(crlf)
-}
-
-/// Whole events, each with its blank line.
-fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut rest = buf;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let lf = memchr::memmem::find(rest, b"\n\n").map(|i| i + 2);
-        let crlf = memchr::memmem::find(rest, b"\r\n\r\n").map(|i| i + 4);
-        let end = match (lf, crlf) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b).unwrap_or(rest.len()),
-        };
-        let (event, tail) = rest.split_at(end);
-        rest = tail;
-        Some(event)
-    })
-}
-
-/// `GET /v1/responses/{id}/input_items`' query: OpenAI's paging.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Page {
-    pub after: Option<String>,
-    pub before: Option<String>,
-    pub limit: usize,
-    /// Oldest first; OpenAI's default is newest first.
-    pub ascending: bool,
-}
-
-/// Reads the paging query, or why not (`limit` 1 to 100, `order` asc or desc).
-pub fn page(query: Option<&str>) -> Result<Page, String> {
-    let mut page = Page {
-        after: None,
-        before: None,
-        limit: 20,
-        ascending: false,
-    };
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        match k {
-            "after" => page.after = Some(v.to_owned()).filter(|v| !v.is_empty()),
-            "before" => page.before = Some(v.to_owned()).filter(|v| !v.is_empty()),
-            "limit" => {
-                page.limit = v
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=100).contains(n))
-                    .ok_or_else(|| format!("limit: `{v}` is not an integer from 1 to 100"))?
-            }
-            "order" => {
-                page.ascending = match v {
-                    "asc" => true,
-                    "desc" => false,
-                    _ => return Err(format!("order: `{v}` is not `asc` or `desc`")),
-                }
-            }
-            // `include[]` and the like change what an item shows, not which: ignored.
-            _ => {}
-        }
-    }
-    Ok(page)
-}
-
-/// One page of an exchange's input items, in OpenAI's list shape. An item sent without an
-/// `id` is given one made from the response's id and its place, the same on every call.
-pub fn input_items(e: &Exchange, page: &Page) -> Bytes {
-    let mut items: Vec<(String, Cow<'_, RawValue>)> = elements(&e.input)
-        .into_iter()
-        .enumerate()
-        .map(|(i, item)| with_id(&e.id, i, item))
-        .collect();
-    if !page.ascending {
-        items.reverse();
-    }
-    let start = match &page.after {
-        Some(after) => items
-            .iter()
-            .position(|(id, _)| id == after)
-            .map_or(items.len(), |p| p + 1),
-        None => 0,
-    };
-    let (start, end, has_more) = match &page.before {
-        // The page just before that item, in the same order: more lie before it.
-        Some(before) => {
-            let until = items
-                .iter()
-                .position(|(id, _)| id == before)
-                .unwrap_or(start)
-                .max(start);
-            let from = until.saturating_sub(page.limit).max(start);
-            (from, until, from > start)
-        }
-        None => {
-            let end = (start + page.limit).min(items.len());
-            (start, end, end < items.len())
-        }
-    };
-    let shown = &items[start..end];
-    let mut out = String::from(r#"{"object":"list","data":["#);
-    for (i, (_, item)) in shown.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        out.push_str(item.get());
-    }
-    let id = |x: Option<&(String, Cow<RawValue>)>| {
-        x.map_or("null".to_owned(), |(id, _)| {
-            serde_json::to_string(id).expect("a string serialises")
-        })
-    };
-    out.push_str(&format!(
-        r#"],"first_id":{},"last_id":{},"has_more":{}}}"#,
-        id(shown.first()),
-        id(shown.last()),
-        has_more
-    ));
-    Bytes::from(out)
-}
-
-fn with_id<'a>(response: &str, i: usize, item: &'a RawValue) -> (String, Cow<'a, RawValue>) {
-    let Ok(mut m) = Members::parse(item.get().as_bytes()) else {
-        return (format!("item_{i}"), Cow::Borrowed(item));
-    };
-    // A message's text content, as OpenAI lists it: a list of parts.
-    let text: Option<String> = m
-        .get("content")
-        .and_then(|c| serde_json::from_str::<String>(c.get()).ok());
-    let given = m
-        .get("id")
-        .and_then(|id| serde_json::from_str::<String>(id.get()).ok());
-    if let Some(text) = &text {
-        let role: Option<String> = m
-            .get("role")
-            .and_then(|r| serde_json::from_str(r.get()).ok());
-        let kind = if role.as_deref() == Some("assistant") {
-            "output_text"
-        } else {
-            "input_text"
-        };
-        let parts = serde_json::json!([{"type": kind, "text": text}]);
-        m.set("content", &parts.to_string());
-        if !m.has("type") {
-            m.set("type", "\"message\"");
-        }
-    }
-    if let (Some(id), None) = (&given, &text) {
-        return (id.clone(), Cow::Borrowed(item));
-    }
-    let id = given.unwrap_or_else(|| {
-        let h = xxhash_rust::xxh3::xxh3_64(response.as_bytes());
-        format!("msg_{h:016x}{i:04x}")
-    });
-    m.set(
-        "id",
-        &serde_json::to_string(&id).expect("a string serialises"),
-    );
-    let text = String::from_utf8(m.bytes().to_vec()).expect("JSON is UTF-8");
-    (id, Cow::Owned(RawValue::from_string(text).expect("JSON")))
 }
 
 #[cfg(test)]
@@ -649,93 +383,5 @@ mod tests {
             json!({"id":"resp_2","store":true,"previous_response_id":"resp_1","output":[]})
         );
         assert_eq!(restore(b"[]", &sent), None);
-    }
-
-    #[test]
-    fn a_stream_is_rewritten_event_by_event_wherever_it_is_cut() {
-        let stream = concat!(
-            "event: response.created\n",
-            "data: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_2\",\"store\":false,\"previous_response_id\":null}}\n\n",
-            "event: response.output_text.delta\n",
-            "data: {\"type\":\"response.output_text.delta\",\"delta\":\"say \\\"response\\\": x\"}\n\n",
-            "event: response.completed\r\n",
-            "data: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_2\",\"status\":\"completed\",\"store\":false,\"output\":[]}}\r\n\r\n",
-        )
-        .as_bytes();
-        let sent = Sent {
-            store: true,
-            previous: Some("resp_1".into()),
-        };
-        let mut whole = None;
-        for cut in [0, 1, 30, 150, 200, stream.len() - 1, stream.len()] {
-            let mut r = EventRewriter::new(sent.clone());
-            let mut out = r.feed(&stream[..cut]).to_vec();
-            out.extend_from_slice(&r.feed(&stream[cut..]));
-            out.extend_from_slice(&r.finish());
-            let last = r.take_final().expect("the final object");
-            assert_eq!(value(&last)["previous_response_id"], json!("resp_1"));
-            assert_eq!(whole.get_or_insert(out.clone()), &out, "cut {cut}");
-        }
-        let out = String::from_utf8(whole.expect("out")).expect("UTF-8");
-        assert_eq!(out.matches("\"store\":true").count(), 2, "{out}");
-        assert!(!out.contains("\"store\":false"));
-        assert!(out.contains("\"delta\":\"say \\\"response\\\": x\"}\n\n"));
-        assert!(out.ends_with("}\r\n\r\n"), "line ends kept: {out}");
-    }
-
-    #[test]
-    fn input_items_are_paged_as_openai_does() {
-        let e = exchange(
-            "resp_1",
-            &[],
-            json!([
-                {"type":"message","role":"user","content":"a"},
-                {"type":"function_call_output","call_id":"c","output":"b","id":"fco_1"},
-                {"type":"message","role":"user","content":"c"}
-            ]),
-            json!([]),
-        );
-        let list = |q: &str| value(&input_items(&e, &page(Some(q)).expect("query")));
-        let all = list("order=asc");
-        assert_eq!(all["object"], json!("list"));
-        assert_eq!(all["data"].as_array().map(Vec::len), Some(3));
-        assert_eq!(all["data"][1]["id"], json!("fco_1"));
-        assert_eq!(all["has_more"], json!(false));
-        let first = all["first_id"].as_str().expect("an id").to_owned();
-        assert_eq!(list("order=asc")["first_id"], json!(first), "stable ids");
-        let desc = list("limit=2");
-        assert_eq!(
-            desc["data"][0]["content"],
-            json!([{"type": "input_text", "text": "c"}]),
-            "newest first, its text as OpenAI lists it"
-        );
-        assert_eq!(desc["has_more"], json!(true));
-        let next = list(&format!(
-            "limit=2&after={}",
-            desc["last_id"].as_str().expect("id")
-        ));
-        assert_eq!(next["data"].as_array().map(Vec::len), Some(1));
-        assert_eq!(next["last_id"], json!(first));
-        assert_eq!(next["has_more"], json!(false));
-        let back = list(&format!(
-            "limit=1&before={}",
-            next["last_id"].as_str().expect("id")
-        ));
-        assert_eq!(back["data"][0]["id"], desc["last_id"], "the page before");
-        assert_eq!(back["has_more"], json!(true), "the newest lies before it");
-        let first_page = list(&format!(
-            "limit=5&before={}",
-            desc["last_id"].as_str().expect("id")
-        ));
-        assert_eq!(
-            first_page["has_more"],
-            json!(false),
-            "nothing before the newest"
-        );
-        assert_eq!(list("before=unknown")["has_more"], json!(false));
-        let none = list("after=unknown");
-        assert_eq!(none["data"], json!([]));
-        assert_eq!(none["first_id"], Value::Null);
-        assert!(page(Some("limit=0")).is_err() && page(Some("order=up")).is_err());
     }
 }
