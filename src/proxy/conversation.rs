@@ -123,11 +123,7 @@ impl Balancer {
             return crate::history::memory::SHARED;
         }
         let headers = &session.req_header().headers;
-        let key = headers
-            .get("authorization")
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-            .or_else(|| headers.get("x-api-key").map(|v| v.as_bytes()))
-            .unwrap_or(b"");
+        let key = super::request::presented_key(headers);
         let name = self
             .conf
             .api_keys

@@ -104,17 +104,22 @@ pub fn authorized(keys: &[String], public: &[PathRule], path: &str, req: &Reques
     if keys.is_empty() || crate::protocol::edge::any(public, path) {
         return true;
     }
-    let given = req
-        .headers
-        .get("authorization")
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-        .or_else(|| req.headers.get("x-api-key").map(|v| v.as_bytes()))
-        .unwrap_or(b"");
+    let given = presented_key(&req.headers);
     keys.iter()
         .fold(subtle::Choice::from(0), |ok, key| {
             ok | key.as_bytes().ct_eq(given)
         })
         .into()
+}
+
+/// The client key a request presents (`Authorization: Bearer`, else `x-api-key`); empty
+/// when none.
+pub fn presented_key(headers: &http::HeaderMap) -> &[u8] {
+    headers
+        .get("authorization")
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .or_else(|| headers.get("x-api-key").map(|v| v.as_bytes()))
+        .unwrap_or(b"")
 }
 
 /// Whether `path` (normalised) is ever forwarded: the defaults, or the conf's `forward_paths`.

@@ -9,7 +9,9 @@ which does the same for the Rust tests).
 
 import itertools
 import os
+import signal
 import socket
+import subprocess
 import time
 import urllib.request
 
@@ -69,3 +71,15 @@ def wait_http(url, limit=10.0):
         except OSError:
             time.sleep(0.05)
     return False
+
+
+def stop(p, is_lb):
+    """Stops a process the way it stops cleanly (inferlb: SIGINT, Pingora's quick stop;
+    inferlb-sim: SIGTERM), as the Rust harness does; SIGKILL only if it is still there after
+    10 s."""
+    p.send_signal(signal.SIGINT if is_lb else signal.SIGTERM)
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=10)

@@ -7,7 +7,6 @@ from it for localhost.
 """
 import asyncio
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -19,6 +18,7 @@ import openai
 import pytest
 import trustme
 
+import procs
 from procs import free_port, wait_http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,15 +67,7 @@ class Cluster:
         self.base_url = f"{'https://localhost' if tls else 'http://127.0.0.1'}:{self.port}/v1"
 
     def stop(self, name):
-        # As the Rust harness does: the signal each program stops cleanly on (inferlb: SIGINT,
-        # Pingora's quick stop; inferlb-sim: SIGTERM), SIGKILL only if it is still there after 10 s.
-        p = self.procs.pop(name)
-        p.send_signal(signal.SIGINT if name == "lb" else signal.SIGTERM)
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
+        procs.stop(self.procs.pop(name), name == "lb")
 
     def close(self):
         for name in list(self.procs):

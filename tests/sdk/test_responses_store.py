@@ -8,7 +8,6 @@ Processes start on free loopback ports and are stopped at the end of each test.
 """
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import urllib.request
@@ -16,6 +15,7 @@ import urllib.request
 import openai
 import pytest
 
+import procs
 from procs import free_port, wait_http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,15 +81,7 @@ class StoreCluster:
         return got
 
     def stop(self, name):
-        # As the other SDK tests do: inferlb stops on SIGINT, inferlb-sim on SIGTERM; SIGKILL
-        # only if it is still there after 10 s.
-        p = self.procs.pop(name)
-        p.send_signal(signal.SIGINT if name == "lb" else signal.SIGTERM)
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
+        procs.stop(self.procs.pop(name), name == "lb")
 
     def close(self):
         for name in list(self.procs):
