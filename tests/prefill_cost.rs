@@ -128,3 +128,84 @@ fn each_replicas_cache_size_and_load_are_read_from_its_metrics() {
         "the simulator's /metrics is vLLM's"
     );
 }
+
+/// The replicas' own word corrects the estimate. A stream that does not ask for its usage is
+/// sent asking, and its client gets no usage event; each answer's cached count is set beside
+/// the prediction in the metrics; and a replica that restarted between two health checks
+/// (its cache lost) is found wrong once, then right again.
+#[test]
+fn the_replicas_usage_checks_and_corrects_the_estimate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut a, mut b, lb) = cluster(dir.path(), &[], conf());
+    let history = text_of("usage history", 8000);
+    let messages = [("user", history.as_str())];
+    let r = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(&messages, true, 4))
+        .send()
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let home = r.headers()["x-inferlb-replica"]
+        .to_str()
+        .expect("header")
+        .to_string();
+    let (events, err) = sse_events(r);
+    assert_eq!(err, None);
+    assert_eq!(events.last().map(|e| e.1.as_str()), Some("[DONE]"));
+    assert!(events.len() > 2, "{events:?}");
+    assert!(
+        events.iter().all(|(_, e)| !e.contains("\"usage\":{")),
+        "the client did not ask for usage: {events:?}"
+    );
+    let metrics = || {
+        http()
+            .get(lb.admin_url("/metrics"))
+            .send()
+            .expect("metrics")
+            .text()
+            .expect("text")
+    };
+    let sample = |name: &str, labels: &str| {
+        sample_value(&metrics(), &format!("{name}{{{labels}}}")).unwrap_or(0.0)
+    };
+    let replica = format!("replica=\"{home}\"");
+    // The usage the stream was asked for reached the check: a cold prompt, predicted 0.
+    let reported = sample("inferlb_cache_reported_tokens_total", &replica);
+    assert_eq!(
+        sample("inferlb_cache_predicted_tokens_total", &replica),
+        0.0
+    );
+    // Warm: predicted and reported agree within a block.
+    let (again, _, _) = routed_chat(&lb, &messages);
+    assert_eq!(again, home);
+    let predicted = sample("inferlb_cache_predicted_tokens_total", &replica);
+    let reported = sample("inferlb_cache_reported_tokens_total", &replica) - reported;
+    assert!(predicted >= 7000.0, "{predicted}");
+    assert!(
+        (predicted - reported).abs() <= 17.0,
+        "{predicted} {reported}"
+    );
+    let wrong = |cause: &str| {
+        sample(
+            "inferlb_cache_mispredictions_total",
+            &format!("cause=\"{cause}\",{replica}"),
+        )
+    };
+    assert_eq!(wrong("absent"), 0.0);
+    // The home restarts at once, with an empty cache; its health never flips.
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let (third, _, resp) = routed_chat(&lb, &messages);
+    assert_eq!(third, home);
+    assert_eq!(
+        resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(0),
+        "{resp}"
+    );
+    assert_eq!(wrong("absent"), 1.0, "{}", metrics());
+    // It holds the prompt again, and the index knows it: no second misprediction.
+    routed_chat(&lb, &messages);
+    assert_eq!(wrong("absent"), 1.0);
+    assert_eq!(wrong("evicted"), 0.0);
+}

@@ -15,12 +15,19 @@ use lru::LruCache;
 
 use crate::protocol::api::prompt::Link;
 
-/// Bytes of prompt per token, as the estimate everywhere else in inferlb.
+/// Bytes of prompt per token, as the estimate everywhere else in inferlb: the index, the
+/// shapes and the policies count a prompt's tokens as its bytes over this ("estimate
+/// tokens"). What a replica's tokenizer really gives is learnt from its answers
+/// ([`PrefixIndex::set_bytes_per_token_milli`]) and applied where a real count meets an
+/// estimate: the capacity, and the KV it reports.
 pub const BYTES_PER_TOKEN: u64 = 4;
 
 pub struct PrefixIndex {
     inner: Mutex<Held>,
+    /// The replica's cache in its own tokens.
     capacity_tokens: AtomicU64,
+    /// Bytes of prompt per token of the replica's tokenizer, in thousandths.
+    bytes_per_token_milli: AtomicU64,
     /// Prompts recorded so far: tells whether it changed since a given moment.
     records: AtomicU64,
 }
@@ -39,8 +46,39 @@ impl PrefixIndex {
                 tokens: 0,
             }),
             capacity_tokens: AtomicU64::new(capacity_tokens),
+            bytes_per_token_milli: AtomicU64::new(BYTES_PER_TOKEN * 1000),
             records: AtomicU64::new(0),
         }
+    }
+
+    /// Bytes per token of the replica's tokenizer, in thousandths (learnt from its usage).
+    pub fn bytes_per_token_milli(&self) -> u64 {
+        self.bytes_per_token_milli.load(Ordering::Relaxed)
+    }
+
+    /// A new ratio of bytes to the replica's tokens; takes effect at the next record.
+    pub fn set_bytes_per_token_milli(&self, milli: u64) {
+        self.bytes_per_token_milli
+            .store(milli.clamp(100, 100_000), Ordering::Relaxed);
+    }
+
+    /// `tokens` of the replica's own tokenizer, in estimate tokens (bytes over 4).
+    pub fn to_estimate(&self, tokens: u64) -> u64 {
+        let scaled = u128::from(tokens) * u128::from(self.bytes_per_token_milli())
+            / u128::from(BYTES_PER_TOKEN * 1000);
+        u64::try_from(scaled).unwrap_or(u64::MAX)
+    }
+
+    /// Estimate tokens in the replica's own tokens.
+    pub fn to_replica_tokens(&self, estimate: u64) -> u64 {
+        let scaled = u128::from(estimate) * u128::from(BYTES_PER_TOKEN * 1000)
+            / u128::from(self.bytes_per_token_milli().max(1));
+        u64::try_from(scaled).unwrap_or(u64::MAX)
+    }
+
+    /// What it may hold, in estimate tokens: the capacity in the replica's tokens, scaled.
+    fn bound(&self) -> u64 {
+        self.to_estimate(self.capacity_tokens())
     }
 
     pub fn capacity_tokens(&self) -> u64 {
@@ -50,6 +88,14 @@ impl PrefixIndex {
     /// A new capacity (learnt from the replica); takes effect at the next record.
     pub fn set_capacity_tokens(&self, tokens: u64) {
         self.capacity_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Forgets everything: the replica lost its cache.
+    pub fn clear(&self) {
+        if let Ok(mut held) = self.inner.lock() {
+            held.links.clear();
+            held.tokens = 0;
+        }
     }
 
     /// Tokens of the longest prefix of `links` this replica likely holds.
@@ -76,7 +122,7 @@ impl PrefixIndex {
     /// blocks first.
     pub fn record(&self, links: &[Link]) {
         self.records.fetch_add(1, Ordering::Relaxed);
-        let capacity = self.capacity_tokens();
+        let capacity = self.bound();
         let Ok(mut held) = self.inner.lock() else {
             return;
         };
@@ -120,7 +166,7 @@ impl PrefixIndex {
     /// Adds links another instance's [`Self::recent`] gave, least recent first, under the same
     /// capacity.
     pub fn restore(&self, links: &[(u64, u32)]) {
-        let capacity = self.capacity_tokens();
+        let capacity = self.bound();
         let Ok(mut held) = self.inner.lock() else {
             return;
         };
@@ -225,5 +271,25 @@ mod tests {
         assert!(idx.cached_tokens(&p[2]) > 0);
         let (_, tokens) = idx.size();
         assert!(tokens <= idx.capacity_tokens(), "{tokens}");
+    }
+
+    /// A tokenizer that makes more tokens of the same bytes fills the same capacity sooner.
+    #[test]
+    fn the_capacity_is_in_the_replicas_tokens() {
+        let p: Vec<Vec<Link>> = (0..2)
+            .map(|i| prompt(&[&format!("{i}").repeat(4 * CHUNK_BYTES - 8)]))
+            .collect();
+        // Room for two prompts at 4 bytes a token...
+        let idx = PrefixIndex::new(2 * 4 * CHUNK_BYTES as u64 / 4 + 10);
+        idx.record(&p[0]);
+        idx.record(&p[1]);
+        assert!(idx.cached_tokens(&p[0]) > 0);
+        // ...for one at 2 bytes a token: the same text is twice the tokens.
+        idx.set_bytes_per_token_milli(2000);
+        idx.record(&p[1]);
+        assert_eq!(idx.cached_tokens(&p[0]), 0);
+        assert!(idx.cached_tokens(&p[1]) > 0);
+        assert_eq!(idx.to_estimate(1000), 500);
+        assert_eq!(idx.to_replica_tokens(500), 1000);
     }
 }

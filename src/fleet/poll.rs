@@ -117,6 +117,7 @@ impl LoadReader {
         r.set_reported_load(reported.map(|x| (x.waiting, x.running)));
         r.set_reported_kv_usage(reported.and_then(|x| x.kv_usage_ppm));
         if let Some(tokens) = reported.and_then(|x| x.cache_tokens) {
+            r.cache.capacity_reported();
             if !r.cache.configured && tokens != r.cache.index.capacity_tokens() && tokens > 0 {
                 log::info!("replica {} caches {tokens} tokens (its /metrics)", r.id);
                 r.cache.index.set_capacity_tokens(tokens);

@@ -35,6 +35,9 @@ pub struct Usage {
     pub cached_tokens: u64,
     /// Generated tokens (`completion_tokens`, or `output_tokens`).
     pub completion_tokens: u64,
+    /// The replica reported its cached count (vLLM does only with
+    /// `--enable-prompt-tokens-details`): `cached_tokens` is its word, not a default 0.
+    pub cached_reported: bool,
 }
 
 /// Reads a response's usage (and a Responses answer's id) from its body chunks.
@@ -143,10 +146,12 @@ fn usage_as_written(family: Family, u: Option<&RawValue>) -> Option<Usage> {
                     "completion_tokens",
                 ],
             )?;
+            let cached = as_u64(field(details, "cached_tokens"));
             Some(Usage {
                 prompt_tokens: as_u64(prompt)?,
-                cached_tokens: as_u64(field(details, "cached_tokens")).unwrap_or(0),
+                cached_tokens: cached.unwrap_or(0),
                 completion_tokens: as_u64(completion).unwrap_or(0),
+                cached_reported: cached.is_some(),
             })
         }
         Family::Responses => {
@@ -154,10 +159,12 @@ fn usage_as_written(family: Family, u: Option<&RawValue>) -> Option<Usage> {
                 u?.get().as_bytes(),
                 ["input_tokens", "input_tokens_details", "output_tokens"],
             )?;
+            let cached = as_u64(field(details, "cached_tokens"));
             Some(Usage {
                 prompt_tokens: as_u64(input)?,
-                cached_tokens: as_u64(field(details, "cached_tokens")).unwrap_or(0),
+                cached_tokens: cached.unwrap_or(0),
                 completion_tokens: as_u64(output).unwrap_or(0),
+                cached_reported: cached.is_some(),
             })
         }
         Family::Messages => {
@@ -170,8 +177,10 @@ fn usage_as_written(family: Family, u: Option<&RawValue>) -> Option<Usage> {
                     "output_tokens",
                 ],
             )?;
+            let reported = as_u64(read).is_some();
             let (uncached, read) = (as_u64(input)?, as_u64(read).unwrap_or(0));
             Some(Usage {
+                cached_reported: reported,
                 prompt_tokens: uncached
                     .saturating_add(read)
                     .saturating_add(as_u64(created).unwrap_or(0))
@@ -343,7 +352,8 @@ mod tests {
                 Some(Usage {
                     prompt_tokens: 900,
                     cached_tokens: 640,
-                    completion_tokens: 3
+                    completion_tokens: 3,
+                    cached_reported: true
                 })
             );
         }
@@ -363,7 +373,8 @@ data: [DONE]\n\n";
                 Some(Usage {
                     prompt_tokens: 12,
                     cached_tokens: 8,
-                    completion_tokens: 0
+                    completion_tokens: 0,
+                    cached_reported: true
                 }),
                 "cut {cut}"
             );
@@ -385,7 +396,8 @@ data: [DONE]\n\n";
             Some(Usage {
                 prompt_tokens: 5,
                 cached_tokens: 0,
-                completion_tokens: 0
+                completion_tokens: 0,
+                cached_reported: false
             })
         );
     }
@@ -399,7 +411,8 @@ data: [DONE]\n\n";
             Some(Usage {
                 prompt_tokens: 100,
                 cached_tokens: 64,
-                completion_tokens: 5
+                completion_tokens: 5,
+                cached_reported: true
             })
         );
         assert_eq!(r.response_id(), Some("resp_9"));
@@ -410,7 +423,8 @@ data: [DONE]\n\n";
             Some(Usage {
                 prompt_tokens: 100,
                 cached_tokens: 64,
-                completion_tokens: 5
+                completion_tokens: 5,
+                cached_reported: true
             })
         );
         assert_eq!(r.response_id(), None, "only Responses answers are stored");
@@ -434,7 +448,8 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{
             Some(Usage {
                 prompt_tokens: 50,
                 cached_tokens: 32,
-                completion_tokens: 0
+                completion_tokens: 0,
+                cached_reported: true
             })
         );
         let stream = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":10,\"cache_read_input_tokens\":90,\"output_tokens\":1}}}\n\n\
@@ -447,7 +462,8 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
             Some(Usage {
                 prompt_tokens: 100,
                 cached_tokens: 90,
-                completion_tokens: 7
+                completion_tokens: 7,
+                cached_reported: true
             })
         );
     }
@@ -573,7 +589,8 @@ event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
             Some(Usage {
                 prompt_tokens: max,
                 cached_tokens: max,
-                completion_tokens: max
+                completion_tokens: max,
+                cached_reported: true
             })
         );
     }

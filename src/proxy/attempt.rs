@@ -14,6 +14,11 @@ pub struct Choice {
     pub replica: Arc<Replica>,
     pub route: Route,
     pub prefill: Option<QueuedPrefill>,
+    /// The KV the request's context will hold there, in tokens: its decode load.
+    pub kv_tokens: u64,
+    /// Tokens of the prompt the cache model said the replica holds (checked against the
+    /// answer's usage).
+    pub predicted: u64,
 }
 
 /// Where a try stands, and what it holds on its replica.
@@ -34,15 +39,18 @@ pub struct Attempt {
     pub n: u32,
     pub route: Route,
     pub phase: Phase,
+    /// See [`Choice::predicted`].
+    pub predicted: u64,
 }
 
 impl Attempt {
     /// Try number `n` of `choice`: counted in flight on its replica from now on.
     pub fn start(n: u32, choice: Choice) -> Attempt {
-        let in_flight = choice.replica.start();
+        let in_flight = choice.replica.start_holding(choice.kv_tokens);
         Attempt {
             n,
             route: choice.route,
+            predicted: choice.predicted,
             phase: Phase::Waiting {
                 in_flight,
                 prefill: choice.prefill,

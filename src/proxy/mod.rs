@@ -33,6 +33,7 @@ use crate::fleet::replica::Replica;
 use crate::protocol::api::shape::Shape;
 use crate::protocol::api::{Family, RequestInfo};
 use crate::protocol::body::BodyReplay;
+use crate::protocol::stream_usage::UsageStripper;
 use crate::protocol::usage::{Usage, UsageReader};
 use crate::routing::{Route, Router};
 use crate::telemetry::metrics::METRICS;
@@ -130,6 +131,10 @@ pub struct Ctx {
     last_failure: Option<(Arc<str>, &'static str)>,
     usage_reader: Option<UsageReader>,
     usage: Option<Usage>,
+    /// The stream's usage was asked for on the client's behalf: its usage event is taken out
+    /// of the answer again (see [`crate::protocol::stream_usage`]).
+    usage_asked: bool,
+    usage_stripper: Option<UsageStripper>,
     /// Its place under overload protection (its key's budget, its prefill in transit).
     overload: crate::overload::Pass,
     /// The replica a disaggregated pool's request is served whole on, and why, until it fails.
@@ -182,6 +187,8 @@ impl ProxyHttp for Balancer {
             last_failure: None,
             usage_reader: None,
             usage: None,
+            usage_asked: false,
+            usage_stripper: None,
             overload: Default::default(),
             forced: None,
             pd: Default::default(),
@@ -253,7 +260,11 @@ impl ProxyHttp for Balancer {
         if self.admit_load(session, ctx).await? {
             return Ok(true);
         }
-        self.disaggregate(session, ctx).await
+        if self.disaggregate(session, ctx).await? {
+            return Ok(true);
+        }
+        self.ask_for_usage(session, ctx);
+        Ok(false)
     }
 
     async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
@@ -374,6 +385,14 @@ impl ProxyHttp for Balancer {
                 .get("content-type")
                 .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
             ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
+            if sse && ctx.usage_asked {
+                ctx.usage_stripper = Some(UsageStripper::default());
+                // One event fewer: the length the replica framed it by no longer holds.
+                if resp.headers.contains_key("content-length") {
+                    resp.remove_header("content-length");
+                    let _ = resp.insert_header("transfer-encoding", "chunked");
+                }
+            }
         }
         if ctx.route().is_some() {
             self.conversation_header(resp, ctx);
@@ -389,6 +408,7 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         self.observe_response(body.as_ref(), end_of_stream, ctx);
+        outcome::strip_usage(body, end_of_stream, ctx);
         Ok(self.conversation_body(body, end_of_stream, ctx))
     }
 

@@ -15,6 +15,11 @@ use super::failover::{self, Failed, Failure, Retry, Verdict};
 use super::{stored_key, Balancer, Ctx, NOT_CHAT};
 use crate::cluster::Table;
 use crate::fleet::registry::Registry;
+use crate::fleet::replica::{Check, Replica};
+use crate::protocol::api::prompt::Link;
+use crate::protocol::api::Family;
+use crate::protocol::stream_usage;
+use crate::protocol::usage::Usage;
 use crate::routing::{self, Route};
 use crate::telemetry::access;
 use crate::telemetry::metrics::{code_class, METRICS};
@@ -69,16 +74,17 @@ impl Balancer {
                 c.pin(Table::Affinity, key, &replica.id);
             }
         }
+        let held = candidates.iter().find(|c| c.id == &*replica.id);
+        let cached = held.map_or(0, |c| c.cached_tokens);
         // Overload protection reads queued prefill whatever the policy.
-        let prefill = (cost || self.overload.is_some()).then(|| {
-            let held = candidates.iter().find(|c| c.id == &*replica.id);
-            let cached = held.map_or(0, |c| c.cached_tokens);
-            replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached))
-        });
+        let prefill = (cost || self.overload.is_some())
+            .then(|| replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));
         Some(Choice {
             replica,
             route: decision.route,
             prefill,
+            kv_tokens: shape.prompt_tokens(),
+            predicted: cached,
         })
     }
 
@@ -181,6 +187,29 @@ impl Balancer {
         }
     }
 
+    /// A streamed chat or completions request that does not ask for its usage is sent
+    /// asking, under a policy that learns from usage: the answer's usage event is taken out
+    /// again ([`strip_usage`]). A body Pingora has not read whole is left as it is.
+    pub(super) fn ask_for_usage(&self, session: &mut Session, ctx: &mut Ctx) {
+        let path = session.req_header().uri.path();
+        let streams_completions = matches!(
+            (ctx.family, path),
+            (Family::Chat, "/v1/chat/completions") | (Family::Completions, "/v1/completions")
+        );
+        if !streams_completions
+            || !self.policy.weighs_prefill()
+            || ctx.info.is_none()
+            || ctx.body.tail_pending(session)
+        {
+            return;
+        }
+        if let Some(body) = stream_usage::asking_for_usage(ctx.body.bytes()) {
+            ctx.body.replace(body);
+            ctx.body_replaced = true;
+            ctx.usage_asked = true;
+        }
+    }
+
     /// A response body chunk passed: read its usage, time the first byte.
     pub(super) fn observe_response(
         &self,
@@ -205,15 +234,21 @@ impl Balancer {
             }
             if end_of_stream {
                 ctx.usage_reader = None;
-                if let (Some(u), Some(r)) = (ctx.usage, ctx.current()) {
-                    METRICS
-                        .prompt_tokens
-                        .with_label_values(&[&r.id])
-                        .inc_by(u.prompt_tokens);
-                    METRICS
-                        .cached_tokens
-                        .with_label_values(&[&r.id])
-                        .inc_by(u.cached_tokens);
+                if let (Some(u), Some(a)) = (ctx.usage, ctx.attempt.as_ref()) {
+                    if let Some(r) = a.current() {
+                        METRICS
+                            .prompt_tokens
+                            .with_label_values(&[&r.id])
+                            .inc_by(u.prompt_tokens);
+                        METRICS
+                            .cached_tokens
+                            .with_label_values(&[&r.id])
+                            .inc_by(u.cached_tokens);
+                        if self.policy.weighs_prefill() {
+                            let links = ctx.info.as_ref().map_or(&[][..], |i| i.shape.links());
+                            self.check_prediction(r, links, a.predicted, &u);
+                        }
+                    }
                 }
             }
         }
@@ -233,6 +268,30 @@ impl Balancer {
                 .ttfb
                 .with_label_values(&[route])
                 .observe((now - ctx.arrived).as_secs_f64());
+        }
+    }
+
+    /// What the replica's answer says of its cache against what its cache model predicted:
+    /// the model learns from it (its ratio of bytes to tokens, what it wrongly held), and the
+    /// metrics show both counts side by side.
+    fn check_prediction(&self, r: &Replica, links: &[Link], predicted: u64, u: &Usage) {
+        let cached = u.cached_reported.then_some(u.cached_tokens);
+        let check = r.cache.answered(links, predicted, u.prompt_tokens, cached);
+        if check == Check::Unreported {
+            return;
+        }
+        let id: &str = &r.id;
+        METRICS
+            .predicted_cached_tokens
+            .with_label_values(&[id])
+            .inc_by(r.cache.index.to_replica_tokens(predicted));
+        METRICS
+            .reported_cached_tokens
+            .with_label_values(&[id])
+            .inc_by(u.cached_tokens);
+        if let Check::Wrong { evicted } = check {
+            let cause = if evicted { "evicted" } else { "absent" };
+            METRICS.mispredictions.with_label_values(&[id, cause]).inc();
         }
     }
 
@@ -287,3 +346,27 @@ impl Balancer {
         }
     }
 }
+
+/// The usage event inferlb asked for on the client's behalf, taken out of the stream as it
+/// passes (after the usage reader saw it). An event without an end in sight passes as it is.
+pub(super) fn strip_usage(body: &mut Option<Bytes>, end: bool, ctx: &mut Ctx) {
+    let Some(s) = ctx.usage_stripper.as_mut() else {
+        return;
+    };
+    let mut out = body.as_deref().map(|b| s.feed(b)).unwrap_or_default();
+    if end || s.pending_len() > STRIP_PENDING_CAP {
+        let rest = s.finish();
+        if !rest.is_empty() {
+            let mut joined = out.to_vec();
+            joined.extend_from_slice(&rest);
+            out = Bytes::from(joined);
+        }
+        if !end {
+            ctx.usage_stripper = None;
+        }
+    }
+    *body = (!out.is_empty()).then_some(out);
+}
+
+/// The most bytes of one unfinished event held back while looking for the usage event.
+const STRIP_PENDING_CAP: usize = 1024 * 1024;

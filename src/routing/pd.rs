@@ -2,12 +2,11 @@
 //! it goes through the prefill pool at all.
 //!
 //! A decode replica's cost is the KV it must pull (vLLM's decode side reuses its own prefix
-//! cache and pulls only the rest) plus its decode load: the requests it runs and the KV they
+//! cache and pulls only the rest) plus its decode load: the KV its running requests
 //! hold. All in the cost policy's unit, prefill tokens, so that one sum keeps a conversation
 //! on the decode replica that holds its history until that replica is far busier than a pull
 //! elsewhere costs. A turn whose uncached part there is small is prefilled there, whole.
 
-use super::prefill_cost::DECODE_TOKENS;
 use super::spread::least_busy;
 use super::Candidate;
 
@@ -23,9 +22,7 @@ pub const KV_SHARE: u64 = 64;
 /// A decode replica's cost for a prompt of `prompt_tokens`, of which it likely holds `cached`.
 pub fn decode_cost(c: &Candidate<'_>, prompt_tokens: u64, cached: u64) -> u64 {
     let pull = prompt_tokens.saturating_sub(cached);
-    let running = u64::try_from(c.running).unwrap_or(u64::MAX);
     pull.saturating_mul(PULL_WEIGHT)
-        .saturating_add(running.saturating_mul(DECODE_TOKENS))
         .saturating_add(c.kv_tokens / KV_SHARE)
 }
 

@@ -1,6 +1,7 @@
 //! Least prefill cost: each replica's cost for a request is the tokens it must prefill for it
 //! (the prompt minus the prefix it likely holds, weighted) plus the prefill already queued on
-//! it plus a term for the decodes it is running; the cheapest live replica wins, ties spread.
+//! it plus its decode load, the KV its running requests hold; the cheapest live replica wins,
+//! ties spread.
 //!
 //! This one sum pins a continuation (its home holds most of the prompt), moves it when the
 //! home's queue costs more than a cold prefill elsewhere, and spreads a same-prefix burst by
@@ -12,9 +13,15 @@ use std::sync::Arc;
 use super::spread::least_busy;
 use super::{Ask, Candidate, Policy, Route};
 
-/// What one running decode costs, in prefill tokens: decodes share each scheduler step with
-/// prefill chunks, so a busy replica prefills a little slower.
-pub const DECODE_TOKENS: u64 = 32;
+/// A token of KV held by the requests a replica runs weighs 1/this of a prefill token. Decode
+/// is bound by memory: every step reads each running request's whole context, so a request
+/// added to a replica whose decodes hold `k` tokens decodes slower by about `k` tokens' worth
+/// of reads per step, for all its answer. With a 10k-token prompt, whose cold prefill weighs
+/// 30k (`MISS_WEIGHT`), a same-prefix burst moves to a cold replica once about six of it run
+/// on the warm one: 16 such requests split 10/6 or better (the table test), where a fixed
+/// cost per running request left them 15/1. And 16 requests holding 90k tokens each weigh 90
+/// times what 16 holding 1k do.
+pub const KV_DIVISOR: u64 = 2;
 
 /// How much a token prefilled because it is not cached weighs against a token of queue. A miss
 /// is paid twice: now, in prefill time, and later, because the copy it puts in a second cache
@@ -28,10 +35,9 @@ pub const MISS_WEIGHT: u64 = 3;
 /// wrapped would make the busiest replica look the cheapest.
 pub fn cost(c: &Candidate<'_>, prompt_tokens: u64, cached: u64) -> u64 {
     let miss = prompt_tokens.saturating_sub(cached);
-    let running = u64::try_from(c.running).unwrap_or(u64::MAX);
     miss.saturating_mul(MISS_WEIGHT)
         .saturating_add(c.queued_tokens)
-        .saturating_add(running.saturating_mul(DECODE_TOKENS))
+        .saturating_add(c.kv_tokens / KV_DIVISOR)
 }
 
 #[derive(Debug)]
@@ -115,30 +121,75 @@ mod tests {
     /// replica, never one whose sum wrapped below an idle one's.
     #[test]
     fn the_cost_of_absurd_counts_saturates() {
-        let c = |queued_tokens: u64, running: usize| Candidate {
+        let c = |queued_tokens: u64, kv_tokens: u64| Candidate {
             id: "x",
             available: true,
             reachable: true,
             in_flight: 0,
             cached_tokens: 0,
             queued_tokens,
-            running,
-            kv_tokens: 0,
+            running: 0,
+            kv_tokens,
         };
         let idle = super::cost(&c(0, 0), 1000, 0);
         assert_eq!(idle, 3000);
-        for (queued, running) in [
-            (u64::MAX, 0),
-            (u64::MAX - 1, 1),
-            (0, usize::MAX),
-            (u64::MAX, usize::MAX),
-        ] {
+        for (queued, kv) in [(u64::MAX, 0), (u64::MAX - 1, 2), (u64::MAX, u64::MAX)] {
             assert_eq!(
-                super::cost(&c(queued, running), 1000, 0),
+                super::cost(&c(queued, kv), 1000, 0),
                 u64::MAX,
-                "{queued} {running}"
+                "{queued} {kv}"
             );
         }
         assert_eq!(super::cost(&c(0, 0), u64::MAX, 0), u64::MAX);
+    }
+
+    fn replica(id: &'static str, cached: u64, kv_tokens: u64) -> Candidate<'static> {
+        Candidate {
+            id,
+            available: true,
+            reachable: true,
+            in_flight: 0,
+            cached_tokens: cached,
+            queued_tokens: 0,
+            running: 0,
+            kv_tokens,
+        }
+    }
+
+    /// The decode term is the KV running requests hold: the same count of requests weighs by
+    /// its contexts.
+    #[test]
+    fn long_contexts_weigh_more_than_short_ones() {
+        let long = replica("a", 0, 16 * 90_000);
+        let short = replica("b", 0, 16 * 1_000);
+        assert!(super::cost(&long, 5_000, 0) > super::cost(&short, 5_000, 0));
+        let (chosen, _) = super::decide(5_000, None, &[&long, &short], 0);
+        assert_eq!(chosen.id, "b");
+    }
+
+    /// 16 requests sharing a 10k-token prefix, with 256-token answers, on replicas that
+    /// prefill at once (no queue ever builds): the warm replica's running KV sends the rest
+    /// of the burst to a cold one before the warm one takes more than 10.
+    #[test]
+    fn a_same_prefix_burst_splits_on_decode_load_alone() {
+        const PROMPT: u64 = 10_000;
+        const ANSWER: u64 = 256;
+        let ids = ["a", "b"];
+        let mut warm = [false; 2];
+        let mut kv = [0u64; 2];
+        let mut took = [0u32; 2];
+        for tick in 0..16 {
+            let cs: Vec<Candidate> = (0..2)
+                .map(|i| replica(ids[i], if warm[i] { PROMPT } else { 0 }, kv[i]))
+                .collect();
+            let refs: Vec<&Candidate> = cs.iter().collect();
+            let (chosen, _) = super::decide(PROMPT, None, &refs, tick);
+            let i = ids.iter().position(|id| *id == chosen.id).expect("an id");
+            warm[i] = true;
+            kv[i] += PROMPT + ANSWER;
+            took[i] += 1;
+        }
+        let (most, least) = (took[0].max(took[1]), took[0].min(took[1]));
+        assert!(most <= 10 && most + least == 16, "split {took:?}");
     }
 }

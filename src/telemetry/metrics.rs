@@ -70,6 +70,9 @@ pub fn forget<R: ReplicaGauges + 'static>(id: &str, replica: &Arc<R>) {
         &m.upstream_errors,
         &m.prompt_tokens,
         &m.cached_tokens,
+        &m.predicted_cached_tokens,
+        &m.reported_cached_tokens,
+        &m.mispredictions,
         &m.pd_legs,
         &m.pd_pull_tokens,
     ] {
@@ -223,6 +226,11 @@ pub struct Metrics {
     pub upstream_errors: ReplicaCounters,
     pub prompt_tokens: ReplicaCounters,
     pub cached_tokens: ReplicaCounters,
+    /// Over the answers that reported a cached count: what the cache model predicted, and
+    /// what the replica said.
+    pub predicted_cached_tokens: ReplicaCounters,
+    pub reported_cached_tokens: ReplicaCounters,
+    pub mispredictions: ReplicaCounters,
     pub tls_reloads: IntCounter,
     /// Secret files read again: `changed` (swapped in) or `failed` (the old one kept).
     pub secret_reloads: IntCounterVec,
@@ -336,6 +344,21 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "inferlb_cached_prompt_tokens_total",
             "Prompt tokens the replicas served from their prefix cache (usage.prompt_tokens_details.cached_tokens).",
             &["replica"]
+        )?),
+        predicted_cached_tokens: ReplicaCounters(register_int_counter_vec!(
+            "inferlb_cache_predicted_tokens_total",
+            "Cached prompt tokens inferlb's cache model predicted, over answers whose usage reports a cached count (in the replica's tokens).",
+            &["replica"]
+        )?),
+        reported_cached_tokens: ReplicaCounters(register_int_counter_vec!(
+            "inferlb_cache_reported_tokens_total",
+            "Cached prompt tokens the replicas reported, over the same answers as inferlb_cache_predicted_tokens_total.",
+            &["replica"]
+        )?),
+        mispredictions: ReplicaCounters(register_int_counter_vec!(
+            "inferlb_cache_mispredictions_total",
+            "Answers whose replica cached less than predicted (by more than a block and a token), by cause: evicted (part held), absent (none held).",
+            &["replica", "cause"]
         )?),
         tls_reloads: register_int_counter!(
             "inferlb_tls_certificate_reloads_total",

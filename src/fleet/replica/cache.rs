@@ -4,13 +4,38 @@
 //! KV events) is the other source; while it is stale (its stream broke, or a sequence number
 //! was missed and not yet replayed) the estimate answers instead.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::fleet::index::PrefixIndex;
 use crate::protocol::api::prompt::Link;
 
 /// The cache capacity assumed for a replica that neither the conf nor its `/metrics` sizes.
 pub const DEFAULT_CACHE_TOKENS: u64 = 1_000_000;
+
+/// The block size assumed when checking a prediction (vLLM's default): a replica caches whole
+/// blocks only, and never a prompt's last token, so it may report up to a block and a token
+/// fewer than the index predicted without the index being wrong.
+pub const CHECK_BLOCK_TOKENS: u64 = 16;
+
+/// The least capacity an guessed replica's estimate shrinks to.
+pub const MIN_GUESSED_CACHE_TOKENS: u64 = 16_384;
+
+/// A prompt shorter than this (in bytes, or its replica's tokens) teaches no ratio of bytes to
+/// tokens: the template's own tokens would weigh too much in it.
+const MIN_RATIO_BYTES: u64 = 2048;
+const MIN_RATIO_TOKENS: u64 = 64;
+
+/// What an answer's usage said of the index's prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// The replica reported no cached count (vLLM without `--enable-prompt-tokens-details`).
+    Unreported,
+    /// It cached what the index predicted, within a block and a token, or more.
+    Confirmed,
+    /// It cached less: the index dropped the rest of the prompt. `evicted`: part of it was
+    /// still there, as when its cache evicted the tail (a replica that restarted holds none).
+    Wrong { evicted: bool },
+}
 
 /// A prompt as the cache model reads it: its chained chunk hashes, and its token ids when a
 /// tokenizer is configured (none is yet).
@@ -53,6 +78,10 @@ pub struct CacheModel {
     pub configured: bool,
     source: CacheSource,
     stale: AtomicBool,
+    /// Its `/metrics` gave its size: never shrunk by a guess.
+    size_reported: AtomicBool,
+    /// Answers its ratio of bytes to tokens was learnt from.
+    ratio_samples: AtomicU64,
 }
 
 impl CacheModel {
@@ -63,6 +92,79 @@ impl CacheModel {
             configured: capacity_tokens.is_some(),
             source: CacheSource::Estimate,
             stale: AtomicBool::new(false),
+            size_reported: AtomicBool::new(false),
+            ratio_samples: AtomicU64::new(0),
+        }
+    }
+
+    /// Its `/metrics` reported its cache's size.
+    pub fn capacity_reported(&self) {
+        self.size_reported.store(true, Ordering::Relaxed);
+    }
+
+    /// An answer to a prompt of `links` reported `prompt_tokens` (its tokenizer's count) and,
+    /// when the replica reports it, `cached` of them from its cache, where the index had
+    /// predicted `predicted` estimate tokens. Called once the answer ended, so the replica
+    /// holds this prompt now whatever it held before.
+    ///
+    /// The ratio of bytes to the replica's tokens is learnt from every long enough prompt (a
+    /// mean over about the last 8). A replica that cached less than predicted shows the index
+    /// wrong, and why:
+    /// - the index was near its bound: the replica evicted sooner than the bound says, so an
+    ///   unsized replica's capacity shrinks to what the index held, less a sixteenth (the
+    ///   least recently used links go at the next record); a replica whose size the conf or
+    ///   its `/metrics` gives keeps it;
+    /// - it held none of the prompt while the index was far from its bound: it lost its cache
+    ///   (a restart between two health checks, a cache reset), so the index forgets all it
+    ///   held there but this prompt.
+    pub fn answered(
+        &self,
+        links: &[Link],
+        predicted: u64,
+        prompt_tokens: u64,
+        cached: Option<u64>,
+    ) -> Check {
+        let index = &self.index;
+        let bytes = links.last().map_or(0, |l| l.bytes);
+        if bytes >= MIN_RATIO_BYTES && prompt_tokens >= MIN_RATIO_TOKENS {
+            let sample = bytes.saturating_mul(1000) / prompt_tokens;
+            let n = self.ratio_samples.fetch_add(1, Ordering::Relaxed);
+            let next = match n {
+                0 => sample,
+                _ => {
+                    index
+                        .bytes_per_token_milli()
+                        .saturating_mul(7)
+                        .saturating_add(sample)
+                        / 8
+                }
+            };
+            index.set_bytes_per_token_milli(next);
+        }
+        let Some(cached) = cached else {
+            return Check::Unreported;
+        };
+        let expected = index.to_replica_tokens(predicted);
+        if cached.saturating_add(CHECK_BLOCK_TOKENS + 1) >= expected {
+            return Check::Confirmed;
+        }
+        let (_, held) = index.size();
+        let held = index.to_replica_tokens(held);
+        let capacity = index.capacity_tokens();
+        let near_bound = held >= capacity / 2;
+        let sized = self.configured || self.size_reported.load(Ordering::Relaxed);
+        if near_bound && !sized {
+            let shrunk = (held - held / 16).max(MIN_GUESSED_CACHE_TOKENS);
+            if shrunk < capacity {
+                index.set_capacity_tokens(shrunk);
+            }
+        }
+        if cached == 0 && !near_bound {
+            index.clear();
+            index.record(links);
+        }
+        Check::Wrong {
+            evicted: cached > 0,
         }
     }
 
@@ -124,5 +226,111 @@ mod tests {
         );
         assert!(m.configured);
         assert!(!CacheModel::estimate(None).configured);
+    }
+
+    fn long_prompt(text: &str) -> Vec<Link> {
+        prompt_of(text, 8)
+    }
+
+    fn prompt_of(text: &str, chunks: usize) -> Vec<Link> {
+        let mut h = PromptHasher::new("m");
+        h.begin_part("user");
+        h.text(&text.repeat(CHUNK_BYTES * chunks / text.len()));
+        h.finish()
+    }
+
+    #[test]
+    fn the_ratio_of_bytes_to_tokens_is_learnt_from_usage() {
+        let m = CacheModel::estimate(None);
+        let links = long_prompt("abcd");
+        let bytes = links.last().expect("links").bytes;
+        // 1.8 bytes a token, as one real tokenizer gave.
+        for _ in 0..3 {
+            m.answered(&links, 0, bytes * 10 / 18, None);
+        }
+        assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
+        // Short prompts teach nothing.
+        let short = long_prompt("ab")[..1].to_vec();
+        m.answered(&short, 0, 1, None);
+        assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
+    }
+
+    /// (predicted estimate tokens, reported cached) → the check, at 4 bytes a token.
+    #[test]
+    fn a_reported_count_checks_the_prediction() {
+        let links = long_prompt("abcd");
+        let all = links.last().expect("links").bytes / 4;
+        let rows: &[(u64, Option<u64>, Check)] = &[
+            (all, None, Check::Unreported),
+            (all, Some(all), Check::Confirmed),
+            // vLLM caches whole blocks and never the last token
+            (all, Some(all - CHECK_BLOCK_TOKENS - 1), Check::Confirmed),
+            (
+                all,
+                Some(all - CHECK_BLOCK_TOKENS - 2),
+                Check::Wrong { evicted: true },
+            ),
+            (all, Some(0), Check::Wrong { evicted: false }),
+            (0, Some(100), Check::Confirmed),
+        ];
+        for &(predicted, cached, want) in rows {
+            let m = CacheModel::estimate(None);
+            m.prefilled(&links);
+            assert_eq!(
+                m.answered(&links, predicted, all, cached),
+                want,
+                "{predicted} {cached:?}"
+            );
+            // It prefilled this prompt just now: held, whatever it held before.
+            assert_eq!(m.likely_cached(Prompt::of_links(&links)), all);
+        }
+    }
+
+    /// A replica that held none of a prompt the index said it held, with the index far from
+    /// its bound, lost its cache: the index forgets the rest too.
+    #[test]
+    fn a_replica_that_lost_its_cache_is_forgotten_but_for_the_prompt_it_just_served() {
+        let m = CacheModel::estimate(None);
+        let other = prompt_of("wxyz", 8);
+        let links = long_prompt("abcd");
+        let all = links.last().expect("links").bytes / 4;
+        m.prefilled(&other);
+        m.prefilled(&links);
+        assert_eq!(
+            m.answered(&links, all, all, Some(0)),
+            Check::Wrong { evicted: false }
+        );
+        assert_eq!(m.likely_cached(Prompt::of_links(&other)), 0);
+        assert_eq!(m.likely_cached(Prompt::of_links(&links)), all);
+        assert_eq!(
+            m.index.capacity_tokens(),
+            DEFAULT_CACHE_TOKENS,
+            "no eviction: kept"
+        );
+    }
+
+    #[test]
+    fn an_eviction_shrinks_an_unsized_replicas_capacity_only() {
+        let links = prompt_of("abcd", 200);
+        let all = links.last().expect("links").bytes / 4;
+        // An index near its bound that held the whole prompt; the replica kept half.
+        let guessed = CacheModel::estimate(None);
+        guessed.index.set_capacity_tokens(all + 10);
+        guessed.prefilled(&links);
+        guessed.answered(&links, all, all, Some(all / 2));
+        let c = guessed.index.capacity_tokens();
+        assert!(c < all + 10 && c >= MIN_GUESSED_CACHE_TOKENS, "{c}");
+        // Sized by the conf: kept.
+        let sized = CacheModel::estimate(Some(all + 10));
+        sized.prefilled(&links);
+        sized.answered(&links, all, all, Some(all / 2));
+        assert_eq!(sized.index.capacity_tokens(), all + 10);
+        // Sized by its /metrics: kept.
+        let reported = CacheModel::estimate(None);
+        reported.capacity_reported();
+        reported.index.set_capacity_tokens(all + 10);
+        reported.prefilled(&links);
+        reported.answered(&links, all, all, Some(all / 2));
+        assert_eq!(reported.index.capacity_tokens(), all + 10);
     }
 }

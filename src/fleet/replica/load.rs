@@ -39,7 +39,7 @@ pub(super) struct Load {
     peer_queued_tokens: AtomicU64,
     peer_waiting: AtomicU64,
     peer_in_flight: AtomicU64,
-    /// KV tokens held by the decodes sent here from this process (prompt tokens of each).
+    /// KV tokens held by the requests sent here from this process (the context of each).
     kv_tokens: AtomicU64,
     /// Its KV cache in use as it reports it, in millionths; `u64::MAX`: not reported.
     reported_kv_ppm: AtomicU64,
@@ -73,9 +73,19 @@ impl Replica {
 
     /// Counts a request in flight until the guard drops.
     pub fn start(self: &Arc<Self>) -> InFlight {
+        self.start_holding(0)
+    }
+
+    /// Counts a request in flight, and `kv_tokens` of KV its context holds there (a decode's
+    /// load), until the guard drops.
+    pub fn start_holding(self: &Arc<Self>, kv_tokens: u64) -> InFlight {
         self.load.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.load.kv_tokens.fetch_add(kv_tokens, Ordering::Relaxed);
         self.changed();
-        InFlight(self.clone())
+        InFlight {
+            replica: self.clone(),
+            kv_tokens,
+        }
     }
 
     /// Prefill tokens queued on it: what this process sent that has no first byte yet, plus,
@@ -165,7 +175,8 @@ impl Replica {
             ppm => {
                 let capacity = self.cache.index.capacity_tokens();
                 let reported = (u128::from(capacity) * u128::from(ppm) / 1_000_000) as u64;
-                local.max(reported)
+                // In the replica's tokens: in estimate tokens, as the local count.
+                local.max(self.cache.index.to_estimate(reported))
             }
         }
     }
@@ -244,18 +255,24 @@ impl Drop for QueuedPrefill {
     }
 }
 
-/// Counts one request in flight on a replica for as long as it lives.
-pub struct InFlight(Arc<Replica>);
+/// Counts one request in flight on a replica, and the KV it holds there, for as long as it
+/// lives.
+pub struct InFlight {
+    replica: Arc<Replica>,
+    kv_tokens: u64,
+}
 
 impl InFlight {
     pub fn replica(&self) -> &Arc<Replica> {
-        &self.0
+        &self.replica
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.load.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.0.changed();
+        let l = &self.replica.load;
+        l.in_flight.fetch_sub(1, Ordering::Relaxed);
+        l.kv_tokens.fetch_sub(self.kv_tokens, Ordering::Relaxed);
+        self.replica.changed();
     }
 }

@@ -25,7 +25,7 @@ mod endpoint;
 mod health;
 mod load;
 
-pub use cache::{CacheModel, CacheSource, Freshness, Prompt, DEFAULT_CACHE_TOKENS};
+pub use cache::{CacheModel, CacheSource, Check, Freshness, Prompt, DEFAULT_CACHE_TOKENS};
 pub use endpoint::Endpoint;
 pub use health::{Health, HealthState};
 use load::Load;

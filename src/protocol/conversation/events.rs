@@ -5,6 +5,7 @@ use serde_json::value::RawValue;
 
 use super::{restore, Sent};
 use crate::protocol::members::Members;
+use crate::protocol::sse::{split_events, Events};
 
 /// A Responses stream as it passes: each event whose `response` member is the response object
 /// (`response.created`, `.in_progress`, `.completed`, ...) gets the client's fields back; any
@@ -12,7 +13,7 @@ use crate::protocol::members::Members;
 #[derive(Debug)]
 pub struct EventRewriter {
     sent: Sent,
-    pending: Vec<u8>,
+    events: Events,
     /// The final response object (`response.completed` or `.incomplete`), as rewritten.
     last: Option<Bytes>,
 }
@@ -24,21 +25,16 @@ impl EventRewriter {
     pub fn new(sent: Sent) -> EventRewriter {
         EventRewriter {
             sent,
-            pending: Vec::new(),
+            events: Events::default(),
             last: None,
         }
     }
 
     /// The whole events `chunk` completes, rewritten; the rest waits for its end.
     pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
-        // Only the new bytes (and the three before them) can hold a new blank line.
-        let from = self.pending.len().saturating_sub(3);
-        self.pending.extend_from_slice(chunk);
-        let Some(end) = last_boundary(&self.pending[from..]).map(|e| e + from) else {
+        let Some(whole) = self.events.feed(chunk) else {
             return Bytes::new();
         };
-        let rest = self.pending.split_off(end);
-        let whole = std::mem::replace(&mut self.pending, rest);
         let mut out = Vec::with_capacity(whole.len() + 64);
         for event in split_events(&whole) {
             self.event(event, &mut out);
@@ -48,7 +44,7 @@ impl EventRewriter {
 
     /// What is left once the stream ended (an event without its blank line), as it came.
     pub fn finish(&mut self) -> Bytes {
-        Bytes::from(std::mem::take(&mut self.pending))
+        self.events.finish()
     }
 
     /// The final response object seen, once.
@@ -58,7 +54,7 @@ impl EventRewriter {
 
     /// Bytes of an event not yet whole.
     pub fn pending_len(&self) -> usize {
-        self.pending.len()
+        self.events.pending_len()
     }
 
     /// Whether the final response object has been seen (and not taken).
@@ -109,32 +105,6 @@ impl EventRewriter {
         m.set_owned("response", RawValue::from_string(text).ok()?);
         Some(m.bytes())
     }
-}
-
-/// The end of the last whole event in `buf` (past its blank line).
-fn last_boundary(buf: &[u8]) -> Option<usize> {
-    let lf = memchr::memmem::rfind(buf, b"\n\n").map(|i| i + 2);
-    let crlf = memchr::memmem::rfind(buf, b"\r\n\r\n").map(|i| i + 4);
-    lf.max(crlf)
-}
-
-/// Whole events, each with its blank line.
-fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut rest = buf;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let lf = memchr::memmem::find(rest, b"\n\n").map(|i| i + 2);
-        let crlf = memchr::memmem::find(rest, b"\r\n\r\n").map(|i| i + 4);
-        let end = match (lf, crlf) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b).unwrap_or(rest.len()),
-        };
-        let (event, tail) = rest.split_at(end);
-        rest = tail;
-        Some(event)
-    })
 }
 
 #[cfg(test)]

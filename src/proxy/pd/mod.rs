@@ -219,6 +219,9 @@ impl Balancer {
                         replica: replica.clone(),
                         route: Route::Pd,
                         prefill: None,
+                        // A refusal holds nothing.
+                        kv_tokens: 0,
+                        predicted: 0,
                     },
                 ));
                 let resp =
@@ -650,6 +653,9 @@ impl Balancer {
                 // Nothing to prefill there: the guard records the prompt in its index once
                 // the first token passes (it pulled the KV).
                 prefill: Some(decode.queue_prefill(0)),
+                // Held by the decode leg's own guard (`Held::_kv`).
+                kv_tokens: 0,
+                predicted: 0,
             },
         ));
         ctx.pd = Held {
