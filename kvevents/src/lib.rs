@@ -466,7 +466,7 @@ pub fn replay_request(start_seq: u64) -> [u8; 8] {
 /// (`[identity, empty, seq]`); `None` for anything else (vLLM logs and ignores it).
 pub fn parse_replay_request(frames: &[&[u8]]) -> Option<u64> {
     match frames {
-        [_identity, empty, seq] if empty.is_empty() => parse_seq(seq).ok().map(|s| s as u64),
+        [_identity, [], seq] => parse_seq(seq).ok().map(|s| s as u64),
         _ => None,
     }
 }

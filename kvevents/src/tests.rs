@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// A case's name, its input and what it should give (`Err(())`: any error).
+type Case<I, O> = (&'static str, I, Result<O, ()>);
+
 fn s(v: &str) -> Value {
     Value::from(v)
 }
@@ -238,7 +241,7 @@ fn an_unknown_event_does_not_fail_its_batch() {
 
 #[test]
 fn batches_decode_with_and_without_a_rank() {
-    let cases: Vec<(&str, Value, Result<Option<u32>, ()>)> = vec![
+    let cases: Vec<Case<Value, Option<u32>>> = vec![
         (
             "two long",
             arr(vec![Value::F64(1.0), arr(vec![])]),
@@ -385,7 +388,7 @@ fn frames_and_replay() {
         (topic.as_slice(), seq.as_slice(), payload.as_slice()),
         (&b"kv@a"[..], &[0, 0, 0, 0, 0, 0, 1, 2][..], &[1u8, 2][..])
     );
-    let cases: Vec<(&str, Vec<&[u8]>, Result<(&[u8], i64, &[u8]), ()>)> = vec![
+    let cases: Vec<Case<Vec<&[u8]>, (&[u8], i64, &[u8])>> = vec![
         (
             "live",
             vec![b"", &[0, 0, 0, 0, 0, 0, 0, 5], b"p"],
