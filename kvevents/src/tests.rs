@@ -4,6 +4,8 @@ use super::*;
 
 /// A case's name, its input and what it should give (`Err(())`: any error).
 type Case<I, O> = (&'static str, I, Result<O, ()>);
+/// What [`parse_frames`] gives: topic, sequence, payload.
+type Parsed<'a> = (&'a [u8], i64, &'a [u8]);
 
 fn s(v: &str) -> Value {
     Value::from(v)
@@ -388,7 +390,7 @@ fn frames_and_replay() {
         (topic.as_slice(), seq.as_slice(), payload.as_slice()),
         (&b"kv@a"[..], &[0, 0, 0, 0, 0, 0, 1, 2][..], &[1u8, 2][..])
     );
-    let cases: Vec<Case<Vec<&[u8]>, (&[u8], i64, &[u8])>> = vec![
+    let cases: Vec<Case<Vec<&[u8]>, Parsed>> = vec![
         (
             "live",
             vec![b"", &[0, 0, 0, 0, 0, 0, 0, 5], b"p"],
