@@ -1012,6 +1012,66 @@ mod tests {
     }
 
     #[test]
+    fn token_ids_read_each_four_bytes_as_a_little_endian_u32() {
+        let cases: [(&[u8], Vec<u32>); 3] = [
+            (b"", vec![]),
+            (b"abcd", vec![u32::from_le_bytes(*b"abcd")]),
+            (
+                b"abcdef",
+                vec![u32::from_le_bytes(*b"abcd"), u32::from_le_bytes(*b"ef\0\0")],
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(token_ids(text), want, "{text:?}");
+        }
+    }
+
+    /// The cache's changes as KV events: new blocks chained to their parent, evictions before
+    /// the block that caused them, a touched block silent, a reset as AllBlocksCleared.
+    #[test]
+    fn cache_changes_become_kv_events() {
+        let mut e = engine(8); // two blocks of four tokens
+        let (sink, mut rx) = Sink::new();
+        e.set_events(Arc::new(sink));
+        let text = prompt(0, 12); // three blocks
+        let h = block_hashes(&text, 4);
+        let bb = 4 * BYTES_PER_TOKEN;
+        let int = |i: usize| BlockHash::Int(h[i]);
+        let stored = |from: usize, to: usize| {
+            Event::BlockStored(BlockStored {
+                block_hashes: (from..to).map(int).collect(),
+                parent_block_hash: from.checked_sub(1).map(int),
+                token_ids: token_ids(&text[from * bb..to * bb]),
+                block_size: 4,
+                medium: Some(Medium::Gpu),
+                ..BlockStored::default()
+            })
+        };
+        let removed = |i: usize| {
+            Event::BlockRemoved(BlockRemoved {
+                block_hashes: vec![int(i)],
+                medium: Some(Medium::Gpu),
+                ..BlockRemoved::default()
+            })
+        };
+        e.insert(&text[..2 * bb]);
+        assert_eq!(rx.try_recv().ok(), Some(vec![stored(0, 2)]));
+        e.insert(&text);
+        assert_eq!(rx.try_recv().ok(), Some(vec![removed(0), stored(2, 3)]));
+        e.insert(&text[bb..]); // another prompt; its first block is new
+        assert!(rx.try_recv().is_ok());
+        e.reset_prefix_cache();
+        assert_eq!(rx.try_recv().ok(), Some(vec![Event::AllBlocksCleared]));
+        assert_eq!(e.lookup(&text), 0);
+        e.insert(&text[..bb - 1]); // no full block: no event
+        assert!(rx.try_recv().is_err());
+        assert_eq!(
+            e.events().map(|s| s.dropped.load(Ordering::Relaxed)),
+            Some(0)
+        );
+    }
+
+    #[test]
     fn lru_eviction_bounds_the_cache() {
         let e = engine(16); // 4 blocks
         e.insert(&[b'x'; 64]);

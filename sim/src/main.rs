@@ -858,9 +858,8 @@ async fn metrics(State(sim): State<App>) -> Response {
 /// vLLM's render endpoints (what its router calls in `kv_aware` mode): the prompt as token ids,
 /// rendered as the completion endpoints render it, so they name the blocks the KV events name.
 /// The answer is the part of vLLM's `GenerateRequest` a router reads.
-fn rendered(sim: &Sim, body: &[u8], chat: bool) -> Result<Value, Response> {
-    let (job, _) = parse_job(body, chat, sim.args.default_max_tokens)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, &e))?;
+fn rendered(sim: &Sim, body: &[u8], chat: bool) -> Result<Value, String> {
+    let (job, _) = parse_job(body, chat, sim.args.default_max_tokens)?;
     let prefix = if chat { "chatcmpl" } else { "cmpl" };
     let n = sim.next_request.fetch_add(1, Ordering::Relaxed);
     Ok(json!({
@@ -875,7 +874,7 @@ fn rendered(sim: &Sim, body: &[u8], chat: bool) -> Result<Value, Response> {
 async fn render_chat(State(sim): State<App>, body: Bytes) -> Response {
     match rendered(&sim, &body, true) {
         Ok(v) => Json(v).into_response(),
-        Err(r) => r,
+        Err(e) => error(StatusCode::BAD_REQUEST, &e),
     }
 }
 
@@ -883,7 +882,7 @@ async fn render_chat(State(sim): State<App>, body: Bytes) -> Response {
 async fn render_completions(State(sim): State<App>, body: Bytes) -> Response {
     match rendered(&sim, &body, false) {
         Ok(v) => Json(json!([v])).into_response(),
-        Err(r) => r,
+        Err(e) => error(StatusCode::BAD_REQUEST, &e),
     }
 }
 
