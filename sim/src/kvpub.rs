@@ -85,8 +85,8 @@ pub async fn start(
                     let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
                     let batch = Batch { ts, events, data_parallel_rank: Some(0), skipped: 0 };
                     let payload = Bytes::from(encode_batch(&batch));
-                    let [topic, seq_bytes, _] = frames(&conf.topic, seq, Vec::new());
-                    let msg = ZmqMessage::try_from(vec![Bytes::from(topic), Bytes::from(seq_bytes), payload.clone()]);
+                    let [topic, seq_bytes] = head(&conf.topic, seq);
+                    let msg = ZmqMessage::try_from(vec![topic, seq_bytes, payload.clone()]);
                     if let Ok(msg) = msg {
                         // A subscriber whose queue is full misses it, as with vLLM's high-water mark.
                         let _ = pub_sock.send(msg).await;
@@ -106,7 +106,7 @@ pub async fn start(
                     };
                     let id = req.get(0).cloned().unwrap_or_default();
                     for (s, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
-                        let [topic, seq_bytes, _] = frames_of(&conf.topic, *s);
+                        let [topic, seq_bytes] = head(&conf.topic, *s);
                         let reply = vec![id.clone(), Bytes::new(), topic, seq_bytes, payload.clone()];
                         if let Ok(m) = ZmqMessage::try_from(reply) {
                             let _ = sock.send(m).await;
@@ -123,9 +123,10 @@ pub async fn start(
     }))
 }
 
-fn frames_of(topic: &str, seq: u64) -> [Bytes; 3] {
-    let [t, s, p] = frames(topic, seq, Vec::new());
-    [Bytes::from(t), Bytes::from(s), Bytes::from(p)]
+/// A batch's topic and sequence frames (its payload is shared with the replay buffer).
+fn head(topic: &str, seq: u64) -> [Bytes; 2] {
+    let [t, s, _] = frames(topic, seq, Vec::new());
+    [Bytes::from(t), Bytes::from(s)]
 }
 
 async fn next_request(replay: &mut Option<zeromq::RouterSocket>) -> zeromq::ZmqResult<ZmqMessage> {

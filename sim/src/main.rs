@@ -29,6 +29,11 @@
 //! and SGLang's bootstrap rooms (on chat and completions), with `POST /sim/kv/pull` as the
 //! side channel and its counters in `/sim/stats`.
 //!
+//! vLLM's KV events (`kvpub`, `--kv-events`, `--kv-events-replay`, `--kv-events-topic`): the
+//! prefix cache's stores, evictions and resets (`POST /reset_prefix_cache`) as vLLM publishes
+//! them, with the render endpoints vLLM's router calls (`POST /v1/chat/completions/render`,
+//! `POST /v1/completions/render`) giving the same token ids (`engine::token_ids`).
+//!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
 //! any of them, and they all count in `/sim/stats` and `/metrics`.
