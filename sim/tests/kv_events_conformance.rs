@@ -11,7 +11,7 @@ mod peers;
 use std::process::Command;
 use std::time::Duration;
 
-use inferlb_harness::{free_port, Sim};
+use inferlb_harness::{free_port, wait_until, Sim};
 use peers::{client, n, peer_bin, start_router, stats, Logs};
 use serde_json::{json, Value};
 
@@ -34,8 +34,35 @@ fn messages(prefix: &str, question: &str) -> Vec<Value> {
     ]
 }
 
+/// The router colours its log fields even into a file.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut escape = false;
+    for c in s.chars() {
+        match (escape, c) {
+            (false, '\x1b') => escape = true,
+            (true, 'm') => escape = false,
+            (true, _) => {}
+            (false, c) => out.push(c),
+        }
+    }
+    out
+}
+
+/// Live: the router is subscribed before A computes the prefix.
 #[test]
-fn vllm_router_routes_by_the_simulators_kv_events() {
+fn vllm_router_routes_by_the_simulators_live_kv_events() {
+    scene(false);
+}
+
+/// Replayed: A computes the prefix before the router starts; the router learns it only
+/// through A's replay socket, which it asks once a later batch shows it the gap.
+#[test]
+fn vllm_router_routes_by_the_simulators_replayed_kv_events() {
+    scene(true);
+}
+
+fn scene(warm_before_router: bool) {
     let logs = Logs::new();
     let router = peer_bin("INFERLB_PEERS_VENV", "venv-peers", "vllm-router");
     let endpoints: Vec<(String, String)> = (0..2)
@@ -57,8 +84,12 @@ fn vllm_router_routes_by_the_simulators_kv_events() {
         .collect();
     let (a, b) = (&sims[0], &sims[1]);
     let (port, prom) = (free_port(), free_port());
-    let mut cmd = Command::new(router);
-    cmd.args(["--worker-urls", &a.url(""), &b.url("")])
+    // The router logs to stdout, which the harness discards: a shell sends it to stderr, the
+    // log file, where the test reads that the events arrived.
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "exec \"$0\" \"$@\" 1>&2"]).arg(router);
+    // B first, so that a tie (no knowledge of the prefix) would not favour A.
+    cmd.args(["--worker-urls", &b.url(""), &a.url("")])
         .args(["--policy", "kv_aware", "--kv-event-model", "sim-model"])
         .args(["--kv-event-block-size", "16"]);
     for (sim, (ev, replay)) in sims.iter().zip(&endpoints) {
@@ -77,6 +108,21 @@ fn vllm_router_routes_by_the_simulators_kv_events() {
             "--log-level",
             "debug",
         ]);
+    // A shared prefix of about 2,000 tokens, computed on A only.
+    let prefix = "You are a careful assistant. ".repeat(280);
+    let warm = || {
+        chat(
+            &a.url("/v1/chat/completions"),
+            &messages(&prefix, "warm up"),
+        );
+        assert!(
+            n(&stats(a), "kv_event_batches_sent") >= 1,
+            "A published its blocks"
+        );
+    };
+    if warm_before_router {
+        warm();
+    }
     let router = start_router(&logs, "vllm-router", cmd, port);
     let metrics = |name: &str| -> f64 {
         let text = client()
@@ -89,22 +135,34 @@ fn vllm_router_routes_by_the_simulators_kv_events() {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
-    // The router subscribes as it starts; a PUB socket drops what it sends before that (the
-    // replay socket would heal a gap, but only once a later batch shows one). Its log is no
-    // use here (it writes to stdout, which the harness discards), so give it a moment.
-    std::thread::sleep(Duration::from_secs(2));
-
-    // A shared prefix of about 2,000 tokens, computed on A only.
-    let prefix = "You are a careful assistant. ".repeat(280);
-    chat(
-        &a.url("/v1/chat/completions"),
-        &messages(&prefix, "warm up"),
-    );
-    assert!(
-        n(&stats(a), "kv_event_batches_sent") >= 1,
-        "A published its blocks"
-    );
-    std::thread::sleep(Duration::from_millis(500));
+    let log = || {
+        strip_ansi(
+            &std::fs::read_to_string(logs.path().join("vllm-router.log")).unwrap_or_default(),
+        )
+    };
+    let a_url = a.url("");
+    let a_url = a_url.trim_end_matches('/');
+    // Its subscribers start with it; a PUB socket drops what it sends before one is there.
+    let subscribed = wait_until(Duration::from_secs(20), || {
+        log().matches("kv_index subscriber for ").count() >= 2
+    });
+    assert!(subscribed, "the router never subscribed");
+    std::thread::sleep(Duration::from_millis(300));
+    if warm_before_router {
+        // Another prompt on A: its batch (seq 3) shows the router the gap it missed.
+        chat(
+            &a.url("/v1/chat/completions"),
+            &messages("another system", "another question"),
+        );
+    } else {
+        warm();
+    }
+    // Batch 1 holds the prompt's blocks (0 is the start's clear, 2 the reply's). When A was
+    // warmed first, it comes from A's replay socket, asked once a later batch shows the gap.
+    let how = if warm_before_router { "replay" } else { "" };
+    let seen = format!("{how} sequence advanced source={a_url} rank=0 seq=1");
+    let arrived = wait_until(Duration::from_secs(20), || log().contains(&seen));
+    assert!(arrived, "the router never logged `{seen}`");
     let (a0, b0) = (n(&stats(a), "requests"), n(&stats(b), "requests"));
     let front = format!("http://127.0.0.1:{port}/v1/chat/completions");
     for i in 0..N {
