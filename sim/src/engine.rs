@@ -60,13 +60,29 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use inferlb_kvevents::{BlockHash, BlockRemoved, BlockStored, Event, Medium};
 use lru::LruCache;
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::kvpub::Sink;
+
 /// Bytes per token: the simulator's tokenizer.
 pub const BYTES_PER_TOKEN: usize = 4;
+
+/// The simulator's token ids, the one definition the KV events and the render endpoints share:
+/// each [`BYTES_PER_TOKEN`]-byte chunk of the text read as a little-endian u32, a short last
+/// chunk padded with zeros.
+pub fn token_ids(text: &[u8]) -> Vec<u32> {
+    text.chunks(BYTES_PER_TOKEN)
+        .map(|c| {
+            let mut b = [0u8; BYTES_PER_TOKEN];
+            b[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(b)
+        })
+        .collect()
+}
 
 /// How prefill and decode share the engine (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -153,6 +169,8 @@ struct Grant {
 
 /// A request in a stepped scheduler.
 struct Entry {
+    /// The prompt, kept only for KV events ([`Engine::event_text`]).
+    text: Vec<u8>,
     hashes: Vec<u64>,
     prompt_tokens: usize,
     /// Prompt tokens to compute: at least one, so even an empty prompt yields a first token.
@@ -202,6 +220,8 @@ pub struct Engine {
     wake: Notify,
     kv: Mutex<KvHold>,
     pub counters: Counters,
+    /// `--kv-events`: where each step's BlockStored and BlockRemoved go.
+    events: Option<Arc<Sink>>,
 }
 
 /// Where an `fcfs` request is, for the running and waiting gauges.
@@ -267,7 +287,27 @@ impl Engine {
             wake: Notify::new(),
             kv: Mutex::new(KvHold::default()),
             counters: Counters::default(),
+            events: None,
             conf,
+        }
+    }
+
+    /// Publishes the cache's changes as vLLM's KV events (before the engine is shared).
+    pub fn set_events(&mut self, sink: Arc<Sink>) {
+        self.events = Some(sink);
+    }
+
+    pub fn events(&self) -> Option<&Arc<Sink>> {
+        self.events.as_ref()
+    }
+
+    /// vLLM's `reset_prefix_cache`: the cache empties, and subscribers hear `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&self) {
+        if let Ok(mut cache) = self.cache.lock() {
+            cache.clear();
+            if let Some(sink) = &self.events {
+                sink.send(vec![Event::AllBlocksCleared]);
+            }
         }
     }
 
@@ -323,14 +363,76 @@ impl Engine {
 
     /// Puts the full blocks of `text` into the cache.
     pub fn insert(&self, text: &[u8]) {
-        self.insert_hashes(&block_hashes(text, self.conf.block_tokens));
+        self.insert_blocks(&block_hashes(text, self.conf.block_tokens), 0, text);
     }
 
-    fn insert_hashes(&self, hashes: &[u64]) {
-        if let Ok(mut cache) = self.cache.lock() {
-            for h in hashes {
+    /// Caches blocks `from..` of `hashes`, the full blocks of `text` (which may be empty when
+    /// no events are published). With events on, this is one batch: the blocks new to the
+    /// cache as BlockStored (chained to the block before them), evictions as BlockRemoved, in
+    /// the order they happened (the sink is sent to under the cache's lock, so batches keep it).
+    fn insert_blocks(&self, hashes: &[u64], from: usize, text: &[u8]) {
+        let Ok(mut cache) = self.cache.lock() else {
+            return;
+        };
+        let Some(sink) = &self.events else {
+            for h in &hashes[from.min(hashes.len())..] {
                 cache.put(*h, ());
             }
+            return;
+        };
+        let b = self.conf.block_tokens.max(1);
+        let bb = b * BYTES_PER_TOKEN;
+        let mut events: Vec<Event> = Vec::new();
+        for (i, h) in hashes.iter().enumerate().skip(from) {
+            let fresh = !cache.contains(h);
+            if let Some((old, ())) = cache.push(*h, ()) {
+                if old != *h {
+                    match events.last_mut() {
+                        Some(Event::BlockRemoved(r)) => r.block_hashes.push(BlockHash::Int(old)),
+                        _ => events.push(Event::BlockRemoved(BlockRemoved {
+                            block_hashes: vec![BlockHash::Int(old)],
+                            medium: Some(Medium::Gpu),
+                            ..BlockRemoved::default()
+                        })),
+                    }
+                }
+            }
+            if !fresh {
+                continue;
+            }
+            let tokens = text
+                .get(i * bb..(i + 1) * bb)
+                .map(token_ids)
+                .unwrap_or_default();
+            match events.last_mut() {
+                // The run continues: this block's parent is the one just stored.
+                Some(Event::BlockStored(s))
+                    if s.block_hashes.last()
+                        == i.checked_sub(1).map(|p| BlockHash::Int(hashes[p])).as_ref() =>
+                {
+                    s.block_hashes.push(BlockHash::Int(*h));
+                    s.token_ids.extend(tokens);
+                }
+                _ => events.push(Event::BlockStored(BlockStored {
+                    block_hashes: vec![BlockHash::Int(*h)],
+                    parent_block_hash: i.checked_sub(1).map(|p| BlockHash::Int(hashes[p])),
+                    token_ids: tokens,
+                    block_size: b as u32,
+                    medium: Some(Medium::Gpu),
+                    ..BlockStored::default()
+                })),
+            }
+        }
+        sink.send(events);
+    }
+
+    /// The prompt's bytes as the engine keeps them for its events: all of them with events
+    /// on, none otherwise.
+    fn event_text(&self, prompt: &[u8]) -> Vec<u8> {
+        if self.events.is_some() {
+            prompt.to_vec()
+        } else {
+            Vec::new()
         }
     }
 
@@ -344,7 +446,7 @@ impl Engine {
     /// [`Engine::unpin`]: a finished prefill's blocks waiting for a decode to pull them.
     pub fn pin(&self, prompt: &[u8]) -> Pinned {
         let hashes = block_hashes(prompt, self.conf.block_tokens);
-        self.insert_hashes(&hashes);
+        self.insert_blocks(&hashes, 0, prompt);
         let mut kv = SeqKv::default();
         self.hold(&mut kv, &hashes, tokens(prompt));
         Pinned { hashes, kv }
@@ -452,15 +554,17 @@ impl Engine {
         let hashes = block_hashes(prompt, self.conf.block_tokens);
         let prompt_tokens = tokens(prompt);
         if self.conf.scheduler == Scheduler::Fcfs {
-            self.prefill_fcfs(hashes, prompt_tokens).await
+            self.prefill_fcfs(prompt, hashes, prompt_tokens).await
         } else {
-            self.prefill_stepped(hashes, prompt_tokens, max_tokens)
+            let text = self.event_text(prompt);
+            self.prefill_stepped(text, hashes, prompt_tokens, max_tokens)
                 .await
         }
     }
 
     async fn prefill_fcfs(
         &self,
+        prompt: &[u8],
         hashes: Vec<u64>,
         prompt_tokens: usize,
     ) -> (Seq<'_>, usize, usize) {
@@ -502,7 +606,7 @@ impl Engine {
         seq.set_phase(Phase::Prefilling);
         tokio::time::sleep_until(done).await;
         if let SeqKind::Fcfs { hashes, .. } = &seq.kind {
-            self.insert_hashes(hashes);
+            self.insert_blocks(hashes, 0, prompt);
         }
         seq.set_phase(Phase::Decoding);
         let c = &self.counters;
@@ -514,6 +618,7 @@ impl Engine {
 
     async fn prefill_stepped(
         &self,
+        text: Vec<u8>,
         hashes: Vec<u64>,
         prompt_tokens: usize,
         max_tokens: usize,
@@ -526,6 +631,7 @@ impl Engine {
             st.seqs.insert(
                 id,
                 Entry {
+                    text,
                     hashes,
                     prompt_tokens,
                     need: prompt_tokens.max(1),
@@ -669,7 +775,7 @@ impl Engine {
                 let before = (e.computed / b).min(e.hashes.len());
                 e.computed += n;
                 let after = (e.computed / b).min(e.hashes.len());
-                self.insert_hashes(&e.hashes[before..after]);
+                self.insert_blocks(&e.hashes[..after], before, &e.text);
                 if e.computed < e.need {
                     continue;
                 }
@@ -903,6 +1009,66 @@ mod tests {
         let mut changed = text.clone();
         changed[20] = b'z'; // inside block 1
         assert_eq!(e.lookup(&changed), 4);
+    }
+
+    #[test]
+    fn token_ids_read_each_four_bytes_as_a_little_endian_u32() {
+        let cases: [(&[u8], Vec<u32>); 3] = [
+            (b"", vec![]),
+            (b"abcd", vec![u32::from_le_bytes(*b"abcd")]),
+            (
+                b"abcdef",
+                vec![u32::from_le_bytes(*b"abcd"), u32::from_le_bytes(*b"ef\0\0")],
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(token_ids(text), want, "{text:?}");
+        }
+    }
+
+    /// The cache's changes as KV events: new blocks chained to their parent, evictions before
+    /// the block that caused them, a touched block silent, a reset as AllBlocksCleared.
+    #[test]
+    fn cache_changes_become_kv_events() {
+        let mut e = engine(8); // two blocks of four tokens
+        let (sink, mut rx) = Sink::new();
+        e.set_events(Arc::new(sink));
+        let text = prompt(0, 12); // three blocks
+        let h = block_hashes(&text, 4);
+        let bb = 4 * BYTES_PER_TOKEN;
+        let int = |i: usize| BlockHash::Int(h[i]);
+        let stored = |from: usize, to: usize| {
+            Event::BlockStored(BlockStored {
+                block_hashes: (from..to).map(int).collect(),
+                parent_block_hash: from.checked_sub(1).map(int),
+                token_ids: token_ids(&text[from * bb..to * bb]),
+                block_size: 4,
+                medium: Some(Medium::Gpu),
+                ..BlockStored::default()
+            })
+        };
+        let removed = |i: usize| {
+            Event::BlockRemoved(BlockRemoved {
+                block_hashes: vec![int(i)],
+                medium: Some(Medium::Gpu),
+                ..BlockRemoved::default()
+            })
+        };
+        e.insert(&text[..2 * bb]);
+        assert_eq!(rx.try_recv().ok(), Some(vec![stored(0, 2)]));
+        e.insert(&text);
+        assert_eq!(rx.try_recv().ok(), Some(vec![removed(0), stored(2, 3)]));
+        e.insert(&text[bb..]); // another prompt; its first block is new
+        assert!(rx.try_recv().is_ok());
+        e.reset_prefix_cache();
+        assert_eq!(rx.try_recv().ok(), Some(vec![Event::AllBlocksCleared]));
+        assert_eq!(e.lookup(&text), 0);
+        e.insert(&text[..bb - 1]); // no full block: no event
+        assert!(rx.try_recv().is_err());
+        assert_eq!(
+            e.events().map(|s| s.dropped.load(Ordering::Relaxed)),
+            Some(0)
+        );
     }
 
     #[test]

@@ -29,11 +29,17 @@
 //! and SGLang's bootstrap rooms (on chat and completions), with `POST /sim/kv/pull` as the
 //! side channel and its counters in `/sim/stats`.
 //!
+//! vLLM's KV events (`kvpub`, `--kv-events`, `--kv-events-replay`, `--kv-events-topic`): the
+//! prefix cache's stores, evictions and resets (`POST /reset_prefix_cache`) as vLLM publishes
+//! them, with the render endpoints vLLM's router calls (`POST /v1/chat/completions/render`,
+//! `POST /v1/completions/render`) giving the same token ids (`engine::token_ids`).
+//!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
 //! any of them, and they all count in `/sim/stats` and `/metrics`.
 
 mod engine;
+mod kvpub;
 mod messages;
 mod pd;
 mod render;
@@ -156,6 +162,19 @@ struct Args {
     /// SGLang decode waits for its room.
     #[arg(long, default_value_t = 30.0)]
     kv_lease_seconds: f64,
+    /// Publish vLLM's KV events (BlockStored, BlockRemoved, AllBlocksCleared) on a ZMQ PUB
+    /// socket bound here, e.g. `tcp://127.0.0.1:5557` (vLLM's `--kv-events-config` endpoint).
+    #[arg(long)]
+    kv_events: Option<String>,
+    /// The replay ROUTER socket for missed batches, e.g. `tcp://127.0.0.1:5558`.
+    #[arg(long, requires = "kv_events")]
+    kv_events_replay: Option<String>,
+    /// The topic frame of every event message (vLLM's default: empty).
+    #[arg(long, default_value = inferlb_kvevents::DEFAULT_TOPIC)]
+    kv_events_topic: String,
+    /// Batches the replay socket keeps (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = inferlb_kvevents::DEFAULT_BUFFER_STEPS)]
+    kv_events_buffer: usize,
     /// A YAML file with any of these keys (flags given on the command line win).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
@@ -841,6 +860,43 @@ async fn metrics(State(sim): State<App>) -> Response {
 /// `/metrics`, what a routing policy estimates, as the engine knows it: `decoding` (running
 /// requests past their prefill) and `prefill_backlog_tokens` (uncached prompt tokens admitted
 /// and not prefilled yet); `prefix_cache_usage` is how full the prefix cache is.
+/// vLLM's render endpoints (what its router calls in `kv_aware` mode): the prompt as token ids,
+/// rendered as the completion endpoints render it, so they name the blocks the KV events name.
+/// The answer is the part of vLLM's `GenerateRequest` a router reads.
+fn rendered(sim: &Sim, body: &[u8], chat: bool) -> Result<Value, String> {
+    let (job, _) = parse_job(body, chat, sim.args.default_max_tokens)?;
+    let prefix = if chat { "chatcmpl" } else { "cmpl" };
+    let n = sim.next_request.fetch_add(1, Ordering::Relaxed);
+    Ok(json!({
+        "request_id": format!("{prefix}-{}-{n}", sim.args.id),
+        "token_ids": engine::token_ids(job.prompt.as_bytes()),
+        "model": job.model,
+        "sampling_params": {"max_tokens": job.max_tokens},
+        "stream": job.stream,
+    }))
+}
+
+async fn render_chat(State(sim): State<App>, body: Bytes) -> Response {
+    match rendered(&sim, &body, true) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => error(StatusCode::BAD_REQUEST, &e),
+    }
+}
+
+/// A completions prompt renders as a list, one entry per prompt, as vLLM answers.
+async fn render_completions(State(sim): State<App>, body: Bytes) -> Response {
+    match rendered(&sim, &body, false) {
+        Ok(v) => Json(json!([v])).into_response(),
+        Err(e) => error(StatusCode::BAD_REQUEST, &e),
+    }
+}
+
+/// vLLM's `POST /reset_prefix_cache`.
+async fn reset_prefix_cache(State(sim): State<App>) -> Response {
+    sim.engine.reset_prefix_cache();
+    StatusCode::OK.into_response()
+}
+
 async fn stats(State(sim): State<App>) -> Response {
     let c = &sim.engine.counters;
     let p = &sim.pd.counters;
@@ -870,6 +926,8 @@ async fn stats(State(sim): State<App>) -> Response {
         "kv_leases_pulled": p.kv_leases_pulled.load(Ordering::Relaxed),
         "kv_leases_expired": p.kv_leases_expired.load(Ordering::Relaxed),
         "kv_leases_held": sim.pd.leases_held(),
+        "kv_event_batches_sent": sim.engine.events().map_or(0, |e| e.sent.load(Ordering::Relaxed)),
+        "kv_event_batches_dropped": sim.engine.events().map_or(0, |e| e.dropped.load(Ordering::Relaxed)),
     }))
     .into_response()
 }
@@ -1040,8 +1098,12 @@ fn load_args() -> Result<Args, String> {
 
 /// The replica `args` describe, its engine started; `listener_ctl` closes its listener for a
 /// while (the `refuse` fault).
-fn replica(args: &Args, listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>) -> App {
-    let engine = Engine::new(EngineConf {
+fn replica(
+    args: &Args,
+    listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
+    events: Option<Arc<kvpub::Sink>>,
+) -> App {
+    let mut engine = Engine::new(EngineConf {
         prefill_tokens_per_s: args.prefill_tokens_per_s,
         decode_interval: Duration::from_secs_f64(args.decode_interval_ms / 1000.0),
         max_batch: args.max_batch,
@@ -1051,6 +1113,11 @@ fn replica(args: &Args, listener_ctl: tokio::sync::mpsc::UnboundedSender<Duratio
         scheduler: args.scheduler,
         max_num_batched_tokens: args.max_num_batched_tokens.max(1),
     });
+    if let Some(sink) = events {
+        // A replica starts empty, and says so, as vLLM does on a fresh start.
+        sink.send(vec![inferlb_kvevents::Event::AllBlocksCleared]);
+        engine.set_events(sink);
+    }
     let engine = Arc::new(engine);
     engine.start();
     let speed = if args.speed > 0.0 { args.speed } else { 1.0 };
@@ -1113,6 +1180,9 @@ fn router(sim: &App) -> Router {
         .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/messages", post(messages::create))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/completions/render", post(render_completions))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -1156,7 +1226,24 @@ async fn main() {
     }));
     let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
     let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
-    let sim = replica(&args, ctl_tx);
+    let events = match &args.kv_events {
+        None => None,
+        Some(endpoint) => {
+            let (sink, rx) = kvpub::Sink::new();
+            let conf = kvpub::PublisherConf {
+                endpoint: endpoint.clone(),
+                replay: args.kv_events_replay.clone(),
+                topic: args.kv_events_topic.clone(),
+                buffer: args.kv_events_buffer,
+            };
+            if let Err(e) = kvpub::start(conf, rx).await {
+                eprintln!("inferlb-sim: {e}");
+                std::process::exit(1);
+            }
+            Some(Arc::new(sink))
+        }
+    };
+    let sim = replica(&args, ctl_tx, events);
     let pd = sim.pd.clone();
     if let (Some(port), true) = (
         args.bootstrap_port,
@@ -1271,7 +1358,7 @@ mod testkit {
         argv.extend(flags.iter().map(|f| f.to_string()));
         let args = Args::try_parse_from(argv).unwrap();
         let (ctl, _) = tokio::sync::mpsc::unbounded_channel();
-        let sim = replica(&args, ctl);
+        let sim = replica(&args, ctl, None);
         let app = router(&sim);
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
