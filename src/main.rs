@@ -87,6 +87,7 @@ fn main() {
     ));
     let health = background_service("health", HealthChecker::new(&conf.health, registry.clone()));
     let registry_for_load = registry.clone();
+    let registry_for_kv_events = registry.clone();
     let registry_for_discovery = registry.clone();
 
     // One link to the cluster's Redis, for its state and the shared budgets alike.
@@ -248,6 +249,11 @@ fn main() {
         };
         server.add_service(background_service("replica load", load));
     }
+    // The replicas' own KV events, for those whose entry names a publisher (or that come to).
+    let kv_events = inferlb::fleet::kv_events::KvEventWatcher {
+        registry: registry_for_kv_events,
+    };
+    server.add_service(background_service("replica KV events", kv_events));
     let found_by_dns: Vec<_> = conf
         .replicas
         .iter()

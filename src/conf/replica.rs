@@ -65,6 +65,46 @@ pub struct ReplicaConf {
     /// address's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
+    /// vLLM's KV event publisher (`--kv-events-config`'s `endpoint`), `tcp://host:port`: its
+    /// cache's stores, evictions and resets, read by a subscriber (`fleet::kv_events`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// Its replay socket (`replay_endpoint`), `tcp://host:port`: missed batches are asked
+    /// for there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
+}
+
+/// A replica's KV event endpoints, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEvents {
+    pub publisher: String,
+    pub replay: Option<String>,
+}
+
+impl ReplicaConf {
+    /// Its KV event endpoints, when it has them (checked by [`check_replica`]).
+    pub fn kv_events(&self) -> Option<KvEvents> {
+        Some(KvEvents {
+            publisher: self.kv_events.clone()?,
+            replay: self.kv_events_replay.clone(),
+        })
+    }
+}
+
+/// `tcp://host:port`, as ZMQ names a TCP endpoint.
+fn check_zmq_endpoint(e: &str) -> Result<(), String> {
+    let rest = e
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("{e:?} is not tcp://host:port"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{e:?} has no port"))?;
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
+    if host.is_empty() || host == "*" || !port_ok {
+        return Err(format!("{e:?} is not tcp://host:port"));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
@@ -97,6 +137,17 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
         if !(1024..=1_000_000_000).contains(&t) {
             return Err(format!(
                 "{key}.cache_tokens: {t} is not a cache size (1024 to 1e9 tokens)"
+            ));
+        }
+    }
+    if let Some(e) = &r.kv_events {
+        check_zmq_endpoint(e).map_err(|m| format!("{key}.kv_events: {m}"))?;
+    }
+    if let Some(e) = &r.kv_events_replay {
+        check_zmq_endpoint(e).map_err(|m| format!("{key}.kv_events_replay: {m}"))?;
+        if r.kv_events.is_none() {
+            return Err(format!(
+                "{key}.kv_events_replay: a replay socket without kv_events, the publisher"
             ));
         }
     }

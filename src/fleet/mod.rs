@@ -1,6 +1,6 @@
 //! The replicas: each one's endpoint, health, load and cache model ([`replica`]), the
 //! [`registry`] that holds them, the background tasks that watch them ([`health`], [`poll`],
-//! [`discovery`]), and the conversation pins ([`affinity`], kept across restarts by
+//! [`discovery`], the replicas' own KV events in [`kv_events`]), and the conversation pins ([`affinity`], kept across restarts by
 //! [`pins_file`]). Changes other layers care about leave through [`events`].
 
 pub mod affinity;
@@ -8,6 +8,7 @@ pub mod discovery;
 pub mod events;
 pub mod health;
 pub mod index;
+pub mod kv_events;
 pub mod pins_file;
 pub mod poll;
 pub mod pool;

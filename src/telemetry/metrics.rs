@@ -12,8 +12,8 @@ use pingora_prometheus::prometheus::core::{Collector, Desc};
 use pingora_prometheus::prometheus::proto::MetricFamily;
 use pingora_prometheus::prometheus::{
     self, register_histogram_vec, register_int_counter, register_int_counter_vec,
-    register_int_gauge, Encoder, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts,
+    register_int_gauge, register_int_gauge_vec, Encoder, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts,
 };
 
 /// The `replica` label of a request no replica served.
@@ -73,11 +73,13 @@ pub fn forget<R: ReplicaGauges + 'static>(id: &str, replica: &Arc<R>) {
         &m.predicted_cached_tokens,
         &m.reported_cached_tokens,
         &m.mispredictions,
+        &m.kv_events,
         &m.pd_legs,
         &m.pd_pull_tokens,
     ] {
         counters.remove(id);
     }
+    let _ = m.kv_events_state.remove_label_values(&[id]);
 }
 
 /// Counters whose first label is `replica`: a count for a replica that is not (or no longer)
@@ -231,6 +233,9 @@ pub struct Metrics {
     pub predicted_cached_tokens: ReplicaCounters,
     pub reported_cached_tokens: ReplicaCounters,
     pub mispredictions: ReplicaCounters,
+    /// KV events read from the replicas, by kind; the state of each replica's stream.
+    pub kv_events: ReplicaCounters,
+    pub kv_events_state: IntGaugeVec,
     pub tls_reloads: IntCounter,
     /// Secret files read again: `changed` (swapped in) or `failed` (the old one kept).
     pub secret_reloads: IntCounterVec,
@@ -355,6 +360,16 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "Cached prompt tokens the replicas reported, over the same answers as inferlb_cache_predicted_tokens_total.",
             &["replica"]
         )?),
+        kv_events: ReplicaCounters(register_int_counter_vec!(
+            "inferlb_kv_events_total",
+            "KV events read from the replica's publisher, by kind: stored, removed, cleared, undecodable (batches).",
+            &["replica", "kind"]
+        )?),
+        kv_events_state: register_int_gauge_vec!(
+            "inferlb_kv_events_state",
+            "The replica's KV event stream: 2 live (seen whole), 1 partial (a gap not healed), 0 gone.",
+            &["replica"]
+        )?,
         mispredictions: ReplicaCounters(register_int_counter_vec!(
             "inferlb_cache_mispredictions_total",
             "Answers whose replica cached less than predicted (by more than a block and a token), by cause: evicted (part held), absent (none held).",

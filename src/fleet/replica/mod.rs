@@ -50,6 +50,8 @@ pub struct Replica {
     checks_passed: AtomicU64,
     /// The `discover: dns` entry that found it; None for one configured or added by hand.
     pub origin: Option<String>,
+    /// Its KV event endpoints, read by `fleet::kv_events`.
+    pub kv_events: Option<crate::conf::KvEvents>,
     load: Load,
     /// Told of each change of its load and of what it prefilled (the cluster, if any).
     listener: OnceLock<Arc<dyn Listener>>,
@@ -84,6 +86,7 @@ impl Replica {
             models: RwLock::new(Arc::from(conf.models.clone())),
             checks_passed: AtomicU64::new(0),
             origin: origin.map(str::to_owned),
+            kv_events: conf.kv_events(),
             load: Load::default(),
             listener: OnceLock::new(),
         }
