@@ -3,7 +3,8 @@
 //! Token ids for a request, as a vLLM replica would count them, cheaply enough for a load
 //! balancer's request path.
 //!
-//! - [`ModelTokens::from_dir`] loads a model's `tokenizer.json` and `tokenizer_config.json`.
+//! - [`ModelTokens::from_dir`] loads a model's `tokenizer.json` and `tokenizer_config.json`
+//!   (and `chat_template.jinja`, which newer transformers save beside it and prefer).
 //! - Chat bodies are rendered with the model's chat template the way vLLM renders them (vLLM's
 //!   conversation, transformers' Jinja setup), then tokenized without added special tokens (the
 //!   template carries the BOS). Completions prompts are tokenized with them; token-id prompts
@@ -146,11 +147,22 @@ impl ModelTokens {
             })?;
         tokenizer.with_padding(None);
         let config_path = dir.join("tokenizer_config.json");
-        let config = if config_path.exists() {
+        let mut config = if config_path.exists() {
             TokenizerConfig::from_file(&config_path)?
         } else {
             TokenizerConfig::default()
         };
+        // Newer transformers save the template beside the config, and prefer that file.
+        let jinja = dir.join("chat_template.jinja");
+        let mut config_path = config_path;
+        if jinja.exists() {
+            config.chat_template =
+                Some(std::fs::read_to_string(&jinja).map_err(|e| Error::Io {
+                    path: jinja.clone(),
+                    source: e,
+                })?);
+            config_path = jinja;
+        }
         let (env, format) = match &config.chat_template {
             Some(source) => {
                 let env = template::environment(source.clone()).map_err(|e| Error::Key {
