@@ -75,6 +75,54 @@ impl PrefixCache {
     }
 }
 
+/// Something whose size in bytes is known.
+pub trait Weigh {
+    fn weight(&self) -> usize;
+}
+
+impl<T> Weigh for (T, usize) {
+    fn weight(&self) -> usize {
+        self.1 + 64
+    }
+}
+
+/// An LRU map bounded by the weight of its values (trimmed by the caller, after a batch of puts).
+pub struct Sized<V> {
+    map: LruCache<u64, V>,
+    bytes: usize,
+    limit: usize,
+}
+
+impl<V: Weigh> Sized<V> {
+    pub fn new(limit: usize) -> Self {
+        Self {
+            map: LruCache::unbounded(),
+            bytes: 0,
+            limit,
+        }
+    }
+
+    pub fn get(&mut self, key: &u64) -> Option<&V> {
+        self.map.get(key)
+    }
+
+    pub fn put(&mut self, key: u64, value: V) {
+        self.bytes += value.weight();
+        if let Some(old) = self.map.put(key, value) {
+            self.bytes -= old.weight();
+        }
+    }
+
+    pub fn trim(&mut self) {
+        while self.bytes > self.limit {
+            match self.map.pop_lru() {
+                Some((_, v)) => self.bytes -= v.weight(),
+                None => break,
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +153,17 @@ mod tests {
         assert!(c.bytes() <= 3 * 464);
         c.insert(10, entry(10_000));
         assert_eq!(c.len(), 3, "an entry over the whole bound is not kept");
+    }
+
+    #[test]
+    fn sized_is_bounded_by_weight() {
+        let mut s: Sized<((), usize)> = Sized::new(3 * 164);
+        for k in 0..5 {
+            s.put(k, ((), 100));
+            s.trim();
+        }
+        assert!(s.get(&4).is_some() && s.get(&1).is_none());
+        assert!(s.bytes <= 3 * 164);
     }
 
     #[test]

@@ -121,6 +121,8 @@ pub struct ModelTokens {
     /// `prepend_scheme: first`): tokenizing a tail alone would differ from the whole.
     reuse: bool,
     cache: Mutex<cache::PrefixCache>,
+    /// Messages as the template sees them, by the hash of their raw JSON.
+    messages: Mutex<cache::Sized<(Value, usize)>>,
 }
 
 impl ModelTokens {
@@ -207,6 +209,7 @@ impl ModelTokens {
             max_added,
             reuse,
             cache: Mutex::new(cache::PrefixCache::new(DEFAULT_CACHE_BYTES)),
+            messages: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
         })
     }
 
@@ -214,6 +217,7 @@ impl ModelTokens {
     pub fn with_cache_bytes(self, bytes: usize) -> Self {
         Self {
             cache: Mutex::new(cache::PrefixCache::new(bytes)),
+            messages: Mutex::new(cache::Sized::new(bytes / 4)),
             ..self
         }
     }
@@ -242,13 +246,26 @@ impl ModelTokens {
         let env = self.env.as_ref().ok_or_else(|| Error::NoTemplate {
             path: self.config_path.clone(),
         })?;
-        let messages: Result<Vec<Value>, Error> = b
-            .messages
-            .iter()
-            .map(|m| chat::message(m, self.format))
-            .collect();
+        // Each message is converted once: a resent history costs a hash per message here.
+        let mut messages = Vec::with_capacity(b.messages.len());
+        {
+            let mut seen = self.messages.lock().expect("message lock");
+            for raw in &b.messages {
+                let key = xxh3_64(raw.get().as_bytes());
+                let value = match seen.get(&key) {
+                    Some((v, _)) => v.clone(),
+                    None => {
+                        let v = chat::message(raw, self.format)?;
+                        seen.put(key, (v.clone(), raw.get().len()));
+                        v
+                    }
+                };
+                messages.push(value);
+            }
+            seen.trim();
+        }
         let mut ctx: IndexMap<String, Value> = IndexMap::new();
-        ctx.insert("messages".into(), Value::from(messages?));
+        ctx.insert("messages".into(), Value::from(messages));
         ctx.insert("tools".into(), chat::tools(b.tools)?);
         ctx.insert("documents".into(), Value::from(()));
         ctx.insert(
