@@ -17,6 +17,11 @@
 //! not a chat server: it renders text content only (no images or audio), has no
 //! `strftime_now`, and writes Python values (`True`, `None`, dicts) the way minijinja does when
 //! a template prints them raw rather than through `tojson`.
+//!
+//! Cost (`cargo bench -p inferlb-tokens`, 2 shared cores, a 600-token trained BPE): a 400 KB
+//! conversation takes about 145 ms cold and 1.0 to 1.6 ms with one new turn, of which the
+//! render of the whole conversation is 0.3 to 0.6 ms and tokenizing the ~2 KB turn 0.35 to
+//! 0.6 ms (`fancy-regex`; `onig` is about 1.6 times faster cold, but builds C).
 
 mod cache;
 pub mod chat;
