@@ -1,0 +1,249 @@
+//! A Hugging Face chat template in minijinja, set up as transformers sets up Jinja: trimmed
+//! blocks, Python's string and dict methods, `raise_exception`, and Python's `json.dumps` as
+//! `tojson`.
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+use std::fmt::Write;
+
+/// How the template reads `message.content`: as a string, or as a list of parts it loops over
+/// (vLLM's `--chat-template-content-format auto` decides the same way, once per template).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContentFormat {
+    String,
+    OpenAi,
+}
+
+/// vLLM walks the template's syntax tree for a `for` loop over a message's `content`; this looks
+/// for the same loop in the source text.
+pub fn detect_content_format(source: &str) -> ContentFormat {
+    let mut rest = source;
+    while let Some(at) = rest.find("for ") {
+        rest = &rest[at + 4..];
+        let head: String = rest
+            .chars()
+            .take_while(|c| *c != '%' && *c != '}')
+            .collect();
+        if let Some((_, iter)) = head.split_once(" in ") {
+            let iter = iter.trim().trim_end_matches(['-', '+']).trim_end();
+            if iter.ends_with("content")
+                || iter.ends_with("['content']")
+                || iter.ends_with("[\"content\"]")
+            {
+                return ContentFormat::OpenAi;
+            }
+        }
+    }
+    ContentFormat::String
+}
+
+pub const NAME: &str = "chat";
+
+pub fn environment(source: String) -> Result<Environment<'static>, minijinja::Error> {
+    let mut env = Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()?,
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
+    env.add_filter("tojson", tojson);
+    env.add_template_owned(NAME, source)?;
+    Ok(env)
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=…, separators=…,
+/// sort_keys=…)`, so `{"a": 1, "b": [2, 3]}` with Python's spaces, not minijinja's HTML-safe
+/// compact form.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<String, minijinja::Error> {
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let indent = match indent {
+        Some(v) if v.kind() == ValueKind::Number => Some(" ".repeat(i64::try_from(v)? as usize)),
+        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or("").to_owned()),
+        _ => None,
+    };
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators {
+        Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
+        _ if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        _ => (", ".to_owned(), ": ".to_owned()),
+    };
+    let style = Style {
+        indent,
+        item,
+        key,
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    let mut out = String::new();
+    dump(&value, &style, 0, &mut out)?;
+    Ok(out)
+}
+
+struct Style {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+}
+
+fn newline(style: &Style, depth: usize, out: &mut String) {
+    if let Some(ind) = &style.indent {
+        out.push('\n');
+        for _ in 0..depth {
+            out.push_str(ind);
+        }
+    }
+}
+
+fn dump(v: &Value, style: &Style, depth: usize, out: &mut String) -> Result<(), minijinja::Error> {
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            // Integers as they are; floats as Python's repr writes them in the common cases.
+            if v.is_integer() {
+                let _ = write!(out, "{}", i128::try_from(v.clone())?);
+                return Ok(());
+            }
+            let f = f64::try_from(v.clone())?;
+            if f.is_finite() && f == f.trunc() && f.abs() < 1e16 {
+                let _ = write!(out, "{f:.1}");
+            } else {
+                out.push_str(&serde_json::to_string(&f).unwrap_or_else(|_| "NaN".into()));
+            }
+        }
+        ValueKind::String => {
+            out.push_str(&serde_json::to_string(v.as_str().unwrap_or("")).expect("a string"))
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item);
+                }
+                newline(style, depth + 1, out);
+                dump(item, style, depth + 1, out)?;
+            }
+            newline(style, depth, out);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            if style.sort_keys {
+                keys.sort();
+            }
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item);
+                }
+                newline(style, depth + 1, out);
+                let name = match k.as_str() {
+                    Some(s) => s.to_owned(),
+                    None => k.to_string(),
+                };
+                out.push_str(&serde_json::to_string(&name).expect("a string"));
+                out.push_str(&style.key);
+                dump(&v.get_item(k)?, style, depth + 1, out)?;
+            }
+            newline(style, depth, out);
+            out.push('}');
+        }
+        _ => out.push_str(&serde_json::to_string(&v.to_string()).expect("a string")),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(template: &str, ctx: Value) -> String {
+        let env = environment(template.to_owned()).unwrap();
+        env.get_template(NAME).unwrap().render(ctx).unwrap()
+    }
+
+    #[test]
+    fn tojson_writes_python_json_dumps() {
+        let v: Value = serde_json::from_str(
+            r#"{"b": [1, 2.5, 3.0], "a": {"x": "é<\n"}, "e": {}, "n": null, "t": true}"#,
+        )
+        .unwrap();
+        let ctx = minijinja::context! { v => v };
+        assert_eq!(
+            render("{{ v | tojson }}", ctx.clone()),
+            r#"{"b": [1, 2.5, 3.0], "a": {"x": "é<\n"}, "e": {}, "n": null, "t": true}"#
+        );
+        assert_eq!(
+            render("{{ v.b | tojson(indent=2) }}", ctx.clone()),
+            "[\n  1,\n  2.5,\n  3.0\n]"
+        );
+        assert_eq!(
+            render(
+                "{{ v | tojson(sort_keys=true, separators=(',', ':')) }}",
+                ctx
+            ),
+            r#"{"a":{"x":"é<\n"},"b":[1,2.5,3.0],"e":{},"n":null,"t":true}"#
+        );
+    }
+
+    #[test]
+    fn python_methods_and_raise_exception() {
+        let ctx = minijinja::context! { s => "  hi  ", d => minijinja::context!{ k => 1 } };
+        assert_eq!(
+            render("{{ s.strip() }}|{{ s.startswith('  h') }}", ctx.clone()),
+            "hi|True"
+        );
+        assert_eq!(
+            render(
+                "{% for k, v in d.items() %}{{ k }}={{ v }}{% endfor %}",
+                ctx.clone()
+            ),
+            "k=1"
+        );
+        let env = environment("{{ raise_exception('no system here') }}".into()).unwrap();
+        let e = env.get_template(NAME).unwrap().render(ctx).unwrap_err();
+        assert!(e.to_string().contains("no system here"), "{e}");
+    }
+
+    #[test]
+    fn content_format_follows_the_template() {
+        assert_eq!(
+            detect_content_format("{{ message['content'] }}"),
+            ContentFormat::String
+        );
+        assert_eq!(
+            detect_content_format(
+                "{% for part in message['content'] %}{{ part.text }}{% endfor %}"
+            ),
+            ContentFormat::OpenAi
+        );
+        assert_eq!(
+            detect_content_format("{%- for c in m.content -%}{% endfor %}"),
+            ContentFormat::OpenAi
+        );
+        assert_eq!(
+            detect_content_format("{% for message in messages %}{% endfor %}"),
+            ContentFormat::String
+        );
+    }
+}
