@@ -1,0 +1,106 @@
+//! The replicas' own KV events read by inferlb: a simulator publishing vLLM's events (ZMQ,
+//! msgpack, with a replay socket), its stream seen live, and a cache reset it announces
+//! emptying inferlb's estimate for it at once, so the next turn is not predicted warm.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use inferlb_harness::{free_port, Replica};
+
+fn metrics(lb: &Lb) -> String {
+    http()
+        .get(lb.admin_url("/metrics"))
+        .send()
+        .expect("metrics")
+        .text()
+        .expect("text")
+}
+
+#[test]
+fn a_reset_the_replica_announces_empties_its_estimate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (events, replay) = (free_port(), free_port());
+    let ev = format!("tcp://127.0.0.1:{events}");
+    let rp = format!("tcp://127.0.0.1:{replay}");
+    let sim = Sim::spawn(
+        dir.path(),
+        "gpu0",
+        &["--kv-events", &ev, "--kv-events-replay", &rp],
+    );
+    sim.assert_healthy();
+    let conf = LbConf {
+        routing: Some("prefill_cost".into()),
+        replicas: vec![Replica {
+            extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
+            ..Replica::of(&sim)
+        }],
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[], conf);
+    let sample = |s: &str| sample_value(&metrics(&lb), s).unwrap_or(0.0);
+    // Seen whole: the startup clear came through the replay socket.
+    let live = wait_until(Duration::from_secs(10), || {
+        sample("inferlb_kv_events_state{replica=\"gpu0\"}") == 2.0
+    });
+    assert!(live, "{}\n{}", metrics(&lb), lb.proc.log_text());
+    let history = text_of("kv events history", 6000);
+    let messages = [("user", history.as_str())];
+    routed_chat(&lb, &messages);
+    let stored = wait_until(Duration::from_secs(10), || {
+        sample("inferlb_kv_events_total{kind=\"stored\",replica=\"gpu0\"}") > 0.0
+    });
+    assert!(stored, "{}", metrics(&lb));
+    let mispredicted = "inferlb_cache_mispredictions_total{cause=\"absent\",replica=\"gpu0\"}";
+    // The replica's cache is reset behind inferlb's back; it says so on its stream.
+    let cleared = sample("inferlb_kv_events_total{kind=\"cleared\",replica=\"gpu0\"}");
+    let r = http()
+        .post(format!("http://{}/reset_prefix_cache", sim.addr()))
+        .send()
+        .expect("reset");
+    assert!(r.status().is_success());
+    let heard = wait_until(Duration::from_secs(10), || {
+        sample("inferlb_kv_events_total{kind=\"cleared\",replica=\"gpu0\"}") > cleared
+    });
+    assert!(heard, "{}", metrics(&lb));
+    assert!(lb
+        .proc
+        .log_text()
+        .contains("replica gpu0: its cache was cleared (KV events)"));
+    // The next turn: predicted cold, as it is; no misprediction to find.
+    let (_, _, resp) = routed_chat(&lb, &messages);
+    assert_eq!(
+        resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(0),
+        "{resp}"
+    );
+    assert_eq!(sample(mispredicted), 0.0, "{}", metrics(&lb));
+    assert_eq!(
+        sample("inferlb_cache_predicted_tokens_total{replica=\"gpu0\"}"),
+        0.0
+    );
+}
+
+#[test]
+fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sim = Sim::spawn(dir.path(), "gpu0", &[]);
+    sim.assert_healthy();
+    let nowhere = format!("tcp://127.0.0.1:{}", free_port());
+    let conf = LbConf {
+        routing: Some("prefill_cost".into()),
+        replicas: vec![Replica {
+            extra: format!("kv_events: \"{nowhere}\""),
+            ..Replica::of(&sim)
+        }],
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[], conf);
+    let (replica, _, _) = routed_chat(&lb, &[("user", "hello")]);
+    assert_eq!(replica, "gpu0");
+    // ZMQ connects lazily: the stream is gone, or not yet live; never live.
+    std::thread::sleep(Duration::from_secs(2));
+    let state = sample_value(&metrics(&lb), "inferlb_kv_events_state{replica=\"gpu0\"}");
+    assert_ne!(state, Some(2.0), "{}", metrics(&lb));
+}
