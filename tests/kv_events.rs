@@ -99,8 +99,63 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
     let lb = Lb::start(dir.path(), &[], conf);
     let (replica, _, _) = routed_chat(&lb, &[("user", "hello")]);
     assert_eq!(replica, "gpu0");
-    // ZMQ connects lazily: the stream is gone, or not yet live; never live.
-    std::thread::sleep(Duration::from_secs(2));
-    let state = sample_value(&metrics(&lb), "inferlb_kv_events_state{replica=\"gpu0\"}");
-    assert_ne!(state, Some(2.0), "{}", metrics(&lb));
+    let gone = wait_until(Duration::from_secs(10), || {
+        sample_value(&metrics(&lb), "inferlb_kv_events_state{replica=\"gpu0\"}") == Some(0.0)
+    });
+    assert!(gone, "{}\n{}", metrics(&lb), lb.proc.log_text());
+    assert!(lb.proc.log_text().contains("KV event stream gone"));
+}
+
+/// A replica restarted between two health checks says nothing on a stream that died with it;
+/// its publisher's sequence starting again from 0 tells: the estimate is cleared.
+#[test]
+fn a_publisher_that_restarted_clears_the_estimate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (events, replay) = (free_port(), free_port());
+    let ev = format!("tcp://127.0.0.1:{events}");
+    let rp = format!("tcp://127.0.0.1:{replay}");
+    let mut sim = Sim::spawn(
+        dir.path(),
+        "gpu0",
+        &["--kv-events", &ev, "--kv-events-replay", &rp],
+    );
+    sim.assert_healthy();
+    let conf = LbConf {
+        routing: Some("prefill_cost".into()),
+        replicas: vec![Replica {
+            extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
+            ..Replica::of(&sim)
+        }],
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[], conf);
+    let sample = |s: &str| sample_value(&metrics(&lb), s).unwrap_or(0.0);
+    let live = || sample("inferlb_kv_events_state{replica=\"gpu0\"}") == 2.0;
+    assert!(
+        wait_until(Duration::from_secs(10), live),
+        "{}",
+        metrics(&lb)
+    );
+    let history = text_of("restart history", 6000);
+    let messages = [("user", history.as_str())];
+    for _ in 0..3 {
+        routed_chat(&lb, &messages);
+    }
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let said = "replica gpu0: its KV event publisher restarted; its estimate is cleared";
+    let cleared = wait_until(Duration::from_secs(20), || {
+        lb.proc.log_text().contains(said)
+    });
+    assert!(cleared, "{}", lb.proc.log_text());
+    assert!(wait_until(Duration::from_secs(5), live), "{}", metrics(&lb));
+    // Predicted cold, as it is: no misprediction.
+    let (_, _, resp) = routed_chat(&lb, &messages);
+    assert_eq!(
+        resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(0),
+        "{resp}"
+    );
+    let wrong = "inferlb_cache_mispredictions_total{cause=\"absent\",replica=\"gpu0\"}";
+    assert_eq!(sample(wrong), 0.0, "{}", metrics(&lb));
 }

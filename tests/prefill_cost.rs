@@ -171,9 +171,12 @@ fn the_replicas_usage_checks_and_corrects_the_estimate() {
     let replica = format!("replica=\"{home}\"");
     // The usage the stream was asked for reached the check: a cold prompt, predicted 0.
     let reported = sample("inferlb_cache_reported_tokens_total", &replica);
+    let predicted = format!("inferlb_cache_predicted_tokens_total{{{replica}}}");
     assert_eq!(
-        sample("inferlb_cache_predicted_tokens_total", &replica),
-        0.0
+        sample_value(&metrics(), &predicted),
+        Some(0.0),
+        "{}",
+        metrics()
     );
     // Warm: predicted and reported agree within a block.
     let (again, _, _) = routed_chat(&lb, &messages);

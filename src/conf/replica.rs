@@ -142,6 +142,11 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
     }
     if let Some(e) = &r.kv_events {
         check_zmq_endpoint(e).map_err(|m| format!("{key}.kv_events: {m}"))?;
+        if r.discover.is_some() {
+            return Err(format!(
+                "{key}.kv_events: one publisher cannot be every replica a discover entry finds; list those replicas one by one"
+            ));
+        }
     }
     if let Some(e) = &r.kv_events_replay {
         check_zmq_endpoint(e).map_err(|m| format!("{key}.kv_events_replay: {m}"))?;

@@ -92,6 +92,8 @@ impl PrefixIndex {
 
     /// Forgets everything: the replica lost its cache.
     pub fn clear(&self) {
+        // Changed: the cluster's save loop saves it again.
+        self.records.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut held) = self.inner.lock() {
             held.links.clear();
             held.tokens = 0;

@@ -3,8 +3,9 @@
 //! `BlockStored`, `BlockRemoved` and `AllBlocksCleared` batches (ZMQ frames, msgpack;
 //! decoded by `inferlb_kvevents`).
 //!
-//! What it does with them today: an `AllBlocksCleared` (a cache reset, or a restart between
-//! two health checks) empties the replica's estimate at once, and each stream's state is kept
+//! What it does with them today: an `AllBlocksCleared` (a cache reset) or a publisher whose
+//! sequence began again (a restart between two health checks) empties the replica's
+//! estimate at once, and each stream's state is kept
 //! with a metric and one log line per transition. `live`: every batch since the publisher's
 //! first was seen, gaps healed through the replay socket. `partial`: a gap the replay could not
 //! heal (its buffer is finite and there is no snapshot), until the next `AllBlocksCleared`
@@ -158,43 +159,55 @@ impl BackgroundService for KvEventWatcher {
 }
 
 /// One replica's stream, for as long as the replica is in the registry.
+///
+/// The SUB socket of the `zeromq` crate neither reports nor heals a lost publisher, so the
+/// publisher's port is probed while the stream is silent (refused: `gone`, and reconnected
+/// when it answers again), and a stream silent for [`RESUBSCRIBE_AFTER`] is subscribed anew.
+/// Each (re)connect reads the replay socket from the publisher's first batch: a publisher
+/// whose sequence went back restarted, so its cache is empty and the estimate is cleared;
+/// otherwise the batches missed meanwhile are applied. What the first connect replays only
+/// establishes where the stream stands: an old reset in the buffer clears nothing.
 async fn subscribe(replica: Weak<Replica>, ep: KvEvents) {
     let mut state = None;
+    let mut seq = Sequence::default();
     while let Some(r) = replica.upgrade() {
         let id = r.id.clone();
         drop(r);
         let mut sub = zeromq::SubSocket::new();
         let connected = tokio::time::timeout(SOCKET_TIMEOUT, sub.connect(&ep.publisher)).await;
         if !matches!(connected, Ok(Ok(()))) || sub.subscribe("").await.is_err() {
-            transition(&id, &mut state, StreamState::Gone);
+            transition(&replica, &id, &mut state, StreamState::Gone);
             tokio::time::sleep(IDLE_CHECK).await;
             continue;
         }
-        let mut seq = Sequence::default();
-        // What came before subscribing: the replay socket's buffer, from the first batch.
         if let Some(r) = replica.upgrade() {
-            if let Some(batches) = replay(ep.replay.as_deref(), 0).await {
-                for (s, b) in batches {
-                    if seq.step(s) == Step::Apply {
-                        apply(&r, &b, &mut seq);
-                        seq.applied(s);
-                    }
-                }
-            }
-            transition(&id, &mut state, seq.state());
+            catch_up(&r, ep.replay.as_deref(), &mut seq).await;
+            transition(&replica, &id, &mut state, seq.state());
         }
+        let mut silent = Duration::ZERO;
         loop {
             let m = tokio::time::timeout(IDLE_CHECK, sub.recv()).await;
             let Some(r) = replica.upgrade() else { return };
             let m = match m {
-                Err(_) => continue,
+                Err(_) => {
+                    silent += IDLE_CHECK;
+                    if !reachable(&ep.publisher).await {
+                        transition(&replica, &id, &mut state, StreamState::Gone);
+                        break;
+                    }
+                    if silent >= RESUBSCRIBE_AFTER {
+                        break;
+                    }
+                    continue;
+                }
                 Ok(Err(e)) => {
                     log::warn!("replica {id}: KV event stream ended: {e}");
-                    transition(&id, &mut state, StreamState::Gone);
+                    transition(&replica, &id, &mut state, StreamState::Gone);
                     break;
                 }
                 Ok(Ok(m)) => m,
             };
+            silent = Duration::ZERO;
             let frames: Vec<Bytes> = m.into_vec();
             let parts: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
             let Ok((_, s, payload)) = parse_frames(&parts) else {
@@ -208,6 +221,8 @@ async fn subscribe(replica: Weak<Replica>, ep: KvEvents) {
                 continue;
             };
             match seq.step(s) {
+                // Already applied (the replay overlapped the live stream), or a publisher
+                // that restarted while subscribed: the next (re)connect's replay tells.
                 Step::Seen => continue,
                 Step::Apply => {}
                 Step::Gap { from } => {
@@ -226,10 +241,76 @@ async fn subscribe(replica: Weak<Replica>, ep: KvEvents) {
             }
             apply(&r, &batch, &mut seq);
             seq.applied(s);
-            transition(&id, &mut state, seq.state());
+            transition(&replica, &id, &mut state, seq.state());
         }
         tokio::time::sleep(IDLE_CHECK).await;
     }
+}
+
+/// A stream silent this long is subscribed anew (see [`subscribe`]).
+const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(10);
+
+/// After a (re)connect: what the replay socket holds, against what was applied. The newest
+/// batch applied is asked for again: a publisher that no longer has it restarted (its
+/// sequence begins at 0 again), so its cache is empty.
+async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
+    let Some(next) = seq.next else {
+        // The first connect: where the stream stands, nothing applied.
+        if let Some(batches) = replay(endpoint, 0).await {
+            if let Some((newest, _)) = batches.last() {
+                seq.complete = batches.first().is_some_and(|(s, _)| *s == 0);
+                seq.next = Some(newest + 1);
+            }
+        }
+        return;
+    };
+    let Some(batches) = replay(endpoint, (next - 1).max(0)).await else {
+        // Batches may have been missed meanwhile, and cannot be asked for.
+        seq.broken();
+        return;
+    };
+    if batches.is_empty() && next > 0 {
+        r.cache.index.clear();
+        log::info!(
+            "replica {}: its KV event publisher restarted; its estimate is cleared",
+            r.id
+        );
+        *seq = Sequence::default();
+        for (s, b) in replay(endpoint, 0).await.unwrap_or_default() {
+            if seq.step(s) != Step::Seen {
+                apply(r, &b, seq);
+                seq.applied(s);
+            }
+        }
+        // What it holds now was all announced since it started.
+        seq.cleared();
+        return;
+    }
+    for (s, b) in batches {
+        match seq.step(s) {
+            Step::Seen => {}
+            Step::Apply => {
+                apply(r, &b, seq);
+                seq.applied(s);
+            }
+            Step::Gap { .. } => {
+                seq.broken();
+                apply(r, &b, seq);
+                seq.applied(s);
+            }
+        }
+    }
+}
+
+/// Whether something listens on a `tcp://host:port` endpoint.
+async fn reachable(endpoint: &str) -> bool {
+    let Some(addr) = endpoint.strip_prefix("tcp://") else {
+        return false;
+    };
+    matches!(
+        tokio::time::timeout(SOCKET_TIMEOUT, tokio::net::TcpStream::connect(addr)).await,
+        Ok(Ok(_))
+    )
 }
 
 /// One batch's events on the replica's cache model.
@@ -287,9 +368,10 @@ async fn replay(endpoint: Option<&str>, from: i64) -> Option<Vec<(i64, Batch)>> 
     Some(got)
 }
 
-/// Logs and counts a change of a stream's state, once.
-fn transition(id: &str, state: &mut Option<StreamState>, to: StreamState) {
-    if *state == Some(to) {
+/// Logs and counts a change of a stream's state, once; nothing once the replica left the
+/// registry (its series went with it).
+fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>, to: StreamState) {
+    if *state == Some(to) || replica.strong_count() == 0 {
         return;
     }
     let from = state.map_or("none", StreamState::as_str);

@@ -23,6 +23,8 @@ struct Streaming<'a> {
 struct Options {
     #[serde(default)]
     include_usage: Option<bool>,
+    #[serde(default)]
+    continuous_usage_stats: Option<bool>,
 }
 
 /// `body` asking for its stream's usage, when it streams without asking (a chat or
@@ -38,7 +40,8 @@ pub fn asking_for_usage(body: &[u8]) -> Option<Bytes> {
         Some(raw) if raw.get() == "null" => "{}".to_owned(),
         Some(raw) => {
             let o: Options = serde_json::from_str(raw.get()).ok()?;
-            if o.include_usage == Some(true) {
+            // Asking would put usage on every chunk of a continuous-stats stream.
+            if o.include_usage == Some(true) || o.continuous_usage_stats == Some(true) {
                 return None;
             }
             raw.get().to_owned()

@@ -244,7 +244,9 @@ impl Balancer {
                             .cached_tokens
                             .with_label_values(&[&r.id])
                             .inc_by(u.cached_tokens);
-                        if self.policy.weighs_prefill() {
+                        // A body that refers to a response the replica stores does not hold
+                        // the prompt whole: its usage says nothing of what was sent.
+                        if self.policy.weighs_prefill() && ctx.owner.is_none() {
                             let links = ctx.info.as_ref().map_or(&[][..], |i| i.shape.links());
                             self.check_prediction(r, links, a.predicted, &u);
                         }

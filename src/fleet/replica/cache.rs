@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::fleet::index::PrefixIndex;
+use crate::fleet::index::{PrefixIndex, BYTES_PER_TOKEN};
 use crate::protocol::api::prompt::Link;
 
 /// The cache capacity assumed for a replica that neither the conf nor its `/metrics` sizes.
@@ -24,6 +24,11 @@ pub const MIN_GUESSED_CACHE_TOKENS: u64 = 16_384;
 /// tokens: the template's own tokens would weigh too much in it.
 const MIN_RATIO_BYTES: u64 = 2048;
 const MIN_RATIO_TOKENS: u64 = 64;
+/// Bytes per token (in thousandths) a sample may show: outside, the body did not hold the
+/// whole prompt (a reference to a stored response) or was not text.
+const RATIO_MILLI: std::ops::RangeInclusive<u64> = 1000..=8000;
+/// Evictions in a row that shrink an unsized replica's bound.
+const EVICTIONS_TO_SHRINK: u64 = 3;
 
 /// What an answer's usage said of the index's prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,8 +37,8 @@ pub enum Check {
     Unreported,
     /// It cached what the index predicted, within a block and a token, or more.
     Confirmed,
-    /// It cached less: the index dropped the rest of the prompt. `evicted`: part of it was
-    /// still there, as when its cache evicted the tail (a replica that restarted holds none).
+    /// It cached less. `evicted`: part of the prompt was still there, as when its cache
+    /// evicted the tail (a replica that restarted holds none).
     Wrong { evicted: bool },
 }
 
@@ -82,6 +87,8 @@ pub struct CacheModel {
     size_reported: AtomicBool,
     /// Answers its ratio of bytes to tokens was learnt from.
     ratio_samples: AtomicU64,
+    /// Evictions seen since the last confirmed prediction.
+    evictions_seen: AtomicU64,
 }
 
 impl CacheModel {
@@ -94,6 +101,7 @@ impl CacheModel {
             stale: AtomicBool::new(false),
             size_reported: AtomicBool::new(false),
             ratio_samples: AtomicU64::new(0),
+            evictions_seen: AtomicU64::new(0),
         }
     }
 
@@ -111,9 +119,9 @@ impl CacheModel {
     /// mean over about the last 8). A replica that cached less than predicted shows the index
     /// wrong, and why:
     /// - the index was near its bound: the replica evicted sooner than the bound says, so an
-    ///   unsized replica's capacity shrinks to what the index held, less a sixteenth (the
-    ///   least recently used links go at the next record); a replica whose size the conf or
-    ///   its `/metrics` gives keeps it;
+    ///   unsized replica's capacity shrinks to what the index held, less a sixteenth, after
+    ///   three such answers in a row (the least recently used links go at the next record);
+    ///   a replica whose size the conf or its `/metrics` gives keeps it;
     /// - it held none of the prompt while the index was far from its bound: it lost its cache
     ///   (a restart between two health checks, a cache reset), so the index forgets all it
     ///   held there but this prompt.
@@ -126,8 +134,10 @@ impl CacheModel {
     ) -> Check {
         let index = &self.index;
         let bytes = links.last().map_or(0, |l| l.bytes);
-        if bytes >= MIN_RATIO_BYTES && prompt_tokens >= MIN_RATIO_TOKENS {
-            let sample = bytes.saturating_mul(1000) / prompt_tokens;
+        let sample = (bytes >= MIN_RATIO_BYTES && prompt_tokens >= MIN_RATIO_TOKENS)
+            .then(|| bytes.saturating_mul(1000) / prompt_tokens)
+            .filter(|s| RATIO_MILLI.contains(s));
+        if let Some(sample) = sample {
             let n = self.ratio_samples.fetch_add(1, Ordering::Relaxed);
             let next = match n {
                 0 => sample,
@@ -144,8 +154,22 @@ impl CacheModel {
         let Some(cached) = cached else {
             return Check::Unreported;
         };
-        let expected = index.to_replica_tokens(predicted);
-        if cached.saturating_add(CHECK_BLOCK_TOKENS + 1) >= expected {
+        // The prediction in this answer's own tokens (its ratio, template tokens included),
+        // at most the prompt less its last token; a sixteenth of slack for the rest.
+        let expected = match sample {
+            Some(_) => {
+                let scaled =
+                    u128::from(predicted) * u128::from(BYTES_PER_TOKEN) * u128::from(prompt_tokens)
+                        / u128::from(bytes.max(1));
+                u64::try_from(scaled)
+                    .unwrap_or(u64::MAX)
+                    .min(prompt_tokens.saturating_sub(1))
+            }
+            None => index.to_replica_tokens(predicted),
+        };
+        let slack = CHECK_BLOCK_TOKENS + 1 + expected / 16;
+        if cached.saturating_add(slack) >= expected {
+            self.evictions_seen.store(0, Ordering::Relaxed);
             return Check::Confirmed;
         }
         let (_, held) = index.size();
@@ -153,7 +177,11 @@ impl CacheModel {
         let capacity = index.capacity_tokens();
         let near_bound = held >= capacity / 2;
         let sized = self.configured || self.size_reported.load(Ordering::Relaxed);
-        if near_bound && !sized {
+        // One eviction is a hint; three in a row, with no confirmed prediction between,
+        // are the evidence that shrinks the bound.
+        let seen = self.evictions_seen.fetch_add(1, Ordering::Relaxed) + 1;
+        if near_bound && !sized && seen >= EVICTIONS_TO_SHRINK {
+            self.evictions_seen.store(0, Ordering::Relaxed);
             let shrunk = (held - held / 16).max(MIN_GUESSED_CACHE_TOKENS);
             if shrunk < capacity {
                 index.set_capacity_tokens(shrunk);
@@ -249,9 +277,10 @@ mod tests {
             m.answered(&links, 0, bytes * 10 / 18, None);
         }
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
-        // Short prompts teach nothing.
+        // Short prompts teach nothing, nor a body that held a fraction of its prompt.
         let short = long_prompt("ab")[..1].to_vec();
         m.answered(&short, 0, 1, None);
+        m.answered(&links, 0, bytes * 20, None);
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
     }
 
@@ -263,13 +292,13 @@ mod tests {
         let rows: &[(u64, Option<u64>, Check)] = &[
             (all, None, Check::Unreported),
             (all, Some(all), Check::Confirmed),
-            // vLLM caches whole blocks and never the last token
-            (all, Some(all - CHECK_BLOCK_TOKENS - 1), Check::Confirmed),
+            // vLLM caches whole blocks and never the last token; the ratio is a mean
             (
                 all,
-                Some(all - CHECK_BLOCK_TOKENS - 2),
-                Check::Wrong { evicted: true },
+                Some(all - CHECK_BLOCK_TOKENS - 1 - all / 16),
+                Check::Confirmed,
             ),
+            (all, Some(all / 2), Check::Wrong { evicted: true }),
             (all, Some(0), Check::Wrong { evicted: false }),
             (0, Some(100), Check::Confirmed),
         ];
@@ -317,6 +346,9 @@ mod tests {
         let guessed = CacheModel::estimate(None);
         guessed.index.set_capacity_tokens(all + 10);
         guessed.prefilled(&links);
+        guessed.answered(&links, all, all, Some(all / 2));
+        assert_eq!(guessed.index.capacity_tokens(), all + 10, "one is a hint");
+        guessed.answered(&links, all, all, Some(all / 2));
         guessed.answered(&links, all, all, Some(all / 2));
         let c = guessed.index.capacity_tokens();
         assert!(c < all + 10 && c >= MIN_GUESSED_CACHE_TOKENS, "{c}");
