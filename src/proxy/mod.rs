@@ -483,6 +483,9 @@ impl ProxyHttp for Balancer {
         let Some((code, message)) = self.final_answer(e, ctx) else {
             return done;
         };
+        // Pingora closes this connection after the answer (`can_reuse_downstream: false`): say
+        // so in it, or a client reuses it for its next request and meets the close instead.
+        session.set_keepalive(None);
         let _ = answers::respond_error(session, ctx.id(), ctx.family, code, &message).await;
         FailToProxy {
             error_code: code,
