@@ -18,14 +18,13 @@ fn metrics(lb: &Lb) -> String {
         .expect("text")
 }
 
-#[test]
-fn a_reset_the_replica_announces_empties_its_estimate() {
-    let dir = tempfile::tempdir().expect("tempdir");
+/// gpu0 publishing its KV events (and their replay) on free ports, and inferlb reading them.
+fn publishing(dir: &std::path::Path) -> (Sim, Lb) {
     let (events, replay) = (free_port(), free_port());
     let ev = format!("tcp://127.0.0.1:{events}");
     let rp = format!("tcp://127.0.0.1:{replay}");
     let sim = Sim::spawn(
-        dir.path(),
+        dir,
         "gpu0",
         &["--kv-events", &ev, "--kv-events-replay", &rp],
     );
@@ -38,7 +37,14 @@ fn a_reset_the_replica_announces_empties_its_estimate() {
         }],
         ..test_conf()
     };
-    let lb = Lb::start(dir.path(), &[], conf);
+    let lb = Lb::start(dir, &[], conf);
+    (sim, lb)
+}
+
+#[test]
+fn a_reset_the_replica_announces_empties_its_estimate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (sim, lb) = publishing(dir.path());
     let sample = |s: &str| sample_value(&metrics(&lb), s).unwrap_or(0.0);
     // Seen whole: the startup clear came through the replay socket.
     let live = wait_until(Duration::from_secs(10), || {
@@ -111,24 +117,7 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
 #[test]
 fn a_publisher_that_restarted_clears_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (events, replay) = (free_port(), free_port());
-    let ev = format!("tcp://127.0.0.1:{events}");
-    let rp = format!("tcp://127.0.0.1:{replay}");
-    let mut sim = Sim::spawn(
-        dir.path(),
-        "gpu0",
-        &["--kv-events", &ev, "--kv-events-replay", &rp],
-    );
-    sim.assert_healthy();
-    let conf = LbConf {
-        routing: Some("prefill_cost".into()),
-        replicas: vec![Replica {
-            extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
-            ..Replica::of(&sim)
-        }],
-        ..test_conf()
-    };
-    let lb = Lb::start(dir.path(), &[], conf);
+    let (mut sim, lb) = publishing(dir.path());
     let sample = |s: &str| sample_value(&metrics(&lb), s).unwrap_or(0.0);
     let live = || sample("inferlb_kv_events_state{replica=\"gpu0\"}") == 2.0;
     assert!(
