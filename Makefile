@@ -35,7 +35,7 @@ VENV := target/venv
 # Rebuilt when this Makefile changes (a package added here reaches existing venvs too).
 $(VENV)/.done: Makefile
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check openai anthropic pytest trustme transformers tokenizers jinja2
+	$(VENV)/bin/pip install -q --disable-pip-version-check openai anthropic pytest trustme transformers==5.24.0 tokenizers==0.23.3 jinja2==3.1.6
 	touch $@
 
 # Two simulated replicas on :8001/:8002 and the balancer on :7770 (admin/metrics on :7771).
