@@ -9,15 +9,6 @@ use std::time::Duration;
 use common::*;
 use inferlb_harness::{free_port, Replica};
 
-fn metrics(lb: &Lb) -> String {
-    http()
-        .get(lb.admin_url("/metrics"))
-        .send()
-        .expect("metrics")
-        .text()
-        .expect("text")
-}
-
 /// gpu0 publishing its KV events (and their replay) on free ports, and inferlb reading them.
 fn publishing(dir: &std::path::Path) -> (Sim, Lb) {
     let (events, replay) = (free_port(), free_port());
@@ -45,19 +36,19 @@ fn publishing(dir: &std::path::Path) -> (Sim, Lb) {
 fn a_reset_the_replica_announces_empties_its_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (sim, lb) = publishing(dir.path());
-    let sample = |s: &str| sample_value(&metrics(&lb), s).unwrap_or(0.0);
+    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
     // Seen whole: the startup clear came through the replay socket.
     let live = wait_until(Duration::from_secs(10), || {
         sample("inferlb_kv_events_state{replica=\"gpu0\"}") == 2.0
     });
-    assert!(live, "{}\n{}", metrics(&lb), lb.proc.log_text());
+    assert!(live, "{}\n{}", lb.metrics(), lb.proc.log_text());
     let history = text_of("kv events history", 6000);
     let messages = [("user", history.as_str())];
     routed_chat(&lb, &messages);
     let stored = wait_until(Duration::from_secs(10), || {
         sample("inferlb_kv_events_total{kind=\"stored\",replica=\"gpu0\"}") > 0.0
     });
-    assert!(stored, "{}", metrics(&lb));
+    assert!(stored, "{}", lb.metrics());
     let mispredicted = "inferlb_cache_mispredictions_total{cause=\"absent\",replica=\"gpu0\"}";
     // The replica's cache is reset behind inferlb's back; it says so on its stream.
     let cleared = sample("inferlb_kv_events_total{kind=\"cleared\",replica=\"gpu0\"}");
@@ -69,7 +60,7 @@ fn a_reset_the_replica_announces_empties_its_estimate() {
     let heard = wait_until(Duration::from_secs(10), || {
         sample("inferlb_kv_events_total{kind=\"cleared\",replica=\"gpu0\"}") > cleared
     });
-    assert!(heard, "{}", metrics(&lb));
+    assert!(heard, "{}", lb.metrics());
     assert!(lb
         .proc
         .log_text()
@@ -81,7 +72,7 @@ fn a_reset_the_replica_announces_empties_its_estimate() {
         Some(0),
         "{resp}"
     );
-    assert_eq!(sample(mispredicted), 0.0, "{}", metrics(&lb));
+    assert_eq!(sample(mispredicted), 0.0, "{}", lb.metrics());
     assert_eq!(
         sample("inferlb_cache_predicted_tokens_total{replica=\"gpu0\"}"),
         0.0
@@ -106,9 +97,9 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
     let (replica, _, _) = routed_chat(&lb, &[("user", "hello")]);
     assert_eq!(replica, "gpu0");
     let gone = wait_until(Duration::from_secs(10), || {
-        sample_value(&metrics(&lb), "inferlb_kv_events_state{replica=\"gpu0\"}") == Some(0.0)
+        sample_value(&lb.metrics(), "inferlb_kv_events_state{replica=\"gpu0\"}") == Some(0.0)
     });
-    assert!(gone, "{}\n{}", metrics(&lb), lb.proc.log_text());
+    assert!(gone, "{}\n{}", lb.metrics(), lb.proc.log_text());
     assert!(lb.proc.log_text().contains("KV event stream gone"));
 }
 
@@ -118,12 +109,12 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
 fn a_publisher_that_restarted_clears_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut sim, lb) = publishing(dir.path());
-    let sample = |s: &str| sample_value(&metrics(&lb), s).unwrap_or(0.0);
+    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
     let live = || sample("inferlb_kv_events_state{replica=\"gpu0\"}") == 2.0;
     assert!(
         wait_until(Duration::from_secs(10), live),
         "{}",
-        metrics(&lb)
+        lb.metrics()
     );
     let history = text_of("restart history", 6000);
     let messages = [("user", history.as_str())];
@@ -137,7 +128,7 @@ fn a_publisher_that_restarted_clears_the_estimate() {
         lb.proc.log_text().contains(said)
     });
     assert!(cleared, "{}", lb.proc.log_text());
-    assert!(wait_until(Duration::from_secs(5), live), "{}", metrics(&lb));
+    assert!(wait_until(Duration::from_secs(5), live), "{}", lb.metrics());
     // Predicted cold, as it is: no misprediction.
     let (_, _, resp) = routed_chat(&lb, &messages);
     assert_eq!(
@@ -146,5 +137,5 @@ fn a_publisher_that_restarted_clears_the_estimate() {
         "{resp}"
     );
     let wrong = "inferlb_cache_mispredictions_total{cause=\"absent\",replica=\"gpu0\"}";
-    assert_eq!(sample(wrong), 0.0, "{}", metrics(&lb));
+    assert_eq!(sample(wrong), 0.0, "{}", lb.metrics());
 }

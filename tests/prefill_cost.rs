@@ -157,14 +157,7 @@ fn the_replicas_usage_checks_and_corrects_the_estimate() {
         events.iter().all(|(_, e)| !e.contains("\"usage\":{")),
         "the client did not ask for usage: {events:?}"
     );
-    let metrics = || {
-        http()
-            .get(lb.admin_url("/metrics"))
-            .send()
-            .expect("metrics")
-            .text()
-            .expect("text")
-    };
+    let metrics = || lb.metrics();
     let sample = |name: &str, labels: &str| {
         sample_value(&metrics(), &format!("{name}{{{labels}}}")).unwrap_or(0.0)
     };

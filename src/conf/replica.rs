@@ -244,3 +244,31 @@ pub fn split_address(address: &str) -> Result<(bool, &str), String> {
     }
     Ok((tls, rest))
 }
+
+#[cfg(test)]
+mod tests {
+    /// Only `tcp://host:port` names a KV event endpoint: no other scheme, no wildcard host (a
+    /// bind address, not one to connect to), no port 0 or none.
+    #[test]
+    fn kv_event_endpoints_are_tcp_host_and_port() {
+        for ok in [
+            "tcp://127.0.0.1:5557",
+            "tcp://vllm-0.vllm:5557",
+            "tcp://[::1]:5557",
+        ] {
+            assert_eq!(super::check_zmq_endpoint(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "127.0.0.1:5557",
+            "ipc:///tmp/kv",
+            "tcp://*:5557",
+            "tcp://:5557",
+            "tcp://host",
+            "tcp://host:0",
+            "tcp://host:99999",
+            "",
+        ] {
+            assert!(super::check_zmq_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+}
