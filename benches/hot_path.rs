@@ -163,6 +163,7 @@ fn decision(c: &mut Criterion) {
                             } else {
                                 0
                             },
+                            cached_exact: false,
                             queued_tokens: (i as u64 % 5) * 1000,
                             running: i % 4,
                             kv_tokens: 0,

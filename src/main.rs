@@ -147,6 +147,13 @@ fn main() {
         )
     });
 
+    let tokenizers = match inferlb::protocol::tokens::Tokenizers::load(&conf.tokenizers) {
+        Ok(t) => Arc::new(t),
+        Err(e) => {
+            eprintln!("inferlb: {e}");
+            std::process::exit(2);
+        }
+    };
     let mut proxy = pingora_proxy::http_proxy_service_with_name(
         &server.configuration,
         Balancer::new(
@@ -158,7 +165,8 @@ fn main() {
             max_attempts,
             leaving,
         )
-        .with_history(history),
+        .with_history(history)
+        .with_tokenizers(tokenizers),
         "inferlb",
     );
     // A plain listener reads the socket straight into Pingora's HTTP buffers: its default

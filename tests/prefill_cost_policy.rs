@@ -52,6 +52,7 @@ impl CostBench {
                 reachable: true,
                 in_flight: self.running[i],
                 cached_tokens: self.index[i].cached_tokens(links),
+                cached_exact: false,
                 queued_tokens: self.queued[i],
                 running: 0,
                 kv_tokens: 0,

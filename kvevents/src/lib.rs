@@ -26,7 +26,7 @@
 
 use std::fmt;
 
-use rmpv::Value;
+pub use rmpv::Value;
 
 /// The topic vLLM publishes on unless configured (`KVEventsConfig.topic`).
 pub const DEFAULT_TOPIC: &str = "";

@@ -89,6 +89,9 @@ pub struct Config {
     pub pd: PdConf,
     /// Where the Responses API's stored exchanges are kept.
     pub responses: crate::conf::responses::ResponsesConf,
+    /// Per model, the directory of its tokenizer (`tokenizer.json`, `tokenizer_config.json`):
+    /// its prompts' token ids are what the replicas' KV events name.
+    pub tokenizers: std::collections::BTreeMap<String, PathBuf>,
 }
 
 #[derive(Debug, Clone)]

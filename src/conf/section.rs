@@ -56,6 +56,7 @@ pub(super) struct RawSection {
     public_paths: Vec<String>,
     pd: crate::conf::pd::RawPd,
     responses: crate::conf::responses::RawResponses,
+    tokenizers: std::collections::BTreeMap<String, PathBuf>,
 }
 
 impl Default for RawSection {
@@ -94,6 +95,7 @@ impl Default for RawSection {
             public_paths: vec![],
             pd: crate::conf::pd::RawPd::default(),
             responses: crate::conf::responses::RawResponses::default(),
+            tokenizers: Default::default(),
         }
     }
 }
@@ -459,7 +461,25 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
         public_paths,
         pd: crate::conf::pd::validate(raw.pd)?,
         responses: crate::conf::responses::validate(raw.responses)?,
+        tokenizers: tokenizers(raw.tokenizers)?,
     })
+}
+
+/// Model names and their tokenizer directories, both given.
+fn tokenizers(
+    dirs: std::collections::BTreeMap<String, PathBuf>,
+) -> Result<std::collections::BTreeMap<String, PathBuf>, String> {
+    for (model, dir) in &dirs {
+        if model.is_empty() {
+            return Err("inferlb.tokenizers: a model name is empty".into());
+        }
+        if dir.as_os_str().is_empty() {
+            return Err(format!(
+                "inferlb.tokenizers.{model}: the directory is empty"
+            ));
+        }
+    }
+    Ok(dirs)
 }
 
 fn path_rules(key: &str, paths: &[String]) -> Result<Vec<crate::protocol::edge::PathRule>, String> {

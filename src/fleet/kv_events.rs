@@ -3,15 +3,18 @@
 //! `BlockStored`, `BlockRemoved` and `AllBlocksCleared` batches (ZMQ frames, msgpack;
 //! decoded by `inferlb_kvevents`).
 //!
-//! What it does with them today: an `AllBlocksCleared` (a cache reset) or a publisher whose
-//! sequence began again (a restart between two health checks) empties the replica's
-//! estimate at once, and each stream's state is kept
-//! with a metric and one log line per transition. `live`: every batch since the publisher's
-//! first was seen, gaps healed through the replay socket. `partial`: a gap the replay could not
-//! heal (its buffer is finite and there is no snapshot), until the next `AllBlocksCleared`
-//! starts the replica clean. `gone`: the publisher cannot be reached. The exact per-block
-//! index the cost policy will read while a stream is live needs the prompt's token ids, which
-//! need a tokenizer in the balancer; until then the estimate answers every lookup.
+//! Stored and removed blocks build the replica's exact block index
+//! ([`crate::fleet::blocks`]), which the cost policy reads for a prompt whose token ids are
+//! known while the stream is live. An `AllBlocksCleared` (a cache reset) or a publisher whose
+//! sequence began again (a restart between two health checks) empties the block index and the
+//! estimate at once. Each stream's state is kept with a metric and one log line per
+//! transition. `live`: every batch since the publisher's first was seen, gaps healed through
+//! the replay socket. `partial`: joined after the publisher's first batch, or a gap the replay
+//! could not heal (its buffer is finite and there is no snapshot), until the next
+//! `AllBlocksCleared` starts the replica clean; the block index then may lack blocks the
+//! replica holds (never stored while this process listened), and after a gap it may hold blocks
+//! whose removal was missed, so it is emptied at the gap and only what is stored after counts.
+//! `gone`: the publisher cannot be reached.
 //!
 //! Never on the request path: the sockets are read by background tasks that only clear an
 //! index under its own lock.
@@ -229,17 +232,17 @@ async fn subscribe(replica: Weak<Replica>, ep: KvEvents) {
                     if let Some(batches) = replay(ep.replay.as_deref(), from).await {
                         for (rs, b) in batches.into_iter().filter(|(rs, _)| *rs < s) {
                             if seq.step(rs) == Step::Apply {
-                                apply(&r, &b, &mut seq);
+                                apply(&r, &b, &mut seq, Replayed::New);
                                 seq.applied(rs);
                             }
                         }
                     }
                     if seq.step(s) != Step::Apply {
-                        seq.broken();
+                        missed(&r, &mut seq);
                     }
                 }
             }
-            apply(&r, &batch, &mut seq);
+            apply(&r, &batch, &mut seq, Replayed::New);
             seq.applied(s);
             transition(&replica, &id, &mut state, seq.state());
         }
@@ -255,22 +258,25 @@ const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(10);
 /// sequence begins at 0 again), so its cache is empty.
 async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
     let Some(next) = seq.next else {
-        // The first connect: where the stream stands, nothing applied.
+        // The first connect: the blocks the buffer holds build the block index, but an old
+        // reset in it clears no estimate (what was sent since is in the estimate).
         if let Some(batches) = replay(endpoint, 0).await {
-            if let Some((newest, _)) = batches.last() {
-                seq.complete = batches.first().is_some_and(|(s, _)| *s == 0);
-                seq.next = Some(newest + 1);
+            // Whole if it holds the publisher's first batch, or from a reset in it on.
+            seq.complete = batches.first().is_some_and(|(s, _)| *s == 0);
+            for (s, b) in &batches {
+                apply(r, b, seq, Replayed::Old);
+                seq.applied(*s);
             }
         }
         return;
     };
     let Some(batches) = replay(endpoint, (next - 1).max(0)).await else {
         // Batches may have been missed meanwhile, and cannot be asked for.
-        seq.broken();
+        missed(r, seq);
         return;
     };
     if batches.is_empty() && next > 0 {
-        r.cache.index.clear();
+        r.cache.clear();
         log::info!(
             "replica {}: its KV event publisher restarted; its estimate is cleared",
             r.id
@@ -278,7 +284,7 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
         *seq = Sequence::default();
         for (s, b) in replay(endpoint, 0).await.unwrap_or_default() {
             if seq.step(s) != Step::Seen {
-                apply(r, &b, seq);
+                apply(r, &b, seq, Replayed::New);
                 seq.applied(s);
             }
         }
@@ -290,12 +296,12 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
         match seq.step(s) {
             Step::Seen => {}
             Step::Apply => {
-                apply(r, &b, seq);
+                apply(r, &b, seq, Replayed::New);
                 seq.applied(s);
             }
             Step::Gap { .. } => {
-                seq.broken();
-                apply(r, &b, seq);
+                missed(r, seq);
+                apply(r, &b, seq, Replayed::New);
                 seq.applied(s);
             }
         }
@@ -313,23 +319,71 @@ async fn reachable(endpoint: &str) -> bool {
     )
 }
 
+/// Whether a batch is news, or the buffer a first connect found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replayed {
+    New,
+    Old,
+}
+
 /// One batch's events on the replica's cache model.
-fn apply(r: &Replica, batch: &Batch, seq: &mut Sequence) {
+fn apply(r: &Replica, batch: &Batch, seq: &mut Sequence, replayed: Replayed) {
+    // Only a replica whose conf names its events has a subscriber, and a block index.
+    let Some(blocks) = &r.cache.blocks else {
+        return;
+    };
+    let (mut stored, mut untrusted, mut removed) = (0, 0, 0);
     for e in &batch.events {
-        let kind = match e {
-            Event::BlockStored(_) => "stored",
-            Event::BlockRemoved(_) => "removed",
-            Event::AllBlocksCleared => {
-                r.cache.index.clear();
-                seq.cleared();
-                log::info!(
-                    "replica {}: its cache was cleared (KV events); its estimate too",
-                    r.id
-                );
-                "cleared"
+        match e {
+            Event::BlockStored(b) => {
+                let a = blocks.stored(b);
+                stored += a.stored;
+                untrusted += a.untrusted;
             }
-        };
-        METRICS.kv_events.with_label_values(&[&r.id, kind]).inc();
+            Event::BlockRemoved(b) => removed += blocks.removed(b).removed,
+            Event::AllBlocksCleared => {
+                match replayed {
+                    Replayed::New => {
+                        r.cache.clear();
+                        log::info!(
+                            "replica {}: its cache was cleared (KV events); its estimate too",
+                            r.id
+                        );
+                    }
+                    Replayed::Old => blocks.clear(),
+                }
+                seq.cleared();
+                METRICS
+                    .kv_events
+                    .with_label_values(&[&r.id, "cleared"])
+                    .inc();
+            }
+        }
+    }
+    for (kind, n) in [
+        ("stored", stored),
+        ("untrusted", untrusted),
+        ("removed", removed),
+    ] {
+        if n > 0 {
+            METRICS
+                .kv_events
+                .with_label_values(&[&r.id, kind])
+                .inc_by(n);
+        }
+    }
+    METRICS
+        .kv_blocks
+        .with_label_values(&[&r.id])
+        .set(i64::try_from(blocks.size().0).unwrap_or(i64::MAX));
+}
+
+/// Batches were missed and cannot be had: removals among them may be unknown, so the block
+/// index forgets all it held, and counts again from what is stored next.
+fn missed(r: &Replica, seq: &mut Sequence) {
+    seq.broken();
+    if let Some(b) = &r.cache.blocks {
+        b.clear();
     }
 }
 
@@ -386,6 +440,9 @@ fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>
         .kv_events_state
         .with_label_values(&[id])
         .set(to as i64);
+    if let Some(r) = replica.upgrade() {
+        r.cache.set_live(to == StreamState::Live);
+    }
     *state = Some(to);
 }
 

@@ -4,6 +4,7 @@
 //! [`pins_file`]). Changes other layers care about leave through [`events`].
 
 pub mod affinity;
+pub mod blocks;
 pub mod discovery;
 pub mod events;
 pub mod health;

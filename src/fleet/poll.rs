@@ -121,6 +121,7 @@ impl LoadReader {
             if !r.cache.configured && tokens != r.cache.index.capacity_tokens() && tokens > 0 {
                 log::info!("replica {} caches {tokens} tokens (its /metrics)", r.id);
                 r.cache.index.set_capacity_tokens(tokens);
+                r.cache.resized();
             }
         }
         let ok = reported.is_some();
@@ -156,6 +157,7 @@ impl BackgroundService for LoadReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::replica::Prompt;
     use proptest::prelude::*;
 
     #[test]
@@ -272,7 +274,7 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
             );
             let info = classify(Family::Chat, body.as_bytes());
             let links = info.shape.links();
-            let candidates = Registry::candidates(&fleet, &[], None, links);
+            let candidates = Registry::candidates(&fleet, &[], None, Prompt::of_links(links));
             let d = policy
                 .decide(&info.shape, None, &candidates, &|_| None, i)
                 .expect("a replica");

@@ -14,8 +14,7 @@ use arc_swap::ArcSwap;
 use crate::conf::{ReplicaConf, UpstreamConf};
 use crate::fleet::events::Listener;
 use crate::fleet::pool::Leg;
-use crate::fleet::replica::{Prompt, Replica};
-use crate::protocol::api::prompt::Link;
+use crate::fleet::replica::{CacheSource, Prompt, Replica};
 use crate::routing::Candidate;
 use crate::telemetry::metrics;
 
@@ -108,15 +107,15 @@ impl Registry {
 
     /// The policy's view of the pool serving `model`; `tried` replicas are not available to
     /// this request again. Each candidate is named by its replica's id. With the prompt's
-    /// `links`, each says how much of it the replica likely holds (its prefix index); without,
+    /// links, each says how much of it the replica likely holds (its cache model); without,
     /// nothing is looked up.
     pub fn candidates<'a>(
         fleet: &'a [Arc<Replica>],
         tried: &[Arc<Replica>],
         model: Option<&str>,
-        links: &[Link],
+        prompt: Prompt<'_>,
     ) -> Vec<Candidate<'a>> {
-        Registry::candidates_for(Leg::Whole, fleet, tried, model, links)
+        Registry::candidates_for(Leg::Whole, fleet, tried, model, prompt)
     }
 
     /// Like [`Registry::candidates`], of the replicas that take `leg`.
@@ -125,7 +124,7 @@ impl Registry {
         fleet: &'a [Arc<Replica>],
         tried: &[Arc<Replica>],
         model: Option<&str>,
-        links: &[Link],
+        prompt: Prompt<'_>,
     ) -> Vec<Candidate<'a>> {
         fleet
             .iter()
@@ -133,16 +132,18 @@ impl Registry {
             .filter(|r| leg.takes(r.role) && model.is_none_or(|m| r.serves(m)))
             .map(|r| {
                 let fresh = !tried.iter().any(|t| Arc::ptr_eq(t, r));
+                let cached = if prompt.links.is_empty() {
+                    (0, CacheSource::Estimate)
+                } else {
+                    r.cache.likely_cached(prompt)
+                };
                 Candidate {
                     id: &r.id,
                     available: fresh && r.is_live(),
                     reachable: fresh && r.is_reachable(),
                     in_flight: r.in_flight_everywhere(),
-                    cached_tokens: if links.is_empty() {
-                        0
-                    } else {
-                        r.cache.likely_cached(Prompt::of_links(links))
-                    },
+                    cached_tokens: cached.0,
+                    cached_exact: cached.1 == CacheSource::Events,
                     queued_tokens: r.queued_tokens(),
                     running: r.running(),
                     kv_tokens: r.kv_tokens(),

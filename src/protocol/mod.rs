@@ -11,4 +11,5 @@ pub mod handover;
 pub mod members;
 pub mod sse;
 pub mod stream_usage;
+pub mod tokens;
 pub mod usage;

@@ -71,12 +71,40 @@ impl Balancer {
             ctx.info = Some(classify(ctx.family, ctx.body.bytes()));
         }
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref())?;
+        ctx.tokens = self.tokens_of(session.req_header().uri.path(), model, ctx);
         (!self.registry.knows_model(model)).then(|| Refusal {
             status: 404,
             reason: "unknown_model",
             message: format!("The model `{model}` does not exist."),
             close: false,
         })
+    }
+
+    /// The prompt's token ids, worth their cost only where a replica's KV events can be asked
+    /// about them: a policy that weighs prefill, a model with a tokenizer, and a replica of it
+    /// that publishes its events.
+    fn tokens_of(
+        &self,
+        path: &str,
+        model: &str,
+        ctx: &Ctx,
+    ) -> Option<std::sync::Arc<crate::fleet::blocks::PromptTokens>> {
+        if !self.policy.weighs_prefill() || !self.tokenizers.knows(model) {
+            return None;
+        }
+        let fleet = self.registry.all();
+        if !fleet
+            .iter()
+            .any(|r| r.cache.blocks.is_some() && r.serves(model))
+        {
+            return None;
+        }
+        let ids = self
+            .tokenizers
+            .ids(ctx.family, path, model, ctx.body.bytes())?;
+        Some(std::sync::Arc::new(
+            crate::fleet::blocks::PromptTokens::new(ids),
+        ))
     }
 
     /// The replica that stores the response this request continues (or `named` in its path),

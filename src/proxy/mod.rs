@@ -58,6 +58,8 @@ pub struct Balancer {
     overload: Option<Arc<crate::overload::Overload>>,
     /// The Responses store, when the balancer keeps it (`responses.store: balancer`).
     history: Option<Arc<crate::history::Store>>,
+    /// The models' tokenizers (`tokenizers:`), loaded at start.
+    tokenizers: Arc<crate::protocol::tokens::Tokenizers>,
 }
 
 impl Balancer {
@@ -72,6 +74,7 @@ impl Balancer {
     ) -> Balancer {
         Balancer {
             history: None,
+            tokenizers: Default::default(),
             policy: Router::new(conf.routing, conf.spill_margin),
             overload: crate::overload::Overload::from_conf(
                 conf.overload.clone(),
@@ -97,6 +100,11 @@ impl Balancer {
     pub fn with_history(self, history: Option<Arc<crate::history::Store>>) -> Balancer {
         Balancer { history, ..self }
     }
+
+    /// The models' tokenizers, for the prompts the replicas' KV events are read for.
+    pub fn with_tokenizers(self, tokenizers: Arc<crate::protocol::tokens::Tokenizers>) -> Balancer {
+        Balancer { tokenizers, ..self }
+    }
 }
 
 /// How long a cut HTTP/2 stream waits for its error event to leave before the reset.
@@ -112,6 +120,9 @@ pub struct Ctx {
     /// The body forwarded is not the one the client sent (see [`request::without_steering`]).
     body_replaced: bool,
     info: Option<RequestInfo>,
+    /// The prompt's token ids, when its model has a tokenizer and a replica of it publishes
+    /// its KV events.
+    tokens: Option<Arc<crate::fleet::blocks::PromptTokens>>,
     /// The session key from the configured session header.
     session: Option<u64>,
     /// The replica that stores the response this request is about, and that response's id.
@@ -176,6 +187,7 @@ impl ProxyHttp for Balancer {
             body: BodyReplay::default(),
             body_replaced: false,
             info: None,
+            tokens: None,
             session: None,
             owner: None,
             stored_id: None,

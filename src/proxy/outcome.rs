@@ -15,7 +15,7 @@ use super::failover::{self, Failed, Failure, Retry, Verdict};
 use super::{stored_key, Balancer, Ctx, NOT_CHAT};
 use crate::cluster::Table;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::{Check, Replica};
+use crate::fleet::replica::{Check, Prompt, Replica};
 use crate::protocol::api::prompt::Link;
 use crate::protocol::api::Family;
 use crate::protocol::stream_usage;
@@ -45,8 +45,12 @@ impl Balancer {
         // Only a policy that weighs prefill looks at what each replica holds and has queued.
         let cost = self.policy.weighs_prefill();
         let links = if cost { shape.links() } else { &[] };
+        let prompt = Prompt {
+            links,
+            tokens: ctx.tokens.as_deref(),
+        };
         let fleet = self.registry.all();
-        let candidates = Registry::candidates(&fleet, &ctx.tried, model, links);
+        let candidates = Registry::candidates(&fleet, &ctx.tried, model, prompt);
         let served_by = |h| self.affinity.served_by(h);
         let tick = self.registry.tick();
         // A disaggregated pool's request served whole goes where the pool's plan put it,
@@ -76,6 +80,13 @@ impl Balancer {
         }
         let held = candidates.iter().find(|c| c.id == &*replica.id);
         let cached = held.map_or(0, |c| c.cached_tokens);
+        if cost && !links.is_empty() {
+            let source = match held.is_some_and(|c| c.cached_exact) {
+                true => "events",
+                false => "estimate",
+            };
+            METRICS.cache_source.with_label_values(&[source]).inc();
+        }
         // Overload protection reads queued prefill whatever the policy.
         let prefill = (cost || self.overload.is_some())
             .then(|| replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));

@@ -82,6 +82,8 @@ pub struct Candidate<'a> {
     /// Tokens of this request's prompt it likely holds in its prefix cache (filled in only
     /// for a policy that [`Policy::weighs_prefill`]).
     pub cached_tokens: u64,
+    /// `cached_tokens` came from the replica's own KV events, not the estimate.
+    pub cached_exact: bool,
     /// Prefill tokens already queued on it: requests that have not produced a first token.
     pub queued_tokens: u64,
     /// Requests it is running (decoding or prefilling).

@@ -86,6 +86,7 @@ mod tests {
             reachable: true,
             in_flight: running,
             cached_tokens: cached,
+            cached_exact: false,
             queued_tokens: 0,
             running,
             kv_tokens: kv,

@@ -80,6 +80,7 @@ pub fn forget<R: ReplicaGauges + 'static>(id: &str, replica: &Arc<R>) {
         counters.remove(id);
     }
     let _ = m.kv_events_state.remove_label_values(&[id]);
+    let _ = m.kv_blocks.remove_label_values(&[id]);
 }
 
 /// Counters whose first label is `replica`: a count for a replica that is not (or no longer)
@@ -236,6 +237,8 @@ pub struct Metrics {
     /// KV events read from the replicas, by kind; the state of each replica's stream.
     pub kv_events: ReplicaCounters,
     pub kv_events_state: IntGaugeVec,
+    pub kv_blocks: IntGaugeVec,
+    pub cache_source: IntCounterVec,
     pub tls_reloads: IntCounter,
     /// Secret files read again: `changed` (swapped in) or `failed` (the old one kept).
     pub secret_reloads: IntCounterVec,
@@ -362,9 +365,19 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?),
         kv_events: ReplicaCounters(register_int_counter_vec!(
             "inferlb_kv_events_total",
-            "KV events read from the replica's publisher, by kind: stored, removed, cleared, undecodable (batches).",
+            "What the replica's KV events said, by kind: stored, removed (blocks), untrusted (blocks stored on a parent never seen, not kept), cleared (events), undecodable (batches).",
             &["replica", "kind"]
         )?),
+        kv_blocks: register_int_gauge_vec!(
+            "inferlb_kv_blocks",
+            "Blocks in the replica's block index, built from its KV events.",
+            &["replica"]
+        )?,
+        cache_source: register_int_counter_vec!(
+            "inferlb_cache_lookups_total",
+            "Requests routed by prefix cost, by where the chosen replica's cached prefix came from: events (its KV events, for a prompt whose tokens are known) or estimate.",
+            &["source"]
+        )?,
         kv_events_state: register_int_gauge_vec!(
             "inferlb_kv_events_state",
             "The replica's KV event stream: 2 live (seen whole), 1 partial (a gap not healed), 0 gone.",

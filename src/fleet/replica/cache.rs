@@ -1,11 +1,14 @@
 //! A replica's cache model: one question, "how many tokens of this prompt does it likely
-//! hold", answered from a source. Today the source is always the estimate: the prefix index
-//! of what this process (and its cluster) sent it. The replica's own word on its cache (vLLM's
-//! KV events) is the other source; while it is stale (its stream broke, or a sequence number
-//! was missed and not yet replayed) the estimate answers instead.
+//! hold", answered from a source. The estimate is the prefix index of what this process (and
+//! its cluster) sent it. The replica's own word on its cache (vLLM's KV events, kept in a
+//! [`BlockIndex`]) answers instead for a prompt whose token ids are known, while its stream is
+//! live; while it is not (a batch missed and not healed, or the publisher gone), the larger of
+//! the two answers: the block index then still holds only blocks seen stored, which the
+//! replica may hold fewer of, never more, than it has.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use crate::fleet::blocks::{BlockIndex, PromptTokens};
 use crate::fleet::index::{PrefixIndex, BYTES_PER_TOKEN};
 use crate::protocol::api::prompt::Link;
 
@@ -27,6 +30,12 @@ const MIN_RATIO_TOKENS: u64 = 64;
 /// Bytes per token (in thousandths) a sample may show: outside, the body did not hold the
 /// whole prompt (a reference to a stored response) or was not text.
 const RATIO_MILLI: std::ops::RangeInclusive<u64> = 1000..=8000;
+/// The blocks a replica's block index holds at most, for a cache of `tokens`: four times the
+/// blocks of 16 tokens it holds (room for a CPU tier and smaller blocks).
+fn max_blocks(tokens: u64) -> usize {
+    usize::try_from(tokens / CHECK_BLOCK_TOKENS * 4).unwrap_or(usize::MAX)
+}
+
 /// Evictions in a row that shrink an unsized replica's bound.
 const EVICTIONS_TO_SHRINK: u64 = 3;
 
@@ -42,19 +51,19 @@ pub enum Check {
     Wrong { evicted: bool },
 }
 
-/// A prompt as the cache model reads it: its chained chunk hashes, and its token ids when a
-/// tokenizer is configured (none is yet).
+/// A prompt as the cache model reads it: its chained chunk hashes, and its token ids when its
+/// model has a tokenizer in the conf.
 #[derive(Debug, Clone, Copy)]
 pub struct Prompt<'a> {
     pub links: &'a [Link],
-    pub token_ids: Option<&'a [u32]>,
+    pub tokens: Option<&'a PromptTokens>,
 }
 
 impl<'a> Prompt<'a> {
     pub fn of_links(links: &'a [Link]) -> Prompt<'a> {
         Prompt {
             links,
-            token_ids: None,
+            tokens: None,
         }
     }
 }
@@ -81,8 +90,10 @@ pub struct CacheModel {
     pub index: PrefixIndex,
     /// The conf fixed `cache_tokens`: never replaced by what the replica says.
     pub configured: bool,
-    source: CacheSource,
-    stale: AtomicBool,
+    /// The replica's KV events, when its conf names their endpoint.
+    pub blocks: Option<BlockIndex>,
+    /// Its event stream is live (see [`crate::fleet::kv_events`]).
+    live: AtomicBool,
     /// Its `/metrics` gave its size: never shrunk by a guess.
     size_reported: AtomicBool,
     /// Answers its ratio of bytes to tokens was learnt from.
@@ -97,11 +108,33 @@ impl CacheModel {
         CacheModel {
             index: PrefixIndex::new(capacity_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
             configured: capacity_tokens.is_some(),
-            source: CacheSource::Estimate,
-            stale: AtomicBool::new(false),
+            blocks: None,
+            live: AtomicBool::new(false),
             size_reported: AtomicBool::new(false),
             ratio_samples: AtomicU64::new(0),
             evictions_seen: AtomicU64::new(0),
+        }
+    }
+
+    /// A model that also reads the replica's KV events (an estimate until its stream is live).
+    pub fn with_events(mut self) -> CacheModel {
+        let tokens = self.index.capacity_tokens();
+        self.blocks = Some(BlockIndex::new(max_blocks(tokens)));
+        self
+    }
+
+    /// The capacity changed: the block index's bound follows it.
+    pub fn resized(&self) {
+        if let Some(b) = &self.blocks {
+            b.set_max_blocks(max_blocks(self.index.capacity_tokens()));
+        }
+    }
+
+    /// The replica's cache is empty (a reset, a restart): both sources forget it all.
+    pub fn clear(&self) {
+        self.index.clear();
+        if let Some(b) = &self.blocks {
+            b.clear();
         }
     }
 
@@ -196,11 +229,33 @@ impl CacheModel {
         }
     }
 
-    /// Tokens of `prompt`'s longest prefix the replica likely holds.
-    pub fn likely_cached(&self, prompt: Prompt<'_>) -> u64 {
-        // The estimate answers for every source today: no event source exists yet, and a
-        // stale one falls back to it.
-        self.index.cached_tokens(prompt.links)
+    /// Tokens of `prompt`'s longest prefix the replica likely holds, in estimate tokens, and
+    /// where the answer came from.
+    pub fn likely_cached(&self, prompt: Prompt<'_>) -> (u64, CacheSource) {
+        let estimate = || self.index.cached_tokens(prompt.links);
+        let (Some(blocks), Some(tokens)) = (&self.blocks, prompt.tokens) else {
+            return (estimate(), CacheSource::Estimate);
+        };
+        if tokens.is_empty() {
+            return (estimate(), CacheSource::Estimate);
+        }
+        // The share of the prompt's tokens held, of the prompt in estimate tokens: the unit
+        // every other term of the cost is in.
+        let held = blocks.held(tokens).credit();
+        let prompt_tokens = prompt.links.last().map_or(0, |l| l.bytes) / BYTES_PER_TOKEN;
+        let exact = u128::from(prompt_tokens) * u128::from(held) / tokens.len() as u128;
+        let exact = u64::try_from(exact).unwrap_or(u64::MAX);
+        match self.freshness() {
+            Freshness::Live => (exact, CacheSource::Events),
+            Freshness::Stale => {
+                let e = estimate();
+                if exact > e {
+                    (exact, CacheSource::Events)
+                } else {
+                    (e, CacheSource::Estimate)
+                }
+            }
+        }
     }
 
     /// Its prefill of `links` is over: it holds them now (the estimate's only input).
@@ -208,22 +263,27 @@ impl CacheModel {
         self.index.record(links);
     }
 
+    /// Events when the replica's conf names them, else the estimate.
     pub fn source(&self) -> CacheSource {
-        self.source
-    }
-
-    /// The estimate is always live; an event source is stale while marked so.
-    pub fn freshness(&self) -> Freshness {
-        if self.source == CacheSource::Events && self.stale.load(Ordering::Relaxed) {
-            Freshness::Stale
+        if self.blocks.is_some() {
+            CacheSource::Events
         } else {
-            Freshness::Live
+            CacheSource::Estimate
         }
     }
 
-    /// The source fell behind (`true`) or caught up.
-    pub fn set_stale(&self, stale: bool) {
-        self.stale.store(stale, Ordering::Relaxed);
+    /// The estimate is always live; the events are while their stream is.
+    pub fn freshness(&self) -> Freshness {
+        if self.blocks.is_none() || self.live.load(Ordering::Relaxed) {
+            Freshness::Live
+        } else {
+            Freshness::Stale
+        }
+    }
+
+    /// The event stream became live (`true`), or partial or gone.
+    pub fn set_live(&self, live: bool) {
+        self.live.store(live, Ordering::Relaxed);
     }
 }
 
@@ -239,14 +299,14 @@ mod tests {
         h.begin_part("user");
         h.text(&"x".repeat(CHUNK_BYTES * 3));
         let links = h.finish();
-        assert_eq!(m.likely_cached(Prompt::of_links(&links)), 0);
+        assert_eq!(m.likely_cached(Prompt::of_links(&links)).0, 0);
         m.prefilled(&links);
-        assert!(m.likely_cached(Prompt::of_links(&links)) > 0);
+        assert!(m.likely_cached(Prompt::of_links(&links)).0 > 0);
         assert_eq!(
             (m.source(), m.freshness()),
             (CacheSource::Estimate, Freshness::Live)
         );
-        m.set_stale(true);
+        m.set_live(false);
         assert_eq!(
             m.freshness(),
             Freshness::Live,
@@ -254,6 +314,45 @@ mod tests {
         );
         assert!(m.configured);
         assert!(!CacheModel::estimate(None).configured);
+    }
+
+    /// With events and token ids, a live stream answers alone (what the estimate says does
+    /// not matter); a stale one, the larger of the two. Without token ids, the estimate.
+    #[test]
+    fn the_events_answer_for_a_prompt_whose_tokens_are_known_while_live() {
+        use inferlb_kvevents::{BlockHash, BlockStored};
+        let m = CacheModel::estimate(Some(1_000_000)).with_events();
+        let links = prompt_of("abcd", 4);
+        let all = links.last().expect("links").bytes / BYTES_PER_TOKEN;
+        // 65 token ids, of which the events hold the first 32 (two blocks of 16).
+        let tokens = PromptTokens::new((0..65).collect());
+        m.blocks.as_ref().expect("events").stored(&BlockStored {
+            block_hashes: vec![BlockHash::Int(1), BlockHash::Int(2)],
+            token_ids: (0..32).collect(),
+            block_size: 16,
+            ..Default::default()
+        });
+        let with_tokens = Prompt {
+            links: &links,
+            tokens: Some(&tokens),
+        };
+        let half = all * 32 / 65;
+        assert_eq!(
+            m.freshness(),
+            Freshness::Stale,
+            "not live before its stream is"
+        );
+        assert_eq!(m.likely_cached(with_tokens), (half, CacheSource::Events));
+        m.prefilled(&links);
+        assert_eq!(m.likely_cached(with_tokens), (all, CacheSource::Estimate));
+        m.set_live(true);
+        assert_eq!(m.likely_cached(with_tokens), (half, CacheSource::Events));
+        assert_eq!(
+            m.likely_cached(Prompt::of_links(&links)),
+            (all, CacheSource::Estimate)
+        );
+        m.clear();
+        assert_eq!(m.likely_cached(with_tokens), (0, CacheSource::Events));
     }
 
     fn long_prompt(text: &str) -> Vec<Link> {
@@ -311,7 +410,7 @@ mod tests {
                 "{predicted} {cached:?}"
             );
             // It prefilled this prompt just now: held, whatever it held before.
-            assert_eq!(m.likely_cached(Prompt::of_links(&links)), all);
+            assert_eq!(m.likely_cached(Prompt::of_links(&links)).0, all);
         }
     }
 
@@ -329,8 +428,8 @@ mod tests {
             m.answered(&links, all, all, Some(0)),
             Check::Wrong { evicted: false }
         );
-        assert_eq!(m.likely_cached(Prompt::of_links(&other)), 0);
-        assert_eq!(m.likely_cached(Prompt::of_links(&links)), all);
+        assert_eq!(m.likely_cached(Prompt::of_links(&other)).0, 0);
+        assert_eq!(m.likely_cached(Prompt::of_links(&links)).0, all);
         assert_eq!(
             m.index.capacity_tokens(),
             DEFAULT_CACHE_TOKENS,

@@ -81,7 +81,10 @@ impl Replica {
             role: conf.role,
             // Healthy until the checks say otherwise, as Pingora's checker starts.
             health: HealthState::new(healthy),
-            cache: CacheModel::estimate(conf.cache_tokens),
+            cache: match conf.kv_events() {
+                Some(_) => CacheModel::estimate(conf.cache_tokens).with_events(),
+                None => CacheModel::estimate(conf.cache_tokens),
+            },
             models_configured: !conf.models.is_empty(),
             models: RwLock::new(Arc::from(conf.models.clone())),
             checks_passed: AtomicU64::new(0),

@@ -38,9 +38,10 @@ use super::attempt::{Attempt, Choice};
 use super::{answers, Balancer, Ctx};
 use crate::cluster::Table;
 use crate::conf::Protocol;
+use crate::fleet::blocks::PromptTokens;
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::{HeldKv, InFlight, Replica};
+use crate::fleet::replica::{HeldKv, InFlight, Prompt, Replica};
 use crate::protocol::api::prompt::Link;
 use crate::protocol::api::shape::Shape;
 use crate::protocol::api::Family;
@@ -73,6 +74,8 @@ struct Plan {
     header: RequestHeader,
     body: Bytes,
     links: Vec<Link>,
+    /// The prompt's token ids, when its model has a tokenizer.
+    tokens: Option<Arc<PromptTokens>>,
     shape: Shape,
     prompt_tokens: u64,
     model: Option<String>,
@@ -83,6 +86,15 @@ struct Plan {
     tick: u64,
     /// The decode replica chosen first.
     decode: Arc<Replica>,
+}
+
+impl Plan {
+    fn prompt(&self) -> Prompt<'_> {
+        Prompt {
+            links: &self.links,
+            tokens: self.tokens.as_deref(),
+        }
+    }
 }
 
 /// A decode leg that began: its answer's header and what came before the first token.
@@ -257,7 +269,11 @@ impl Balancer {
         }
         let shape = &info.shape;
         let links = shape.links();
-        let candidates = Registry::candidates_for(Leg::Decode, &fleet, &ctx.tried, model, links);
+        let prompt = Prompt {
+            links,
+            tokens: ctx.tokens.as_deref(),
+        };
+        let candidates = Registry::candidates_for(Leg::Decode, &fleet, &ctx.tried, model, prompt);
         let available: Vec<_> = candidates.iter().filter(|c| c.available).collect();
         if available.is_empty() {
             return None;
@@ -292,6 +308,7 @@ impl Balancer {
             header: req.clone(),
             body: ctx.body.bytes().clone(),
             links: links.to_vec(),
+            tokens: ctx.tokens.clone(),
             shape: shape.clone(),
             prompt_tokens: prompt,
             model: info.model.clone(),
@@ -306,7 +323,7 @@ impl Balancer {
     fn pick(&self, leg: Leg, plan: &Plan, tried: &[Arc<Replica>]) -> Option<(Arc<Replica>, u64)> {
         let fleet = self.registry.all();
         let model = plan.model.as_deref();
-        let candidates = Registry::candidates_for(leg, &fleet, tried, model, &plan.links);
+        let candidates = Registry::candidates_for(leg, &fleet, tried, model, plan.prompt());
         let served_by = |h| self.affinity.served_by(h);
         let shape = &plan.shape;
         let tick = plan.tick.wrapping_add(tried.len() as u64);
@@ -629,11 +646,9 @@ impl Balancer {
             prefill_leg,
         } = s;
         drop(in_flight);
-        let pulled = plan.prompt_tokens.saturating_sub(
-            decode
-                .cache
-                .likely_cached(crate::fleet::replica::Prompt::of_links(&plan.links)),
-        );
+        let pulled = plan
+            .prompt_tokens
+            .saturating_sub(decode.cache.likely_cached(plan.prompt()).0);
         METRICS
             .pd_pull_tokens
             .with_label_values(&[&decode.id])
