@@ -1,7 +1,8 @@
 //! The engine model: a vLLM-like prefix cache and the timing of prefill and decode.
 //!
-//! Not a language model: tokens are 4 bytes of rendered text, and "generation" emits
-//! deterministic filler words. What is modelled faithfully is *cost*: only uncached prompt
+//! Not a language model: tokens are 4 bytes of the prompt an API hands it (its rendered text,
+//! or with `--tokenizer` a real tokenizer's ids, 4 bytes each: [`token_bytes`]), and
+//! "generation" emits deterministic filler words. What is modelled faithfully is *cost*: only uncached prompt
 //! tokens pay prefill (the last prompt token is always computed, as vLLM does), and the
 //! scheduler decides when each request's prefill runs and when its tokens come out.
 //!
@@ -82,6 +83,12 @@ pub fn token_ids(text: &[u8]) -> Vec<u32> {
             u32::from_le_bytes(b)
         })
         .collect()
+}
+
+/// Token ids as prompt bytes the engine reads back with [`token_ids`] unchanged: how a real
+/// tokenizer's ids reach the cache, the events and the usage counts.
+pub fn token_bytes(ids: &[u32]) -> Vec<u8> {
+    ids.iter().flat_map(|id| id.to_le_bytes()).collect()
 }
 
 /// How prefill and decode share the engine (see the module docs).
@@ -1023,6 +1030,17 @@ mod tests {
         ];
         for (text, want) in cases {
             assert_eq!(token_ids(text), want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn token_bytes_are_read_back_as_the_same_ids() {
+        let cases: [&[u32]; 4] = [&[], &[0], &[1, 2, 3], &[u32::MAX, 0, 151_643]];
+        for ids in cases {
+            let bytes = token_bytes(ids);
+            assert_eq!(bytes.len(), ids.len() * BYTES_PER_TOKEN);
+            assert_eq!(token_ids(&bytes), ids, "{ids:?}");
+            assert_eq!(tokens(&bytes), ids.len());
         }
     }
 

@@ -36,7 +36,10 @@
 //!
 //! Every API renders its request into prompt text the same way (`render`): a conversation costs
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
-//! any of them, and they all count in `/sim/stats` and `/metrics`.
+//! any of them, and they all count in `/sim/stats` and `/metrics`. A token is 4 bytes of that
+//! text, unless `--tokenizer` gives a real tokenizer: chat and completions prompts are then
+//! that tokenizer's ids, as vLLM computes them (`inferlb_tokens`), and so are the blocks, the
+//! KV events, the usage and the render endpoints' `token_ids`.
 
 mod engine;
 mod kvpub;
@@ -61,6 +64,7 @@ use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use clap::Parser;
 use engine::{token_text, Engine, EngineConf, Scheduler};
+use inferlb_tokens::ModelTokens;
 use pd::{Handover, KvRole, Pd, PdConf, PdProtocol};
 use render::{content_text, render_message, GENERATION_PROMPT};
 use serde::Deserialize;
@@ -175,6 +179,16 @@ struct Args {
     /// Batches the replay socket keeps (vLLM's `buffer_steps`).
     #[arg(long, default_value_t = inferlb_kvevents::DEFAULT_BUFFER_STEPS)]
     kv_events_buffer: usize,
+    /// Count real tokens: a model's tokenizer directory (`tokenizer.json`, and
+    /// `tokenizer_config.json` with its `chat_template`), loaded at start. A chat completions
+    /// prompt is then the body rendered with the template as vLLM renders it, tokenized; a
+    /// completions prompt is its text tokenized (with the tokenizer's special tokens), or a
+    /// list of token ids as it is. The prefix cache, KV events, `usage` and the render
+    /// endpoints count those ids, and a reply joins the cache as its text tokenized. The
+    /// Responses and Messages APIs keep the simulator's rendering (4 bytes a token). Without
+    /// it, every API's token is 4 bytes of the simulator's rendering.
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
     /// A YAML file with any of these keys (flags given on the command line win).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
@@ -231,6 +245,8 @@ struct Sim {
     next_request: std::sync::atomic::AtomicU64,
     /// The last bodies received on `POST /v1/*`, oldest first: `GET /sim/received`.
     received: Mutex<VecDeque<(String, Bytes)>>,
+    /// `--tokenizer`: the model's tokenizer and chat template.
+    tokens: Option<ModelTokens>,
 }
 
 type App = Arc<Sim>;
@@ -299,12 +315,24 @@ struct Job {
     /// The tokens to generate when they are not the seed's words (a function call's
     /// arguments); `max_tokens` is then their count.
     script: Option<Vec<String>>,
+    /// With `--tokenizer`: the prompt's token ids, 4 bytes each (`engine::token_bytes`).
+    /// `prompt` stays the simulator's rendering, which seeds the reply.
+    ids: Option<Vec<u8>>,
+}
+
+impl Job {
+    /// The prompt as the engine and the KV handover take it: the tokenizer's ids when there
+    /// are, else the rendered text (`engine::token_ids` reads either as ids).
+    fn engine_prompt(&self) -> &[u8] {
+        self.ids.as_deref().unwrap_or(self.prompt.as_bytes())
+    }
 }
 
 fn parse_job(
     body: &[u8],
     chat: bool,
     default_max: usize,
+    tokens: Option<&ModelTokens>,
 ) -> Result<(Job, serde_json::Map<String, Value>), String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let Value::Object(obj) = v else {
@@ -358,6 +386,10 @@ fn parse_job(
         .and_then(Value::as_bool)
         .unwrap_or(false);
     let seed = seed_of(&prompt);
+    let ids = tokens
+        .map(|t| tokenized(t, body, &obj, &prompt, chat))
+        .transpose()?
+        .map(|ids| engine::token_bytes(&ids));
     let job = Job {
         chat,
         model,
@@ -367,8 +399,33 @@ fn parse_job(
         include_usage,
         seed,
         script: None,
+        ids,
     };
     Ok((job, obj))
+}
+
+/// A request's prompt as the tokenizer's ids, as vLLM computes them: a chat body rendered with
+/// the model's template; a completions prompt of token ids as it is, else its `text` tokenized.
+fn tokenized(
+    t: &ModelTokens,
+    body: &[u8],
+    obj: &serde_json::Map<String, Value>,
+    text: &str,
+    chat: bool,
+) -> Result<Vec<u32>, String> {
+    if chat {
+        return t.chat_ids(body).map(|c| c.ids).map_err(|e| e.to_string());
+    }
+    if let Some(Value::Array(a)) = obj.get("prompt") {
+        let ids: Option<Vec<u32>> = a
+            .iter()
+            .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect();
+        if let Some(ids) = ids.filter(|ids| !ids.is_empty()) {
+            return Ok(inferlb_tokens::token_prompt(&ids).to_vec());
+        }
+    }
+    t.prompt_ids(text).map_err(|e| e.to_string())
 }
 
 async fn chat_completions(
@@ -440,7 +497,12 @@ async fn complete(sim: App, headers: axum::http::HeaderMap, body: Bytes, chat: b
     if sim.unhealthy() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine is starting");
     }
-    let (mut job, obj) = match parse_job(&body, chat, sim.args.default_max_tokens) {
+    let (mut job, obj) = match parse_job(
+        &body,
+        chat,
+        sim.args.default_max_tokens,
+        sim.tokens.as_ref(),
+    ) {
         Ok(j) => j,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
     };
@@ -513,13 +575,25 @@ struct Usage {
 async fn prefill<'a>(sim: &'a Sim, job: &Job) -> (engine::Seq<'a>, Usage) {
     let (seq, prompt, cached) = sim
         .engine
-        .prefill(job.prompt.as_bytes(), job.max_tokens)
+        .prefill(job.engine_prompt(), job.max_tokens)
         .await;
     (seq, Usage { prompt, cached })
 }
 
-/// After generation the reply enters the cache, as the next turn's history will contain it.
+/// After generation the reply enters the cache, as the next turn's history will contain it:
+/// with a tokenizer, the prompt's ids and the reply's text tokenized.
 fn finish(sim: &Sim, job: &Job, reply: &str) {
+    if let (Some(ids), Some(t)) = (&job.ids, &sim.tokens) {
+        let reply_ids = t
+            .tokenizer()
+            .encode(reply, false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default();
+        let mut all = ids.clone();
+        all.extend(engine::token_bytes(&reply_ids));
+        sim.engine.insert(&all);
+        return;
+    }
     let mut text = job.prompt.clone();
     text.push_str(reply);
     if job.chat {
@@ -548,13 +622,10 @@ fn kv_load_failed() -> Value {
 fn prefilled(sim: &Sim, job: &Job, leg: &Leg) -> Option<Value> {
     match leg.handover {
         Handover::SglangPrefill { room } => {
-            sim.pd.sglang_prefilled(room, job.prompt.as_bytes());
+            sim.pd.sglang_prefilled(room, job.engine_prompt());
             None
         }
-        Handover::VllmPrefill => Some(
-            sim.pd
-                .vllm_prefilled(&leg.request_id, job.prompt.as_bytes()),
-        ),
+        Handover::VllmPrefill => Some(sim.pd.vllm_prefilled(&leg.request_id, job.engine_prompt())),
         _ => None,
     }
 }
@@ -563,7 +634,7 @@ async fn whole_response(sim: App, job: Job, leg: Leg) -> Response {
     if leg.handover.is_decode()
         && sim
             .pd
-            .fetch(&leg.handover, job.prompt.as_bytes())
+            .fetch(&leg.handover, job.engine_prompt())
             .await
             .is_err()
     {
@@ -707,7 +778,7 @@ async fn stream_response(sim: App, job: Job, leg: Leg, cut_after: Option<usize>)
         let id = format!("cmpl-{:016x}", job.seed ^ now_secs());
         let fetched = if leg.handover.is_decode() {
             tokio::select! {
-                r = sim.pd.fetch(&leg.handover, job.prompt.as_bytes()) => r.is_ok(),
+                r = sim.pd.fetch(&leg.handover, job.engine_prompt()) => r.is_ok(),
                 _ = tx.closed() => return,
             }
         } else {
@@ -864,12 +935,12 @@ async fn metrics(State(sim): State<App>) -> Response {
 /// rendered as the completion endpoints render it, so they name the blocks the KV events name.
 /// The answer is the part of vLLM's `GenerateRequest` a router reads.
 fn rendered(sim: &Sim, body: &[u8], chat: bool) -> Result<Value, String> {
-    let (job, _) = parse_job(body, chat, sim.args.default_max_tokens)?;
+    let (job, _) = parse_job(body, chat, sim.args.default_max_tokens, sim.tokens.as_ref())?;
     let prefix = if chat { "chatcmpl" } else { "cmpl" };
     let n = sim.next_request.fetch_add(1, Ordering::Relaxed);
     Ok(json!({
         "request_id": format!("{prefix}-{}-{n}", sim.args.id),
-        "token_ids": engine::token_ids(job.prompt.as_bytes()),
+        "token_ids": engine::token_ids(job.engine_prompt()),
         "model": job.model,
         "sampling_params": {"max_tokens": job.max_tokens},
         "stream": job.stream,
@@ -1096,12 +1167,28 @@ fn load_args() -> Result<Args, String> {
     Args::try_parse_from(argv).map_err(|e| e.to_string())
 }
 
+/// `--tokenizer`'s directory loaded, or what is wrong with it.
+fn load_tokens(args: &Args) -> Result<Option<ModelTokens>, String> {
+    let Some(dir) = &args.tokenizer else {
+        return Ok(None);
+    };
+    let t =
+        ModelTokens::from_dir(dir).map_err(|e| format!("--tokenizer {}: {e}", dir.display()))?;
+    // A base model's directory still serves completions; chat requests get this error.
+    if let Err(e @ inferlb_tokens::Error::NoTemplate { .. }) = t.render_chat(br#"{"messages": []}"#)
+    {
+        eprintln!("inferlb-sim: --tokenizer {}: {e}", dir.display());
+    }
+    Ok(Some(t))
+}
+
 /// The replica `args` describe, its engine started; `listener_ctl` closes its listener for a
 /// while (the `refuse` fault).
 fn replica(
     args: &Args,
     listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
     events: Option<Arc<kvpub::Sink>>,
+    tokens: Option<ModelTokens>,
 ) -> App {
     let mut engine = Engine::new(EngineConf {
         prefill_tokens_per_s: args.prefill_tokens_per_s,
@@ -1163,6 +1250,7 @@ fn replica(
         pd,
         next_request: std::sync::atomic::AtomicU64::new(0),
         received: Mutex::new(VecDeque::with_capacity(RECEIVED_KEPT)),
+        tokens,
         args: args.clone(),
     })
 }
@@ -1224,6 +1312,13 @@ async fn main() {
             default_hook(info);
         }
     }));
+    let tokens = match load_tokens(&args) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("inferlb-sim: {e}");
+            std::process::exit(2);
+        }
+    };
     let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
     let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
     let events = match &args.kv_events {
@@ -1243,7 +1338,7 @@ async fn main() {
             Some(Arc::new(sink))
         }
     };
-    let sim = replica(&args, ctl_tx, events);
+    let sim = replica(&args, ctl_tx, events, tokens);
     let pd = sim.pd.clone();
     if let (Some(port), true) = (
         args.bootstrap_port,
@@ -1358,7 +1453,8 @@ mod testkit {
         argv.extend(flags.iter().map(|f| f.to_string()));
         let args = Args::try_parse_from(argv).unwrap();
         let (ctl, _) = tokio::sync::mpsc::unbounded_channel();
-        let sim = replica(&args, ctl, None);
+        let tokens = load_tokens(&args).unwrap();
+        let sim = replica(&args, ctl, None, tokens);
         let app = router(&sim);
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;

@@ -160,6 +160,8 @@ pub async fn create(
         stream: req.stream,
         include_usage: false,
         script: None,
+        // Messages keep the simulator's rendering, with or without --tokenizer.
+        ids: None,
     };
     leg.shape(&mut job);
     let resp = if job.stream {
@@ -188,7 +190,7 @@ async fn pull(sim: &App, job: &Job, leg: &Leg) -> bool {
     !leg.handover.is_decode()
         || sim
             .pd
-            .fetch(&leg.handover, job.prompt.as_bytes())
+            .fetch(&leg.handover, job.engine_prompt())
             .await
             .is_ok()
 }
@@ -256,7 +258,7 @@ fn stream(
         if !pulled {
             // As vLLM streams it: `message_start` for the first (failed) output, then the
             // error event, and the stream ends (no `message_stop`).
-            let usage = json!({"input_tokens": tokens(job.prompt.as_bytes()), "output_tokens": 0});
+            let usage = json!({"input_tokens": tokens(job.engine_prompt()), "output_tokens": 0});
             let start = message(&id, &job, json!([]), Value::Null, usage);
             let failed = json!({"error": {"type": "api_error", "message": KV_LOAD_FAILED}});
             for ev in [

@@ -612,7 +612,7 @@ impl Run {
         }
         let pd = &self.sim.pd;
         if pd
-            .fetch(&self.leg.handover, self.job.prompt.as_bytes())
+            .fetch(&self.leg.handover, self.job.engine_prompt())
             .await
             .is_ok()
         {
@@ -757,6 +757,8 @@ pub async fn create(
         stream: req.stream,
         include_usage: false,
         script,
+        // Responses keep the simulator's rendering, with or without --tokenizer.
+        ids: None,
     };
     leg.shape(&mut job);
     let run = Run {
