@@ -139,3 +139,86 @@ fn a_publisher_that_restarted_clears_the_estimate() {
     let wrong = "inferlb_cache_mispredictions_total{cause=\"absent\",replica=\"gpu0\"}";
     assert_eq!(sample(wrong), 0.0, "{}", lb.metrics());
 }
+
+/// Prompts that reached the replicas some other way (sent to them straight, not through
+/// inferlb): the estimate knows nothing of them, but with the model's tokenizer the replicas'
+/// events say which holds each, and each goes there, warm.
+#[test]
+fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokenizer = dir.path().join("tokenizer");
+    std::fs::create_dir(&tokenizer).expect("mkdir");
+    inferlb_tokens::fixture::write_dir(&tokenizer, inferlb_tokens::fixture::CHATML_TOOLS)
+        .expect("a tokenizer");
+    let tk = tokenizer.to_string_lossy().to_string();
+    let mut sims = Vec::new();
+    let mut replicas = Vec::new();
+    for id in ["gpu0", "gpu1"] {
+        let ev = format!("tcp://127.0.0.1:{}", free_port());
+        let rp = format!("tcp://127.0.0.1:{}", free_port());
+        let sim = Sim::spawn(
+            dir.path(),
+            id,
+            &[
+                "--tokenizer",
+                &tk,
+                "--kv-events",
+                &ev,
+                "--kv-events-replay",
+                &rp,
+            ],
+        );
+        sim.assert_healthy();
+        replicas.push(Replica {
+            extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
+            ..Replica::of(&sim)
+        });
+        sims.push(sim);
+    }
+    let conf = LbConf {
+        routing: Some("prefill_cost".into()),
+        replicas,
+        extra: format!("  tokenizers: {{sim-model: \"{tk}\"}}\n"),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[], conf);
+    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
+    let live = wait_until(Duration::from_secs(10), || {
+        ["gpu0", "gpu1"]
+            .iter()
+            .all(|id| sample(&format!("inferlb_kv_events_state{{replica=\"{id}\"}}")) == 2.0)
+    });
+    assert!(live, "{}\n{}", lb.metrics(), lb.proc.log_text());
+    // Three prompts held by gpu0, then three by gpu1: no alternation a spread could match.
+    for (i, home) in [0usize, 0, 0, 1, 1, 1].into_iter().enumerate() {
+        let history = text_of(&format!("held elsewhere {i}"), 3000);
+        let messages = [("user", history.as_str())];
+        let id = ["gpu0", "gpu1"][home];
+        let blocks = format!("inferlb_kv_blocks{{replica=\"{id}\"}}");
+        let before = sample(&blocks);
+        let r = http()
+            .post(sims[home].url("/v1/chat/completions"))
+            .json(&chat_body(&messages, false, 2))
+            .send()
+            .expect("straight to the replica");
+        assert_eq!(r.status(), 200);
+        let heard = wait_until(Duration::from_secs(10), || sample(&blocks) > before);
+        assert!(heard, "{}", lb.metrics());
+        let (replica, route, resp) = routed_chat(&lb, &messages);
+        assert_eq!(
+            (replica.as_str(), route.as_str()),
+            (id, "prefix"),
+            "prompt {i}"
+        );
+        let prompt = resp["usage"]["prompt_tokens"].as_u64().expect("usage");
+        let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached tokens");
+        assert!(cached * 10 >= prompt * 9, "{cached} of {prompt}: {resp}");
+    }
+    assert!(
+        sample("inferlb_cache_lookups_total{source=\"events\"}") >= 6.0,
+        "{}",
+        lb.metrics()
+    );
+}
