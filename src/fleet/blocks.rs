@@ -74,23 +74,24 @@ impl PromptTokens {
 fn chain_hashes(parent: u64, tokens: &[u32], block_size: u32) -> Vec<u64> {
     let size = block_size.max(1) as usize;
     let mut prev = parent;
+    let mut buf = Vec::with_capacity(size * 4);
     tokens
         .chunks_exact(size)
         .map(|block| {
-            prev = block_hash(prev, block, 0);
+            prev = block_hash(&mut buf, prev, block, 0);
             prev
         })
         .collect()
 }
 
 /// One block's chain hash: its tokens, its parent's hash, and what else the replica's hash
-/// covers (`extra`, 0 for none: a LoRA adapter, multimodal inputs, a cache salt).
-fn block_hash(parent: u64, tokens: &[u32], extra: u64) -> u64 {
-    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+/// covers (`extra`, 0 for none: multimodal inputs, a cache salt). `buf` is scratch space.
+fn block_hash(buf: &mut Vec<u8>, parent: u64, tokens: &[u32], extra: u64) -> u64 {
+    buf.clear();
     for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
+        buf.extend_from_slice(&t.to_le_bytes());
     }
-    xxh3_64_with_seed(&bytes, parent ^ extra.rotate_left(17))
+    xxh3_64_with_seed(buf, parent ^ extra.rotate_left(17))
 }
 
 /// The replica's hash of a block as one integer (a 32-byte hash folded).
@@ -101,12 +102,18 @@ fn engine_key(h: &BlockHash) -> u64 {
     }
 }
 
-fn tier(m: Option<&Medium>) -> u8 {
+/// Tiers, in the order a lookup falls through them.
+const GPU: usize = 0;
+const CPU: usize = 1;
+const STORAGE: usize = 2;
+const TIERS: usize = 3;
+
+fn tier(m: Option<&Medium>) -> usize {
     match m {
-        None | Some(Medium::Gpu) => 1,
-        Some(Medium::Cpu) => 2,
-        Some(Medium::Storage) => 4,
-        Some(Medium::Other(_)) => 8,
+        None | Some(Medium::Gpu) => GPU,
+        Some(Medium::Cpu) => CPU,
+        // Disk, remote stores and tiers vLLM may add: slower than the CPU.
+        Some(Medium::Storage) | Some(Medium::Other(_)) => STORAGE,
     }
 }
 
@@ -133,14 +140,17 @@ impl Held {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Applied {
     pub stored: u64,
-    /// Blocks stored on a parent the index does not know: not kept.
+    /// Blocks stored on a parent the index does not know, or without their tokens: not kept.
     pub untrusted: u64,
     pub removed: u64,
 }
 
 struct Entry {
+    /// The replica's hash that named it first (aliases map to it too, see `stored`).
     engine: u64,
-    tiers: u8,
+    /// Copies per tier: the replica may announce one block stored twice (two physical
+    /// copies), and removes each copy apart.
+    copies: [u16; TIERS],
 }
 
 struct Blocks {
@@ -149,6 +159,31 @@ struct Blocks {
     chain: LruCache<u64, Entry>,
     /// The replica's hash → the chain hash.
     engine: HashMap<u64, u64>,
+}
+
+impl Blocks {
+    fn clear(&mut self) {
+        self.chain.clear();
+        self.engine.clear();
+        self.engine.shrink_to_fit();
+    }
+
+    /// Forgets the least recently used blocks beyond `max`, and names that no longer lead to
+    /// a block (kept in check at twice `max`).
+    fn bound(&mut self, max: usize) {
+        while self.chain.len() > max {
+            let Some((ours, old)) = self.chain.pop_lru() else {
+                break;
+            };
+            if self.engine.get(&old.engine) == Some(&ours) {
+                self.engine.remove(&old.engine);
+            }
+        }
+        if self.engine.len() > max.saturating_mul(2) {
+            let chain = &self.chain;
+            self.engine.retain(|_, ours| chain.contains(ours));
+        }
+    }
 }
 
 pub struct BlockIndex {
@@ -186,46 +221,63 @@ impl BlockIndex {
 
     /// The replica's cache is empty.
     pub fn clear(&self) {
-        let mut b = self.lock();
-        b.chain.clear();
-        b.engine.clear();
-        b.engine.shrink_to_fit();
+        self.lock().clear();
     }
 
     /// Blocks entered a tier of the replica's cache.
+    ///
+    /// A block the index already knows by the replica's hash gains a copy in that tier, its
+    /// tokens not needed: vLLM's offloading connector announces CPU copies without tokens, and
+    /// at its own block size. A block it does not know is named from its parent and tokens,
+    /// and is kept only when the parent is known (or it is a prompt's first) and its tokens
+    /// are all there; otherwise it, and the rest of the event after it, is not trusted.
     pub fn stored(&self, e: &BlockStored) -> Applied {
         let mut out = Applied::default();
         // Hybrid models publish a group per KV cache kind; group 0 is the full attention one.
-        if e.group_idx.is_some_and(|g| g != 0) || e.block_size == 0 {
+        if e.group_idx.is_some_and(|g| g != 0) {
             return out;
         }
-        let size = e.block_size as usize;
         let n = e.block_hashes.len();
+        let t = tier(e.medium.as_ref());
         let mut b = self.lock();
-        if b.block_size.is_some_and(|s| s != e.block_size) {
-            // A replica restarted with another block size: nothing before holds.
-            b.chain.clear();
-            b.engine.clear();
+        // The GPU's blocks set the block size; a replica restarted with another one holds
+        // nothing from before.
+        if t == GPU && e.block_size > 0 {
+            if b.block_size.is_some_and(|s| s != e.block_size) {
+                b.clear();
+            }
+            b.block_size = Some(e.block_size);
         }
-        b.block_size = Some(e.block_size);
-        let parent = match &e.parent_block_hash {
-            None => Some(match &e.lora_name {
-                None => ROOT,
-                Some(name) => xxh3_64_with_seed(name.as_bytes(), ROOT),
+        let size = e.block_size as usize;
+        // Tokens usable to name new blocks: at the index's block size, exactly one block's
+        // worth per hash (vLLM skips null blocks, which would misalign a longer list).
+        let tokens =
+            (size > 0 && b.block_size == Some(e.block_size) && e.token_ids.len() == n * size)
+                .then_some(&e.token_ids[..]);
+        let mut prev = match &e.parent_block_hash {
+            None => Some(match (&e.lora_name, e.lora_id) {
+                (Some(name), _) => xxh3_64_with_seed(name.as_bytes(), ROOT),
+                (None, Some(id)) => xxh3_64_with_seed(&id.to_le_bytes(), ROOT ^ 1),
+                (None, None) => ROOT,
             }),
             Some(p) => b.engine.get(&engine_key(p)).copied(),
         };
-        let Some(mut prev) = parent else {
-            out.untrusted = n as u64;
-            return out;
-        };
-        if e.token_ids.len() < n * size {
-            out.untrusted = n as u64;
-            return out;
-        }
-        let bit = tier(e.medium.as_ref());
-        let max = self.max_blocks.load(std::sync::atomic::Ordering::Relaxed);
+        let mut buf = Vec::with_capacity(size * 4);
         for (i, h) in e.block_hashes.iter().enumerate() {
+            let key = engine_key(h);
+            if let Some(&ours) = b.engine.get(&key) {
+                if let Some(entry) = b.chain.get_mut(&ours) {
+                    entry.copies[t] = entry.copies[t].saturating_add(1);
+                    out.stored += 1;
+                    prev = Some(ours);
+                    continue;
+                }
+            }
+            let (Some(parent), Some(tokens)) = (prev, tokens) else {
+                out.untrusted += 1;
+                prev = None;
+                continue;
+            };
             let extra = e
                 .extra_keys
                 .as_ref()
@@ -236,42 +288,38 @@ impl BlockIndex {
                     let text: String = k.iter().map(|v| v.to_string()).collect();
                     xxh3_64_with_seed(text.as_bytes(), 2) | 1
                 });
-            let ours = block_hash(prev, &e.token_ids[i * size..(i + 1) * size], extra);
-            let key = engine_key(h);
+            let ours = block_hash(&mut buf, parent, &tokens[i * size..(i + 1) * size], extra);
             b.engine.insert(key, ours);
             match b.chain.get_mut(&ours) {
-                Some(entry) => {
-                    entry.tiers |= bit;
-                    entry.engine = key;
-                }
+                // Another of the replica's hashes for the same chain: an alias.
+                Some(entry) => entry.copies[t] = entry.copies[t].saturating_add(1),
                 None => {
+                    let mut copies = [0; TIERS];
+                    copies[t] = 1;
                     b.chain.put(
                         ours,
                         Entry {
                             engine: key,
-                            tiers: bit,
+                            copies,
                         },
                     );
                 }
             }
-            while b.chain.len() > max {
-                if let Some((_, old)) = b.chain.pop_lru() {
-                    b.engine.remove(&old.engine);
-                }
-            }
             out.stored += 1;
-            prev = ours;
+            prev = Some(ours);
         }
+        b.bound(self.max_blocks.load(std::sync::atomic::Ordering::Relaxed));
         out
     }
 
-    /// Blocks left a tier of the replica's cache; one that is in no tier any more is gone.
+    /// A copy of blocks left a tier of the replica's cache; a block with no copy left in any
+    /// tier is gone.
     pub fn removed(&self, e: &BlockRemoved) -> Applied {
         let mut out = Applied::default();
         if e.group_idx.is_some_and(|g| g != 0) {
             return out;
         }
-        let bit = tier(e.medium.as_ref());
+        let t = tier(e.medium.as_ref());
         let mut b = self.lock();
         for h in &e.block_hashes {
             let key = engine_key(h);
@@ -280,8 +328,8 @@ impl BlockIndex {
             };
             let gone = match b.chain.peek_mut(&ours) {
                 Some(entry) => {
-                    entry.tiers &= !bit;
-                    entry.tiers == 0
+                    entry.copies[t] = entry.copies[t].saturating_sub(1);
+                    entry.copies.iter().all(|c| *c == 0)
                 }
                 None => true,
             };
@@ -294,7 +342,9 @@ impl BlockIndex {
         out
     }
 
-    /// The longest prefix of `prompt` the replica holds, by tier.
+    /// The longest prefix of `prompt` the replica holds, by tier. As vLLM looks a prompt up:
+    /// on the GPU first, then (its offloading connector) the blocks after the GPU's run on the
+    /// CPU or in storage, each block at the fastest tier holding it from there on.
     pub fn held(&self, prompt: &PromptTokens) -> Held {
         let Some(size) = self.lock().block_size else {
             return Held::default();
@@ -302,16 +352,27 @@ impl BlockIndex {
         let chain = prompt.chain(size);
         let mut b = self.lock();
         let mut held = Held::default();
+        let mut from = GPU;
+        let t = u64::from(size);
         for h in chain.iter() {
             let Some(entry) = b.chain.get(h) else { break };
-            let t = u64::from(size);
-            match entry.tiers {
-                t1 if t1 & 1 != 0 => held.gpu += t,
-                t1 if t1 & 2 != 0 => held.cpu += t,
+            let Some(tier) = (from..TIERS).find(|&i| entry.copies[i] > 0) else {
+                break;
+            };
+            from = tier;
+            match tier {
+                GPU => held.gpu += t,
+                CPU => held.cpu += t,
                 _ => held.storage += t,
             }
         }
         held
+    }
+
+    /// The replica's hashes the index can name (bounded with the blocks).
+    #[cfg(test)]
+    fn names(&self) -> usize {
+        self.lock().engine.len()
     }
 }
 
@@ -343,6 +404,17 @@ mod tests {
         }
     }
 
+    /// A CPU copy as vLLM's offloading connector announces it: hashes alone, no parent, no
+    /// tokens, the block size of its own (0 when unset).
+    fn cpu_copy(hashes: &[u64], block_size: u32) -> BlockStored {
+        BlockStored {
+            block_hashes: hashes.iter().map(|h| BlockHash::Int(*h)).collect(),
+            block_size,
+            medium: Some(Medium::Cpu),
+            ..Default::default()
+        }
+    }
+
     fn prompt(n: u32) -> PromptTokens {
         PromptTokens::new((0..n).collect())
     }
@@ -358,7 +430,8 @@ mod tests {
             Clear,
         }
         use Ev::*;
-        let rows: Vec<(&str, Vec<Ev>, Held)> = vec![
+        let rows: Vec<(&str, Vec<Ev>, Held)> =
+            vec![
             ("nothing stored", vec![], Held::default()),
             (
                 "all four blocks in one event",
@@ -399,16 +472,72 @@ mod tests {
                 },
             ),
             (
-                "offloaded to the CPU, then evicted from the GPU",
+                "offloaded to the CPU as vLLM's connector says it (no tokens, its own block \
+                 size), then evicted from the GPU",
                 vec![
                     S(stored(&[1, 2, 3, 4], None, &t, None)),
-                    S(stored(&[1, 2], None, &t[..8], Some(Medium::Cpu))),
+                    S(cpu_copy(&[1, 2], 0)),
+                    S(cpu_copy(&[3], 16)),
                     R(removed(&[1, 2, 3, 4], Some(Medium::Gpu))),
                 ],
-                Held {
-                    cpu: 8,
-                    ..Held::default()
-                },
+                Held { cpu: 12, ..Held::default() },
+            ),
+            (
+                "a CPU copy at another block size leaves the GPU's blocks alone",
+                vec![
+                    S(stored(&[1, 2, 3, 4], None, &t, None)),
+                    S(cpu_copy(&[9], 16)),
+                ],
+                Held { gpu: 16, ..Held::default() },
+            ),
+            (
+                "a CPU copy of a block never seen is not trusted",
+                vec![S(cpu_copy(&[1, 2], 4))],
+                Held::default(),
+            ),
+            (
+                "after the GPU's run, the CPU's run: a block only on the GPU after it is not \
+                 looked up there again",
+                vec![
+                    S(stored(&[1, 2, 3, 4], None, &t, None)),
+                    S(cpu_copy(&[2], 0)),
+                    R(removed(&[2], Some(Medium::Gpu))),
+                ],
+                Held { gpu: 4, cpu: 4, ..Held::default() },
+            ),
+            (
+                "a block stored twice (two copies) and removed once is still held",
+                vec![
+                    S(stored(&[1, 2], None, &t[..8], None)),
+                    S(stored(&[1, 2], None, &t[..8], None)),
+                    R(removed(&[2], None)),
+                    S(stored(&[3], Some(2), &t[8..12], None)),
+                ],
+                Held { gpu: 12, ..Held::default() },
+            ),
+            (
+                "a salted block's CPU copy (no extra keys) is still the salted block",
+                vec![
+                    S(BlockStored {
+                        extra_keys: Some(vec![Some(vec![rmpv::Value::from("salt")]), None]),
+                        ..stored(&[1, 2], None, &t[..8], None)
+                    }),
+                    S(cpu_copy(&[1, 2], 4)),
+                ],
+                Held::default(),
+            ),
+            (
+                "more token ids than its hashes' blocks (vLLM skipped null blocks): not trusted",
+                vec![S(stored(&[1, 2], None, &t[..12], None))],
+                Held::default(),
+            ),
+            (
+                "an old vLLM's LoRA blocks (lora_id alone) are not the base model's",
+                vec![S(BlockStored {
+                    lora_id: Some(3),
+                    ..stored(&[1, 2], None, &t[..8], None)
+                })],
+                Held::default(),
             ),
             (
                 "other tokens under the same parent are other blocks",
@@ -493,5 +622,32 @@ mod tests {
         assert_eq!(idx.held(&PromptTokens::new(tokens.clone())).tokens(), 0);
         // Their removals find nothing and break nothing.
         assert_eq!(idx.removed(&removed(&[1, 2], None)).removed, 0);
+        assert_eq!(
+            idx.names(),
+            MIN_BLOCKS,
+            "the replica's names go with their blocks"
+        );
+    }
+
+    /// A chain named again under other hashes of the replica's (aliases), then forgotten
+    /// past the bound: the names stay bounded, and a forgotten block's alias finds nothing.
+    #[test]
+    fn aliases_stay_bounded_and_never_name_another_block() {
+        let idx = BlockIndex::new(0);
+        let n = MIN_BLOCKS as u64;
+        let tokens: Vec<u32> = (0..(n as u32) * 4).collect();
+        let first: Vec<u64> = (1..=n).collect();
+        let alias: Vec<u64> = (n + 1..=2 * n).collect();
+        idx.stored(&stored(&first, None, &tokens, None));
+        idx.stored(&stored(&alias, None, &tokens, None));
+        assert_eq!(idx.size().0, MIN_BLOCKS);
+        // New blocks push the old ones out; their names (both) go or lead nowhere.
+        let other: Vec<u32> = tokens.iter().map(|t| t + 1).collect();
+        let fresh: Vec<u64> = (2 * n + 1..=3 * n).collect();
+        idx.stored(&stored(&fresh, None, &other, None));
+        assert_eq!(idx.held(&PromptTokens::new(tokens.clone())).tokens(), 0);
+        assert!(idx.names() <= 2 * MIN_BLOCKS, "{}", idx.names());
+        assert_eq!(idx.removed(&removed(&[n + 1], None)).removed, 1);
+        assert!(idx.held(&PromptTokens::new(other.clone())).tokens() > 0);
     }
 }

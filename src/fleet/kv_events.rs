@@ -16,8 +16,8 @@
 //! whose removal was missed, so it is emptied at the gap and only what is stored after counts.
 //! `gone`: the publisher cannot be reached.
 //!
-//! Never on the request path: the sockets are read by background tasks that only clear an
-//! index under its own lock.
+//! Never on the request path: the sockets are read by background tasks that change a
+//! replica's indexes under their own locks.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -224,8 +224,15 @@ async fn subscribe(replica: Weak<Replica>, ep: KvEvents) {
                 continue;
             };
             match seq.step(s) {
-                // Already applied (the replay overlapped the live stream), or a publisher
-                // that restarted while subscribed: the next (re)connect's replay tells.
+                // A publisher that restarted while subscribed begins again at 0: what it
+                // held went with it.
+                Step::Seen if s == 0 && seq.next.is_some_and(|n| n > 1) => {
+                    restarted(&r, &mut seq);
+                    if seq.step(s) != Step::Apply {
+                        continue;
+                    }
+                }
+                // Already applied (the replay overlapped the live stream).
                 Step::Seen => continue,
                 Step::Apply => {}
                 Step::Gap { from } => {
@@ -276,12 +283,7 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
         return;
     };
     if batches.is_empty() && next > 0 {
-        r.cache.clear();
-        log::info!(
-            "replica {}: its KV event publisher restarted; its estimate is cleared",
-            r.id
-        );
-        *seq = Sequence::default();
+        restarted(r, seq);
         for (s, b) in replay(endpoint, 0).await.unwrap_or_default() {
             if seq.step(s) != Step::Seen {
                 apply(r, &b, seq, Replayed::New);
@@ -306,6 +308,16 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             }
         }
     }
+}
+
+/// The publisher began again: its cache is empty, and its sequence starts anew.
+fn restarted(r: &Replica, seq: &mut Sequence) {
+    r.cache.clear();
+    log::info!(
+        "replica {}: its KV event publisher restarted; its estimate is cleared",
+        r.id
+    );
+    *seq = Sequence::default();
 }
 
 /// Whether something listens on a `tcp://host:port` endpoint.

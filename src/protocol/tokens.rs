@@ -50,8 +50,19 @@ impl Tokenizers {
 
     /// The prompt's ids, when `model` has a tokenizer and the body is a chat or completions
     /// request it can read (`None` otherwise: the estimate serves it).
+    ///
+    /// A body that may name a `cache_salt` or hold images, audio or video is not tokenized:
+    /// the replica's block hashes then cover more than the token ids, and ids alone would
+    /// match blocks it cannot reuse. (Looked for as text: a false alarm only costs the
+    /// estimate.)
     pub fn ids(&self, family: Family, path: &str, model: &str, body: &[u8]) -> Option<Vec<u32>> {
         let t = self.0.get(model)?;
+        if BEYOND_TOKENS
+            .iter()
+            .any(|k| memchr::memmem::find(body, k.as_bytes()).is_some())
+        {
+            return None;
+        }
         match family {
             Family::Chat if path.trim_end_matches('/') == "/v1/chat/completions" => {
                 t.chat_ids(body).ok().map(|c| c.ids)
@@ -61,6 +72,16 @@ impl Tokenizers {
         }
     }
 }
+
+/// Keys whose presence makes a replica's block hashes cover more than the prompt's tokens.
+const BEYOND_TOKENS: &[&str] = &[
+    "\"cache_salt\"",
+    "\"image_url\"",
+    "\"input_audio\"",
+    "\"audio_url\"",
+    "\"video_url\"",
+    "\"input_image\"",
+];
 
 /// A completions prompt: one text, or one list of token ids. A batch of prompts is several
 /// requests to the replica, whose blocks are several chains: not looked up.
@@ -130,6 +151,24 @@ mod tests {
                 "/v1/completions",
                 "m",
                 &br#"{"prompt":["a","b"]}"#[..],
+            ),
+            (
+                Family::Chat,
+                "/v1/chat/completions",
+                "m",
+                &br#"{"messages":[{"role":"user","content":"hi"}],"cache_salt":"tenant-a"}"#[..],
+            ),
+            (
+                Family::Chat,
+                "/v1/chat/completions",
+                "m",
+                &br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:"}}]}]}"#[..],
+            ),
+            (
+                Family::Completions,
+                "/v1/completions",
+                "m",
+                &br#"{"prompt":"hi","cache_salt":"tenant-a"}"#[..],
             ),
         ] {
             assert_eq!(t.ids(family, path, model, body), None, "{path} {model}");

@@ -11,6 +11,10 @@ use crate::overload::Admission;
 use crate::protocol::api::classify;
 use crate::protocol::body::{BodyLimits, BodyReplay};
 
+/// The largest body tokenized for the replicas' KV events; a larger one is routed by the
+/// estimate.
+pub const MAX_TOKENIZED_BYTES: usize = 1 << 20;
+
 impl Balancer {
     /// What the request head alone settles: its size, its key, and whether its (normalised)
     /// path is forwarded at all.
@@ -71,7 +75,6 @@ impl Balancer {
             ctx.info = Some(classify(ctx.family, ctx.body.bytes()));
         }
         let model = ctx.info.as_ref().and_then(|i| i.model.as_deref())?;
-        ctx.tokens = self.tokens_of(session.req_header().uri.path(), model, ctx);
         (!self.registry.knows_model(model)).then(|| Refusal {
             status: 404,
             reason: "unknown_model",
@@ -82,26 +85,33 @@ impl Balancer {
 
     /// The prompt's token ids, worth their cost only where a replica's KV events can be asked
     /// about them: a policy that weighs prefill, a model with a tokenizer, and a replica of it
-    /// that publishes its events.
-    fn tokens_of(
+    /// that publishes its events. Called once the request is admitted, and tokenized off the
+    /// proxy's threads; a body over [`MAX_TOKENIZED_BYTES`] is left to the estimate (a cold
+    /// render and tokenization costs about 0.35 ms a KB).
+    pub(super) async fn tokens_of(
         &self,
         path: &str,
-        model: &str,
         ctx: &Ctx,
     ) -> Option<std::sync::Arc<crate::fleet::blocks::PromptTokens>> {
-        if !self.policy.weighs_prefill() || !self.tokenizers.knows(model) {
+        let model = ctx.info.as_ref().and_then(|i| i.model.clone())?;
+        let body = ctx.body.bytes().clone();
+        if !self.policy.weighs_prefill()
+            || !self.tokenizers.knows(&model)
+            || body.len() > MAX_TOKENIZED_BYTES
+        {
             return None;
         }
         let fleet = self.registry.all();
         if !fleet
             .iter()
-            .any(|r| r.cache.blocks.is_some() && r.serves(model))
+            .any(|r| r.cache.blocks.is_some() && r.serves(&model))
         {
             return None;
         }
-        let ids = self
-            .tokenizers
-            .ids(ctx.family, path, model, ctx.body.bytes())?;
+        let (tokenizers, family, path) = (self.tokenizers.clone(), ctx.family, path.to_owned());
+        let ids = tokio::task::spawn_blocking(move || tokenizers.ids(family, &path, &model, &body))
+            .await
+            .ok()??;
         Some(std::sync::Arc::new(
             crate::fleet::blocks::PromptTokens::new(ids),
         ))

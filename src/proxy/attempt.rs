@@ -19,6 +19,8 @@ pub struct Choice {
     /// Tokens of the prompt the cache model said the replica holds (checked against the
     /// answer's usage).
     pub predicted: u64,
+    /// `predicted` came from the replica's KV events, not the estimate.
+    pub predicted_exact: bool,
 }
 
 /// Where a try stands, and what it holds on its replica.
@@ -41,6 +43,7 @@ pub struct Attempt {
     pub phase: Phase,
     /// See [`Choice::predicted`].
     pub predicted: u64,
+    pub predicted_exact: bool,
 }
 
 impl Attempt {
@@ -51,6 +54,7 @@ impl Attempt {
             n,
             route: choice.route,
             predicted: choice.predicted,
+            predicted_exact: choice.predicted_exact,
             phase: Phase::Waiting {
                 in_flight,
                 prefill: choice.prefill,

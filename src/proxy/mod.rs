@@ -272,6 +272,7 @@ impl ProxyHttp for Balancer {
         if self.admit_load(session, ctx).await? {
             return Ok(true);
         }
+        ctx.tokens = self.tokens_of(session.req_header().uri.path(), ctx).await;
         if self.disaggregate(session, ctx).await? {
             return Ok(true);
         }

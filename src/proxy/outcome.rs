@@ -96,6 +96,7 @@ impl Balancer {
             prefill,
             kv_tokens: shape.prompt_tokens(),
             predicted: cached,
+            predicted_exact: held.is_some_and(|c| c.cached_exact),
         })
     }
 
@@ -259,7 +260,7 @@ impl Balancer {
                         // the prompt whole: its usage says nothing of what was sent.
                         if self.policy.weighs_prefill() && ctx.owner.is_none() {
                             let links = ctx.info.as_ref().map_or(&[][..], |i| i.shape.links());
-                            self.check_prediction(r, links, a.predicted, &u);
+                            self.check_prediction(r, links, (a.predicted, a.predicted_exact), &u);
                         }
                     }
                 }
@@ -287,9 +288,14 @@ impl Balancer {
     /// What the replica's answer says of its cache against what its cache model predicted:
     /// the model learns from it (its ratio of bytes to tokens, what it wrongly held), and the
     /// metrics show both counts side by side.
-    fn check_prediction(&self, r: &Replica, links: &[Link], predicted: u64, u: &Usage) {
+    /// `predicted`: the tokens, and whether the replica's KV events said so (then the
+    /// estimate is not corrected by it).
+    fn check_prediction(&self, r: &Replica, links: &[Link], predicted: (u64, bool), u: &Usage) {
+        let (predicted, exact) = predicted;
         let cached = u.cached_reported.then_some(u.cached_tokens);
-        let check = r.cache.answered(links, predicted, u.prompt_tokens, cached);
+        let check = r
+            .cache
+            .answered(links, predicted, exact, u.prompt_tokens, cached);
         if check == Check::Unreported {
             return;
         }

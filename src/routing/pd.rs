@@ -48,10 +48,11 @@ pub fn choose_decode<'c, 'a>(
     least_busy(&warm, tick)
 }
 
-/// Tokens of the prompt `c` likely holds, the home's served prefix counted.
+/// Tokens of the prompt `c` likely holds, the home's served prefix counted (unless the
+/// replica's own events speak for it).
 pub fn held(c: &Candidate<'_>, home: Option<(&str, u64)>) -> u64 {
     match home {
-        Some((id, tokens)) if id == c.id => c.cached_tokens.max(tokens),
+        Some((id, tokens)) if id == c.id && !c.cached_exact => c.cached_tokens.max(tokens),
         _ => c.cached_tokens,
     }
 }

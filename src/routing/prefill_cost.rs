@@ -83,8 +83,10 @@ fn decide<'c, 'a>(
     available: &[&'c Candidate<'a>],
     tick: u64,
 ) -> (&'c Candidate<'a>, Route) {
+    // The home's served prefix counts unless the replica's own events speak for it: they
+    // know what it evicted since.
     let cached = |c: &Candidate<'a>| match home {
-        Some((id, tokens)) if id == c.id => c.cached_tokens.max(tokens),
+        Some((id, tokens)) if id == c.id && !c.cached_exact => c.cached_tokens.max(tokens),
         _ => c.cached_tokens,
     };
     let cheapest = available
@@ -156,6 +158,22 @@ mod tests {
             running: 0,
             kv_tokens,
         }
+    }
+
+    /// The replica that served a prompt's prefix is its home, held warm by what it served,
+    /// unless its own events speak for it: then their word (it evicted the prefix) stands.
+    #[test]
+    fn a_homes_served_prefix_counts_unless_its_events_say_otherwise() {
+        let home = Some(("a", 8_000));
+        let (a, b) = (replica("a", 0, 10_000), replica("b", 0, 0));
+        let (chosen, route) = super::decide(10_000, home, &[&a, &b], 0);
+        assert_eq!((chosen.id, route), ("a", super::Route::Pinned));
+        let a = Candidate {
+            cached_exact: true,
+            ..a
+        };
+        let (chosen, route) = super::decide(10_000, home, &[&a, &b], 0);
+        assert_eq!((chosen.id, route), ("b", super::Route::Spilled));
     }
 
     /// The decode term is the KV running requests hold: the same count of requests weighs by

@@ -2,9 +2,9 @@
 //! hold", answered from a source. The estimate is the prefix index of what this process (and
 //! its cluster) sent it. The replica's own word on its cache (vLLM's KV events, kept in a
 //! [`BlockIndex`]) answers instead for a prompt whose token ids are known, while its stream is
-//! live; while it is not (a batch missed and not healed, or the publisher gone), the larger of
-//! the two answers: the block index then still holds only blocks seen stored, which the
-//! replica may hold fewer of, never more, than it has.
+//! live. While it is not, the larger of the two answers: after a gap the block index holds
+//! only what was stored since (less than the replica may hold); while the publisher is gone,
+//! it may still hold blocks evicted meanwhile, until the reconnect's replay tells.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -158,10 +158,15 @@ impl CacheModel {
     /// - it held none of the prompt while the index was far from its bound: it lost its cache
     ///   (a restart between two health checks, a cache reset), so the index forgets all it
     ///   held there but this prompt.
+    ///
+    /// A prediction from the replica's KV events (`exact`) is checked the same way, for the
+    /// metrics, but corrects nothing: what is wrong then is the events' view, not the
+    /// estimate's.
     pub fn answered(
         &self,
         links: &[Link],
         predicted: u64,
+        exact: bool,
         prompt_tokens: u64,
         cached: Option<u64>,
     ) -> Check {
@@ -204,6 +209,11 @@ impl CacheModel {
         if cached.saturating_add(slack) >= expected {
             self.evictions_seen.store(0, Ordering::Relaxed);
             return Check::Confirmed;
+        }
+        if exact {
+            return Check::Wrong {
+                evicted: cached > 0,
+            };
         }
         let (_, held) = index.size();
         let held = index.to_replica_tokens(held);
@@ -373,13 +383,13 @@ mod tests {
         let bytes = links.last().expect("links").bytes;
         // 1.8 bytes a token, as one real tokenizer gave.
         for _ in 0..3 {
-            m.answered(&links, 0, bytes * 10 / 18, None);
+            m.answered(&links, 0, false, bytes * 10 / 18, None);
         }
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
         // Short prompts teach nothing, nor a body that held a fraction of its prompt.
         let short = long_prompt("ab")[..1].to_vec();
-        m.answered(&short, 0, 1, None);
-        m.answered(&links, 0, bytes * 20, None);
+        m.answered(&short, 0, false, 1, None);
+        m.answered(&links, 0, false, bytes * 20, None);
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
     }
 
@@ -405,7 +415,7 @@ mod tests {
             let m = CacheModel::estimate(None);
             m.prefilled(&links);
             assert_eq!(
-                m.answered(&links, predicted, all, cached),
+                m.answered(&links, predicted, false, all, cached),
                 want,
                 "{predicted} {cached:?}"
             );
@@ -425,7 +435,7 @@ mod tests {
         m.prefilled(&other);
         m.prefilled(&links);
         assert_eq!(
-            m.answered(&links, all, all, Some(0)),
+            m.answered(&links, all, false, all, Some(0)),
             Check::Wrong { evicted: false }
         );
         assert_eq!(m.likely_cached(Prompt::of_links(&other)).0, 0);
@@ -435,6 +445,15 @@ mod tests {
             DEFAULT_CACHE_TOKENS,
             "no eviction: kept"
         );
+        // The same answer to a prediction the replica's events made corrects no estimate.
+        let m = CacheModel::estimate(None);
+        m.prefilled(&other);
+        m.prefilled(&links);
+        assert_eq!(
+            m.answered(&links, all, true, all, Some(0)),
+            Check::Wrong { evicted: false }
+        );
+        assert_eq!(m.likely_cached(Prompt::of_links(&other)).0, all);
     }
 
     #[test]
@@ -445,23 +464,23 @@ mod tests {
         let guessed = CacheModel::estimate(None);
         guessed.index.set_capacity_tokens(all + 10);
         guessed.prefilled(&links);
-        guessed.answered(&links, all, all, Some(all / 2));
+        guessed.answered(&links, all, false, all, Some(all / 2));
         assert_eq!(guessed.index.capacity_tokens(), all + 10, "one is a hint");
-        guessed.answered(&links, all, all, Some(all / 2));
-        guessed.answered(&links, all, all, Some(all / 2));
+        guessed.answered(&links, all, false, all, Some(all / 2));
+        guessed.answered(&links, all, false, all, Some(all / 2));
         let c = guessed.index.capacity_tokens();
         assert!(c < all + 10 && c >= MIN_GUESSED_CACHE_TOKENS, "{c}");
         // Sized by the conf: kept.
         let sized = CacheModel::estimate(Some(all + 10));
         sized.prefilled(&links);
-        sized.answered(&links, all, all, Some(all / 2));
+        sized.answered(&links, all, false, all, Some(all / 2));
         assert_eq!(sized.index.capacity_tokens(), all + 10);
         // Sized by its /metrics: kept.
         let reported = CacheModel::estimate(None);
         reported.capacity_reported();
         reported.index.set_capacity_tokens(all + 10);
         reported.prefilled(&links);
-        reported.answered(&links, all, all, Some(all / 2));
+        reported.answered(&links, all, false, all, Some(all / 2));
         assert_eq!(reported.index.capacity_tokens(), all + 10);
     }
 }

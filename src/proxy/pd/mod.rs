@@ -234,6 +234,7 @@ impl Balancer {
                         // A refusal holds nothing.
                         kv_tokens: 0,
                         predicted: 0,
+                        predicted_exact: false,
                     },
                 ));
                 let resp =
@@ -671,6 +672,7 @@ impl Balancer {
                 // Held by the decode leg's own guard (`Held::_kv`).
                 kv_tokens: 0,
                 predicted: 0,
+                predicted_exact: false,
             },
         ));
         ctx.pd = Held {
