@@ -189,6 +189,33 @@ pub struct Args {
     /// `make peers` installs it).
     #[arg(long)]
     smg_venv: Option<PathBuf>,
+    /// Run only the KV-events bench and exit: the trace on 4 replicas with a real tokenizer and
+    /// KV events, 30% of the requests straight to a replica and one replica restarted mid-run,
+    /// through inferlb with its estimate, inferlb with the events, vLLM's router kv_aware and
+    /// smg cache_aware (not part of a default run).
+    #[arg(long)]
+    kv_events_bench: bool,
+    /// Requests of the trace the KV-events bench replays.
+    #[arg(long, default_value_t = 1000)]
+    kv_requests: usize,
+    /// Prefix-cache capacity of each replica in the KV-events bench, tokens (comma-separated).
+    #[arg(long, default_value = "500000,2000000")]
+    kv_caches: String,
+    /// Runs of each front at each cache size (the table shows their medians).
+    #[arg(long, default_value_t = 3)]
+    kv_runs: usize,
+    /// Fronts of the KV-events bench (comma-separated: estimate, events, vllm-kv, smg).
+    #[arg(long, default_value = "estimate,events,vllm-kv,smg")]
+    kv_fronts: String,
+    /// The simulator's speed factor in the KV-events bench.
+    #[arg(long, default_value_t = 10.0)]
+    kv_speed: f64,
+    /// Prefill load of the KV-events bench, percent of 4 replicas' cold prefill.
+    #[arg(long, default_value_t = 70.0)]
+    kv_load: f64,
+    /// Share of the KV-events bench's requests sent straight to a replica, percent.
+    #[arg(long, default_value_t = 30.0)]
+    kv_direct_pct: f64,
 }
 
 /// A comma-separated flag's items.
@@ -397,6 +424,41 @@ async fn main() {
         return;
     }
     let venv = a.peers_venv.clone().unwrap_or_else(Peer::default_venv);
+    if a.kv_events_bench {
+        let mut fronts = vec![];
+        for name in items(&a.kv_fronts) {
+            match scenarios::kv_events::KvFront::parse(name) {
+                Some(f) => fronts.push(f),
+                None => eprintln!("[kv-events] unknown front {name}: skipped"),
+            }
+        }
+        let smg_venv = a.smg_venv.clone().unwrap_or_else(|| {
+            std::env::var_os("INFERLB_SMG_VENV")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| venv.parent().unwrap_or(&venv).join("venv-smg"))
+        });
+        let kc = scenarios::kv_events::KvConf {
+            trace: a.trace.clone(),
+            requests: a.kv_requests,
+            caches: items(&a.kv_caches)
+                .iter()
+                .filter_map(|x| x.parse().ok())
+                .collect(),
+            runs: a.kv_runs,
+            fronts,
+            speed: a.kv_speed,
+            load_pct: a.kv_load,
+            max_tokens: a.trace_max_tokens.max(1),
+            direct_pct: a.kv_direct_pct,
+            peers_venv: venv.clone(),
+            smg_venv,
+            out: a.out.clone(),
+        };
+        if let Some(r) = scenarios::kv_events::kv_events(&client, &kc).await {
+            println!("{}", scenarios::kv_events::write(&r, &a.out));
+        }
+        return;
+    }
     cluster::set_peer_flags(a.peer_flags.split_whitespace().map(str::to_owned).collect());
     let caps = cluster::sim_caps();
     eprintln!(

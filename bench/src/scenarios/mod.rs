@@ -6,6 +6,7 @@ pub mod deploy;
 pub mod failover;
 pub mod fork;
 pub mod instances;
+pub mod kv_events;
 pub mod overhead;
 pub mod overhead_tls;
 pub mod overload;
