@@ -4,7 +4,7 @@ CARGO ?= cargo
 PROFILE := release
 BIN := target/$(PROFILE)
 
-.PHONY: all deps build run test lint peers bench bench-smoke fuzz clean
+.PHONY: all deps build run test lint peers bench bench-kv-events bench-smoke fuzz clean
 
 all: build
 
@@ -77,6 +77,12 @@ peers: $(PEERS_VENV)/.done $(SMG_VENV)/.done
 # the peer routers in the trace replay and the fork scene (about 40 minutes on 2 cores).
 bench: build peers
 	$(BIN)/inferlb-bench --out bench/results --peers-venv $(PEERS_VENV)
+
+# The replicas' KV events against the estimate and the peers' event/cache routing: the trace on
+# 4 sims with a tokenizer, 30% of requests straight to a replica, one replica restarted
+# (bench/results/kv-events/README.md). Apart from `bench`: it is CPU-bound on 2 cores.
+bench-kv-events: build peers
+	$(BIN)/inferlb-bench --kv-events-bench --peers-venv $(PEERS_VENV) --kv-requests 500 --kv-runs 3 --kv-speed 2 --kv-load 50 --out bench/results/kv-events
 
 bench-smoke: build
 	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
