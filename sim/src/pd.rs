@@ -157,6 +157,9 @@ struct Lease {
     pinned: Pinned,
     /// Tells the expiry task which grant it belongs to (a key can be granted again).
     serial: u64,
+    /// When it was granted: a pull after its lease passed fails even if the expiry task has
+    /// not run yet (a loaded machine may run the pull first).
+    granted: Instant,
 }
 
 #[derive(Default)]
@@ -339,6 +342,7 @@ impl Pd {
             tokens,
             pinned,
             serial,
+            granted: Instant::now(),
         };
         let old = self
             .leases
@@ -407,6 +411,12 @@ impl Pd {
             let lease = self.leases.lock().ok().and_then(|mut l| l.remove(key));
             if let Some(lease) = lease {
                 self.engine.unpin(lease.pinned);
+                if lease.granted.elapsed() >= self.conf.lease {
+                    self.counters
+                        .kv_leases_expired
+                        .fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
                 self.counters
                     .kv_leases_pulled
                     .fetch_add(1, Ordering::Relaxed);
