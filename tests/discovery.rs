@@ -43,8 +43,14 @@ fn start_dns(dir: &Path, port: u16, hosts: &Path) -> Proc {
 
 /// A simulated replica on `ip:port` (loopback has every 127.x address).
 fn sim_at(dir: &Path, ip: &str, port: u16, id: &str) -> Proc {
+    sim_with(dir, ip, port, id, &[])
+}
+
+/// The same, with more of the simulator's flags.
+fn sim_with(dir: &Path, ip: &str, port: u16, id: &str, flags: &[String]) -> Proc {
     let mut cmd = Command::new(inferlb_harness::bin("inferlb-sim"));
     cmd.args(["--listen", &format!("{ip}:{port}"), "--id", id]);
+    cmd.args(flags);
     let p = Proc::spawn(
         id,
         cmd,
@@ -57,6 +63,27 @@ fn sim_at(dir: &Path, ip: &str, port: u16, id: &str) -> Proc {
     });
     assert!(up, "sim {id} on {ip}:{port}");
     p
+}
+
+/// dnsmasq answering `vllm.test` with 127.0.0.2 and 127.0.0.3: its hosts file (rewritten to
+/// change the answer), the process and its port.
+fn dns_of_two_pods(dir: &Path) -> (PathBuf, Proc, u16) {
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "127.0.0.2 vllm.test\n127.0.0.3 vllm.test\n").expect("hosts");
+    let dns_port = free_port();
+    let dns = start_dns(dir, dns_port, &hosts);
+    (hosts, dns, dns_port)
+}
+
+/// The test conf with `replicas`, discovery asking dnsmasq on `dns_port` every 0.3 s.
+fn discovering(dns_port: u16, replicas: Vec<Replica>) -> LbConf {
+    LbConf {
+        replicas,
+        extra: format!(
+            "  discovery_interval_seconds: 0.3\n  discovery_nameserver: \"127.0.0.1:{dns_port}\"\n"
+        ),
+        ..test_conf()
+    }
 }
 
 fn live_ids(lb: &Lb) -> Vec<String> {
@@ -78,21 +105,15 @@ fn replicas_come_and_go_with_dns_and_the_admin_api() {
     let port = free_port();
     let _s2 = sim_at(dir, "127.0.0.2", port, "pod-a");
     let _s3 = sim_at(dir, "127.0.0.3", port, "pod-b");
-    let hosts = dir.join("hosts");
-    std::fs::write(&hosts, "127.0.0.2 vllm.test\n127.0.0.3 vllm.test\n").expect("hosts");
-    let dns_port = free_port();
-    let dns = start_dns(dir, dns_port, &hosts);
+    let (hosts, dns, dns_port) = dns_of_two_pods(dir);
 
-    let conf = LbConf {
-        replicas: vec![Replica {
+    let conf = discovering(
+        dns_port,
+        vec![Replica {
             extra: "discover: dns".into(),
             ..Replica::new("vllm", &format!("vllm.test:{port}"))
         }],
-        extra: format!(
-            "  discovery_interval_seconds: 0.3\n  discovery_nameserver: \"127.0.0.1:{dns_port}\"\n"
-        ),
-        ..test_conf()
-    };
+    );
     let lb = Lb::start(dir, &[], conf);
     // Ready once a replica is found and passes a health check.
     let ready = || {
@@ -244,8 +265,9 @@ fn discovered_replicas_take_their_entrys_role() {
     std::fs::write(&hosts, "127.0.0.2 decode.test\n127.0.0.3 decode.test\n").expect("hosts");
     let dns_port = free_port();
     let _dns = start_dns(dir, dns_port, &hosts);
-    let conf = LbConf {
-        replicas: vec![
+    let conf = discovering(
+        dns_port,
+        vec![
             Replica {
                 extra: "role: prefill".into(),
                 ..Replica::of(&prefill)
@@ -255,11 +277,7 @@ fn discovered_replicas_take_their_entrys_role() {
                 ..Replica::new("decode", &format!("decode.test:{port}"))
             },
         ],
-        extra: format!(
-            "  discovery_interval_seconds: 0.3\n  discovery_nameserver: \"127.0.0.1:{dns_port}\"\n"
-        ),
-        ..test_conf()
-    };
+    );
     let lb = Lb::start(dir, &[], conf);
     let pods = [
         format!("decode-127.0.0.2-{port}"),
@@ -278,4 +296,69 @@ fn discovered_replicas_take_their_entrys_role() {
     let (replica, route, _) = routed_chat(&lb, &[("user", &text_of("dns", 2000))]);
     assert!(pods.contains(&replica), "{replica}");
     assert_eq!(route, "pd-local");
+}
+
+/// A discover entry's event ports: each replica found is subscribed to on its own address
+/// (its stream goes live), and a replica that leaves the Service takes its stream with it.
+#[test]
+fn each_replica_dns_finds_is_subscribed_to_on_its_own_address() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path();
+    let (port, events, replay) = (free_port(), free_port(), free_port());
+    let publishing = |ip: &str| {
+        vec![
+            "--kv-events".to_string(),
+            format!("tcp://{ip}:{events}"),
+            "--kv-events-replay".to_string(),
+            format!("tcp://{ip}:{replay}"),
+        ]
+    };
+    let _s2 = sim_with(dir, "127.0.0.2", port, "pod-a", &publishing("127.0.0.2"));
+    let _s3 = sim_with(dir, "127.0.0.3", port, "pod-b", &publishing("127.0.0.3"));
+    let (hosts, dns, dns_port) = dns_of_two_pods(dir);
+    let conf = discovering(
+        dns_port,
+        vec![Replica {
+            extra: format!(
+                "discover: dns, kv_events_port: {events}, kv_events_replay_port: {replay}"
+            ),
+            ..Replica::new("vllm", &format!("vllm.test:{port}"))
+        }],
+    );
+    let lb = Lb::start(dir, &[], conf);
+    let state = |ip: &str| {
+        let series = format!("inferlb_kv_events_state{{replica=\"vllm-{ip}-{port}\"}}");
+        sample_value(&lb.metrics(), &series)
+    };
+    let live = wait_until(Duration::from_secs(15), || {
+        state("127.0.0.2") == Some(2.0) && state("127.0.0.3") == Some(2.0)
+    });
+    assert!(
+        live,
+        "both streams live: {:?} {:?}\n{}",
+        state("127.0.0.2"),
+        state("127.0.0.3"),
+        lb.proc.log_text()
+    );
+    // What a found replica stores reaches inferlb from its own publisher.
+    let prompt = text_of("found by dns", 2000);
+    let (home, _, _) = routed_chat(&lb, &[("user", prompt.as_str())]);
+    let stored = format!("inferlb_kv_events_total{{kind=\"stored\",replica=\"{home}\"}}");
+    assert!(
+        wait_until(Duration::from_secs(10), || sample_value(
+            &lb.metrics(),
+            &stored
+        )
+        .is_some_and(|v| v > 0.0)),
+        "{home} published its blocks: {}",
+        lb.metrics()
+    );
+    std::fs::write(&hosts, "127.0.0.3 vllm.test\n").expect("hosts");
+    assert!(dns.signal(Signal::SIGHUP), "dnsmasq reloads its hosts file");
+    assert!(
+        wait_until(Duration::from_secs(10), || state("127.0.0.2").is_none()),
+        "the stream of a replica that left goes with it: {:?}",
+        state("127.0.0.2")
+    );
+    assert_eq!(state("127.0.0.3"), Some(2.0));
 }

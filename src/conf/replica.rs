@@ -73,6 +73,13 @@ pub struct ReplicaConf {
     /// for there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_replay: Option<String>,
+    /// With `discover: dns`: the port of each found replica's KV event publisher, on the
+    /// replica's own address (every pod of a Service publishes on the same port).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_port: Option<u16>,
+    /// With `kv_events_port`: the port of each found replica's replay socket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay_port: Option<u16>,
 }
 
 /// A replica's KV event endpoints, checked.
@@ -89,6 +96,28 @@ impl ReplicaConf {
             publisher: self.kv_events.clone()?,
             replay: self.kv_events_replay.clone(),
         })
+    }
+
+    /// The entry of one replica a discover entry found at `socket`: the entry's scheme and
+    /// SNI (its DNS name), and its event ports on that replica's address.
+    pub fn found_at(&self, id: String, socket: SocketAddr) -> ReplicaConf {
+        let on_it =
+            |port: Option<u16>| port.map(|p| format!("tcp://{}", SocketAddr::new(socket.ip(), p)));
+        ReplicaConf {
+            id,
+            address: if self.tls {
+                format!("https://{socket}")
+            } else {
+                socket.to_string()
+            },
+            socket: Some(socket),
+            discover: None,
+            kv_events: on_it(self.kv_events_port),
+            kv_events_replay: on_it(self.kv_events_replay_port),
+            kv_events_port: None,
+            kv_events_replay_port: None,
+            ..self.clone()
+        }
     }
 }
 
@@ -155,6 +184,25 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
                 "{key}.kv_events_replay: a replay socket without kv_events, the publisher"
             ));
         }
+    }
+    for (name, port) in [
+        ("kv_events_port", r.kv_events_port),
+        ("kv_events_replay_port", r.kv_events_replay_port),
+    ] {
+        match port {
+            Some(0) => return Err(format!("{key}.{name}: 0 is not a port")),
+            Some(_) if r.discover.is_none() => {
+                return Err(format!(
+                    "{key}.{name}: only for a discover entry (one replica names its endpoint in kv_events)"
+                ))
+            }
+            _ => {}
+        }
+    }
+    if r.kv_events_replay_port.is_some() && r.kv_events_port.is_none() {
+        return Err(format!(
+            "{key}.kv_events_replay_port: a replay socket without kv_events_port, the publisher"
+        ));
     }
     if r.bootstrap_port == Some(0) {
         return Err(format!("{key}.bootstrap_port: 0 is not a port"));
@@ -269,6 +317,68 @@ mod tests {
             "",
         ] {
             assert!(super::check_zmq_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn entry(discover: bool, port: Option<u16>, replay: Option<u16>) -> super::ReplicaConf {
+        super::ReplicaConf {
+            id: "vllm".into(),
+            address: "vllm.test:8000".into(),
+            discover: discover.then_some(super::Discover::Dns),
+            kv_events_port: port,
+            kv_events_replay_port: replay,
+            ..Default::default()
+        }
+    }
+
+    /// A discover entry names its replicas' event ports; each replica found gets them on its
+    /// own address, and none of the entry's discovery.
+    #[test]
+    fn a_discover_entry_gives_each_replica_it_finds_its_event_endpoints() {
+        let mut e = entry(true, Some(5557), Some(5558));
+        super::check_replica(&mut e, "replicas[0]").expect("valid");
+        let found = e.found_at(
+            "vllm-10.0.0.7-8000".into(),
+            "10.0.0.7:8000".parse().unwrap(),
+        );
+        assert_eq!(found.address, "10.0.0.7:8000");
+        assert_eq!(found.discover, None);
+        assert_eq!(found.kv_events.as_deref(), Some("tcp://10.0.0.7:5557"));
+        assert_eq!(
+            found.kv_events_replay.as_deref(),
+            Some("tcp://10.0.0.7:5558")
+        );
+        assert_eq!(
+            (found.kv_events_port, found.kv_events_replay_port),
+            (None, None)
+        );
+        let v6 = e.found_at("v6".into(), "[fd00::7]:8000".parse().unwrap());
+        assert_eq!(v6.kv_events.as_deref(), Some("tcp://[fd00::7]:5557"));
+        let mut plain = entry(true, None, None);
+        super::check_replica(&mut plain, "replicas[0]").expect("valid");
+        let found = plain.found_at("p".into(), "10.0.0.8:8000".parse().unwrap());
+        assert_eq!((found.kv_events, found.kv_events_replay), (None, None));
+        let mut tls = super::ReplicaConf {
+            address: "https://vllm.test:8443".into(),
+            ..entry(true, Some(5557), None)
+        };
+        super::check_replica(&mut tls, "replicas[0]").expect("valid");
+        let found = tls.found_at("t".into(), "10.0.0.9:8443".parse().unwrap());
+        assert_eq!(found.address, "https://10.0.0.9:8443");
+        assert_eq!(found.sni.as_deref(), Some("vllm.test"));
+    }
+
+    #[test]
+    fn event_ports_are_for_discover_entries_with_a_publisher_and_not_zero() {
+        for (e, says) in [
+            (entry(false, Some(5557), None), "only for a discover entry"),
+            (entry(true, Some(0), None), "0 is not a port"),
+            (entry(true, Some(5557), Some(0)), "0 is not a port"),
+            (entry(true, None, Some(5558)), "without kv_events_port"),
+        ] {
+            let mut e = e;
+            let err = super::check_replica(&mut e, "replicas[0]").expect_err(says);
+            assert!(err.contains(says), "{err}");
         }
     }
 }

@@ -99,7 +99,7 @@ fn resolver(conf: &DiscoveryConf) -> Result<Resolver<TokioRuntimeProvider>, Stri
 impl Discovery {
     /// Re-resolves one entry and brings the registry in line; errors leave it as it is.
     async fn refresh(&self, resolver: &Resolver<TokioRuntimeProvider>, entry: &ReplicaConf) {
-        let Ok((tls, host_port)) = crate::conf::split_address(&entry.address) else {
+        let Ok((_, host_port)) = crate::conf::split_address(&entry.address) else {
             return;
         };
         let Some((host, port)) = host_port.rsplit_once(':') else {
@@ -140,18 +140,7 @@ impl Discovery {
             .collect();
         let (add, remove) = plan(&entry.id, &found, &present);
         for (id, socket) in add {
-            let conf = ReplicaConf {
-                id,
-                // The entry's scheme and SNI (its DNS name) carry over to each address.
-                address: if tls {
-                    format!("https://{socket}")
-                } else {
-                    socket.to_string()
-                },
-                socket: Some(socket),
-                discover: None,
-                ..entry.clone()
-            };
+            let conf = entry.found_at(id, socket);
             if let Err(e) = self.registry.add(&conf, Some(&entry.id)) {
                 log::warn!("discovery: {e}");
             }
