@@ -190,8 +190,8 @@ pub struct Args {
     #[arg(long)]
     smg_venv: Option<PathBuf>,
     /// Run only the KV-events bench and exit: the trace on 4 replicas with a real tokenizer and
-    /// KV events, 30% of the requests straight to a replica and one replica restarted mid-run,
-    /// through inferlb with its estimate, inferlb with the events, vLLM's router kv_aware and
+    /// KV events, as it is, with one replica restarted a third of the way in, and with 30% of
+    /// the requests straight to a replica, through inferlb with its estimate, inferlb with the events, vLLM's router kv_aware and
     /// smg cache_aware (not part of a default run).
     #[arg(long)]
     kv_events_bench: bool,
@@ -207,13 +207,17 @@ pub struct Args {
     /// Fronts of the KV-events bench (comma-separated: estimate, events, vllm-kv, smg).
     #[arg(long, default_value = "estimate,events,vllm-kv,smg")]
     kv_fronts: String,
+    /// Workloads of the KV-events bench (comma-separated: replay, restart, direct).
+    #[arg(long, default_value = "replay,restart,direct")]
+    kv_workloads: String,
     /// The simulator's speed factor in the KV-events bench.
     #[arg(long, default_value_t = 10.0)]
     kv_speed: f64,
     /// Prefill load of the KV-events bench, percent of 4 replicas' cold prefill.
     #[arg(long, default_value_t = 70.0)]
     kv_load: f64,
-    /// Share of the KV-events bench's requests sent straight to a replica, percent.
+    /// Share of the requests sent straight to a replica in the KV-events bench's direct
+    /// workload, percent.
     #[arg(long, default_value_t = 30.0)]
     kv_direct_pct: f64,
 }
@@ -432,6 +436,13 @@ async fn main() {
                 None => eprintln!("[kv-events] unknown front {name}: skipped"),
             }
         }
+        let mut workloads = vec![];
+        for name in items(&a.kv_workloads) {
+            match scenarios::kv_events::KvWorkload::parse(name) {
+                Some(w) => workloads.push(w),
+                None => eprintln!("[kv-events] unknown workload {name}: skipped"),
+            }
+        }
         let smg_venv = a.smg_venv.clone().unwrap_or_else(|| {
             std::env::var_os("INFERLB_SMG_VENV")
                 .map(PathBuf::from)
@@ -446,6 +457,7 @@ async fn main() {
                 .collect(),
             runs: a.kv_runs,
             fronts,
+            workloads,
             speed: a.kv_speed,
             load_pct: a.kv_load,
             max_tokens: a.trace_max_tokens.max(1),

@@ -1,12 +1,14 @@
 //! The replicas' KV events against inferlb's own estimate: a replay of the Mooncake trace on
-//! four simulated replicas with a real tokenizer, while 30% of the requests go straight to a
-//! replica (the front never sees them) and one replica restarts mid-run.
+//! four simulated replicas with a real tokenizer, in three workloads ([`KvWorkload`]): the
+//! replay as it is, the replay with one replica restarted a third of the way in, and the
+//! replay with 30% of the requests sent straight to a replica (other clients: the front never
+//! sees them).
 //!
 //! Fronts: inferlb `prefill_cost` with its estimate only, inferlb `prefill_cost` reading the
 //! replicas' KV events (with the model's tokenizer in its conf), vLLM's router `kv_aware`
 //! (subscribed to the same events) and smg `cache_aware`. Every front gets fresh replicas,
 //! the same direct requests (a fixed pseudo-random draw per request index) and the same
-//! restart (gpu1, when the middle request is due).
+//! restart (gpu1, when the request a third of the way in is due).
 //!
 //! The replicas count real tokens (`--tokenizer`, the test tokenizer of `inferlb-tokens`).
 //! Each 512-token hash block of the trace becomes 512 words that the tokenizer makes one
@@ -33,6 +35,50 @@ const REPLICAS: usize = 4;
 const RESTARTED: usize = 1;
 /// Seed of the draw that sends a request straight to a replica.
 const DRAW_SEED: u64 = 0x6b76_2d65_7665_6e74;
+
+/// A workload of the scenario: what happens to the replay besides the front's routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvWorkload {
+    /// The trace as it is, every request through the front.
+    Replay,
+    /// gpu1 restarts (its cache gone) when the request a third of the way in is due.
+    Restart,
+    /// A share of the requests (`--kv-direct-pct`) goes straight to a replica.
+    Direct,
+}
+
+impl KvWorkload {
+    pub fn parse(s: &str) -> Option<KvWorkload> {
+        match s {
+            "replay" => Some(KvWorkload::Replay),
+            "restart" => Some(KvWorkload::Restart),
+            "direct" => Some(KvWorkload::Direct),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvWorkload::Replay => "replay",
+            KvWorkload::Restart => "restart",
+            KvWorkload::Direct => "direct",
+        }
+    }
+
+    /// The share of requests sent straight to a replica in this workload, percent.
+    fn direct_pct(self, kc: &KvConf) -> f64 {
+        match self {
+            KvWorkload::Direct => kc.direct_pct,
+            _ => 0.0,
+        }
+    }
+}
+
+/// The request whose arrival restarts a replica in the restart workload: a third of the way.
+fn restart_index(n: usize) -> usize {
+    n / 3
+}
 
 /// A front of the scenario.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,11 +130,12 @@ pub struct KvConf {
     pub caches: Vec<usize>,
     pub runs: usize,
     pub fronts: Vec<KvFront>,
+    pub workloads: Vec<KvWorkload>,
     pub speed: f64,
     /// Prefill busy share the arrivals are scaled to, percent (as in the trace replay).
     pub load_pct: f64,
     pub max_tokens: usize,
-    /// Share of the requests sent straight to a replica, percent.
+    /// Share of the requests sent straight to a replica in the direct workload, percent.
     pub direct_pct: f64,
     pub peers_venv: PathBuf,
     pub smg_venv: PathBuf,
@@ -98,6 +145,7 @@ pub struct KvConf {
 /// One run of one front.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct KvRun {
+    pub workload: String,
     pub front: String,
     pub cache_tokens: usize,
     pub run: usize,
@@ -127,6 +175,7 @@ pub struct KvRun {
 /// The medians of one front's runs at one cache size.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct KvRow {
+    pub workload: String,
     pub front: String,
     pub cache_tokens: usize,
     pub runs: usize,
@@ -487,12 +536,12 @@ struct Sent {
     replica: Option<String>,
 }
 
-/// One run: fresh fleet, the replay with its direct requests, the restart when the middle
-/// request is due.
+/// One run: fresh fleet, the replay with the workload's direct requests or restart.
 #[allow(clippy::too_many_arguments)]
 async fn run(
     client: &reqwest::Client,
     kc: &KvConf,
+    workload: KvWorkload,
     front: KvFront,
     cache: usize,
     run_no: usize,
@@ -500,10 +549,11 @@ async fn run(
     words: &[&'static str],
     tokenizer: &Path,
 ) -> Result<KvRun, String> {
-    let log = kc
-        .out
-        .join("logs")
-        .join(format!("kv-events-{}-{cache}-{run_no}.log", front.short()));
+    let log = kc.out.join("logs").join(format!(
+        "kv-events-{}-{}-{cache}-{run_no}.log",
+        workload.name(),
+        front.short()
+    ));
     let mut fleet = tokio::task::block_in_place(|| start(front, kc, cache, tokenizer, &log))?;
     if let (KvFront::Events, Some(lb)) = (front, &fleet.lb) {
         // Every replica's stream live before the first request.
@@ -530,7 +580,7 @@ async fn run(
         .enumerate()
         .map(|(i, r)| {
             let at = started + Duration::from_secs_f64((r.timestamp - t0) as f64 * scale);
-            let direct = direct_to(i, kc.direct_pct);
+            let direct = direct_to(i, workload.direct_pct(kc));
             let base = match direct {
                 Some(k) => sims[k].clone(),
                 None => fleet.base.clone(),
@@ -551,15 +601,18 @@ async fn run(
             })
         })
         .collect();
-    // The restart: when the middle request is due. Its counters so far are kept first.
-    let mid = &reqs[reqs.len() / 2];
-    let restart_at = started + Duration::from_secs_f64((mid.timestamp - t0) as f64 * scale);
-    tokio::time::sleep_until(restart_at.into()).await;
-    let kept = one_count(client, &fleet.sims[RESTARTED]).await;
-    tokio::task::block_in_place(|| {
-        fleet.sims[RESTARTED].restart(&[]);
-        fleet.sims[RESTARTED].wait_healthy(Duration::from_secs(20))
-    });
+    // The restart: when its request is due. Its counters so far are kept first.
+    let mut kept = TokenCounts::default();
+    if workload == KvWorkload::Restart {
+        let due = &reqs[restart_index(reqs.len())];
+        let restart_at = started + Duration::from_secs_f64((due.timestamp - t0) as f64 * scale);
+        tokio::time::sleep_until(restart_at.into()).await;
+        kept = one_count(client, &fleet.sims[RESTARTED]).await;
+        tokio::task::block_in_place(|| {
+            fleet.sims[RESTARTED].restart(&[]);
+            fleet.sims[RESTARTED].wait_healthy(Duration::from_secs(20))
+        });
+    }
     let mut sent = vec![];
     for t in tasks {
         if let Ok(s) = t.await {
@@ -568,6 +621,7 @@ async fn run(
     }
     let after = add(counts(client, &fleet.sims).await, kept);
     let mut r = KvRun {
+        workload: workload.name().into(),
         front: front.name().into(),
         cache_tokens: cache,
         run: run_no,
@@ -729,7 +783,8 @@ pub async fn kv_events(client: &reqwest::Client, kc: &KvConf) -> Option<KvResult
         .map(|ids| ids.len())
         .unwrap_or(0);
     let scale = trace::scale_for(&reqs, kc.load_pct / 100.0, kc.speed);
-    result.restart_at_s = (reqs[reqs.len() / 2].timestamp - reqs[0].timestamp) as f64 * scale;
+    result.restart_at_s =
+        (reqs[restart_index(reqs.len())].timestamp - reqs[0].timestamp) as f64 * scale;
     let direct = (0..reqs.len())
         .filter(|i| direct_to(*i, kc.direct_pct).is_some())
         .count();
@@ -747,15 +802,23 @@ pub async fn kv_events(client: &reqwest::Client, kc: &KvConf) -> Option<KvResult
         let h = reference(client, kc, cache, &reqs, &words, &tokenizer).await;
         eprintln!("[kv-events]   reference hit rate {:.1}%", h * 100.0);
         result.references.insert(cache, h);
-        for run_no in 1..=kc.runs.max(1) {
-            for &front in &kc.fronts {
-                if skipped.contains_key(front.short()) {
-                    continue;
-                }
-                eprintln!("[kv-events] cache {cache}, run {run_no}: {}", front.name());
-                match run(client, kc, front, cache, run_no, &reqs, &words, &tokenizer).await {
-                    Ok(r) => {
-                        eprintln!(
+        for &workload in &kc.workloads {
+            for run_no in 1..=kc.runs.max(1) {
+                for &front in &kc.fronts {
+                    if skipped.contains_key(front.short()) {
+                        continue;
+                    }
+                    eprintln!(
+                        "[kv-events] {}, cache {cache}, run {run_no}: {}",
+                        workload.name(),
+                        front.name()
+                    );
+                    let r = run(
+                        client, kc, workload, front, cache, run_no, &reqs, &words, &tokenizer,
+                    );
+                    match r.await {
+                        Ok(r) => {
+                            eprintln!(
                             "[kv-events]   hit rate front {:.1}%, all {:.1}%, TTFT p50 {:.0} ms p90 {:.0} ms, errors front {} direct {}, {:.1} s",
                             r.front_hit_rate * 100.0,
                             r.all_hit_rate * 100.0,
@@ -765,48 +828,86 @@ pub async fn kv_events(client: &reqwest::Client, kc: &KvConf) -> Option<KvResult
                             r.direct_errors,
                             r.wall_seconds
                         );
-                        result.runs.push(r);
-                    }
-                    Err(e) => {
-                        let line = format!("{}: skipped: {e}", front.name());
-                        eprintln!("[kv-events] {line}");
-                        result.notes.push(line);
-                        skipped.insert(front.short(), e);
+                            result.runs.push(r);
+                        }
+                        Err(e) => {
+                            let line = format!("{}: skipped: {e}", front.name());
+                            eprintln!("[kv-events] {line}");
+                            result.notes.push(line);
+                            skipped.insert(front.short(), e);
+                        }
                     }
                 }
             }
         }
     }
-    for &cache in &kc.caches {
-        for &front in &kc.fronts {
-            let runs: Vec<&KvRun> = result
-                .runs
-                .iter()
-                .filter(|r| r.cache_tokens == cache && r.front == front.name())
-                .collect();
-            let m = |f: fn(&KvRun) -> f64| median(runs.iter().map(|r| f(r)).collect());
-            result.rows.push(KvRow {
-                front: front.name().into(),
-                cache_tokens: cache,
-                runs: runs.len(),
-                front_hit_rate: m(|r| r.front_hit_rate),
-                all_hit_rate: m(|r| r.all_hit_rate),
-                ttft_p50_ms: m(|r| r.ttft_p50_ms),
-                ttft_p90_ms: m(|r| r.ttft_p90_ms),
-                front_errors: m(|r| r.front_errors as f64),
-                direct_errors: m(|r| r.direct_errors as f64),
-                reference_hit_rate: result.references.get(&cache).copied().unwrap_or(f64::NAN),
-                skipped: skipped.get(front.short()).cloned(),
-            });
+    for &workload in &kc.workloads {
+        for &cache in &kc.caches {
+            for &front in &kc.fronts {
+                result
+                    .rows
+                    .push(row(&result, &skipped, workload, cache, front));
+            }
         }
     }
     Some(result)
 }
 
+/// The medians of one front's runs of one workload at one cache size.
+fn row(
+    result: &KvResult,
+    skipped: &BTreeMap<&'static str, String>,
+    workload: KvWorkload,
+    cache: usize,
+    front: KvFront,
+) -> KvRow {
+    let runs: Vec<&KvRun> = result
+        .runs
+        .iter()
+        .filter(|r| {
+            r.workload == workload.name() && r.cache_tokens == cache && r.front == front.name()
+        })
+        .collect();
+    let m = |f: fn(&KvRun) -> f64| median(runs.iter().map(|r| f(r)).collect());
+    KvRow {
+        workload: workload.name().into(),
+        front: front.name().into(),
+        cache_tokens: cache,
+        runs: runs.len(),
+        front_hit_rate: m(|r| r.front_hit_rate),
+        all_hit_rate: m(|r| r.all_hit_rate),
+        ttft_p50_ms: m(|r| r.ttft_p50_ms),
+        ttft_p90_ms: m(|r| r.ttft_p90_ms),
+        front_errors: m(|r| r.front_errors as f64),
+        direct_errors: m(|r| r.direct_errors as f64),
+        reference_hit_rate: result.references.get(&cache).copied().unwrap_or(f64::NAN),
+        skipped: skipped.get(front.short()).cloned(),
+    }
+}
+
+fn is_peer(front: &str) -> bool {
+    front == KvFront::VllmKv.name() || front == KvFront::Smg.name()
+}
+
+/// The best of the peers' rows beside `row` (its workload and cache size): the higher hit
+/// rate and the lower TTFT p90, None without a peer measured there.
+fn best_peer(rows: &[KvRow], row: &KvRow) -> Option<(f64, f64)> {
+    rows.iter()
+        .filter(|p| {
+            is_peer(&p.front)
+                && p.skipped.is_none()
+                && p.runs > 0
+                && p.workload == row.workload
+                && p.cache_tokens == row.cache_tokens
+        })
+        .map(|p| (p.front_hit_rate, p.ttft_p90_ms))
+        .reduce(|(h, t), (h2, t2)| (h.max(h2), t.min(t2)))
+}
+
 /// The markdown table, also written with the JSON into `out`.
 pub fn write(r: &KvResult, out: &Path) -> String {
     let mut md = format!(
-        "KV events bench: the first {} requests of `{}` ({:.0} s of trace, {} input tokens), chat shape, one `user` message per 512-token block; 4 replicas with a real tokenizer (the test tokenizer of inferlb-tokens, each block 512 one-token words: the first prompt is {} tokens for the trace's {}), KV events on; speed x{}, arrivals scaled to {}% of the fleet's cold prefill, max_tokens capped at {}. {}% of the requests go straight to a replica (the same pseudo-random draw for every front); gpu1 restarts when the middle request is due ({:.1} s in). Hit rate through the front: cached over prompt tokens in those answers' usage; over all: the replicas' counters; reference: every request (none straight, no restart) to one replica caching the fleet's whole capacity whose prefill never queues. TTFT in ms of the modelled engine, requests through the front. Medians of the runs shown. The machine has 2 cores shared with other work (a full test run): absolute times are noisy.\n\n",
+        "KV events bench: the first {} requests of `{}` ({:.0} s of trace, {} input tokens), chat shape, one `user` message per 512-token block; 4 replicas with a real tokenizer (the test tokenizer of inferlb-tokens, each block 512 one-token words: the first prompt is {} tokens for the trace's {}), KV events on; speed x{}, arrivals scaled to {}% of the fleet's cold prefill, max_tokens capped at {}. Workloads: `replay` sends every request through the front; `restart` restarts gpu1 (its cache gone) when the request a third of the way in is due ({:.1} s in); `direct` sends {}% of the requests straight to a replica (the same pseudo-random draw for every front). Hit rate through the front: cached over prompt tokens in those answers' usage; over all: the replicas' counters; reference: every request (none straight, no restart) to one replica caching the fleet's whole capacity whose prefill never queues. TTFT in ms of the modelled engine, requests through the front. Medians of the runs shown; against the best peer: the hit rate over the higher of the peers', the TTFT p90 over the lower of theirs. The machine has 2 cores shared with other work (a full test run): absolute times are noisy.\n\n",
         r.requests,
         r.trace,
         r.span_s,
@@ -816,22 +917,31 @@ pub fn write(r: &KvResult, out: &Path) -> String {
         r.speed,
         r.load_pct,
         r.max_tokens_cap,
-        r.direct_pct,
-        r.restart_at_s
+        r.restart_at_s,
+        r.direct_pct
     );
-    md.push_str("| cache a replica | front | runs | hit rate (front) | hit rate (all) | reference | TTFT p50 (ms) | p90 (ms) | errors (front) | errors (direct) |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| workload | cache a replica | front | runs | hit rate (front) | hit rate (all) | reference | TTFT p50 (ms) | p90 (ms) | errors (front) | errors (direct) | hit / best peer | p90 / best peer |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for row in &r.rows {
         if let Some(why) = &row.skipped {
             md.push_str(&format!(
-                "| {} | {} | 0 | skipped: {} | | | | | | |\n",
+                "| {} | {} | {} | 0 | skipped: {} | | | | | | | | |\n",
+                row.workload,
                 row.cache_tokens,
                 row.front,
                 why.replace('|', "/")
             ));
             continue;
         }
+        let (hit_vs, p90_vs) = match best_peer(&r.rows, row) {
+            Some((hit, p90)) if !is_peer(&row.front) => (
+                format!("{:.2}x", row.front_hit_rate / hit.max(f64::MIN_POSITIVE)),
+                format!("{:.2}x", row.ttft_p90_ms / p90.max(f64::MIN_POSITIVE)),
+            ),
+            _ => (String::new(), String::new()),
+        };
         md.push_str(&format!(
-            "| {} | {} | {} | {:.2}% | {:.2}% | {:.2}% | {:.0} | {:.0} | {} | {} |\n",
+            "| {} | {} | {} | {} | {:.2}% | {:.2}% | {:.2}% | {:.0} | {:.0} | {} | {} | {hit_vs} | {p90_vs} |\n",
+            row.workload,
             row.cache_tokens,
             row.front,
             row.runs,
@@ -844,10 +954,11 @@ pub fn write(r: &KvResult, out: &Path) -> String {
             row.direct_errors
         ));
     }
-    md.push_str("\nEach run:\n\n| cache | front | run | through front | direct | hit (front) | hit (all) | p50 | p90 | errors front/direct | answers with usage | lookups events/estimate | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("\nEach run:\n\n| workload | cache | front | run | through front | direct | hit (front) | hit (all) | p50 | p90 | errors front/direct | answers with usage | lookups events/estimate | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for x in &r.runs {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {:.2}% | {:.2}% | {:.0} | {:.0} | {}/{} | {} | {}/{} | {:.1} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.2}% | {:.2}% | {:.0} | {:.0} | {}/{} | {} | {}/{} | {:.1} |\n",
+            x.workload,
             x.cache_tokens,
             x.front,
             x.run,
@@ -891,6 +1002,61 @@ mod tests {
             (0..n).map(|i| direct_to(i, 30.0)).collect::<Vec<_>>()
         );
         assert!((0..n).all(|i| direct_to(i, 0.0).is_none()));
+    }
+
+    fn row(workload: &str, front: KvFront, hit: f64, p90: f64) -> KvRow {
+        KvRow {
+            workload: workload.into(),
+            front: front.name().into(),
+            cache_tokens: 500_000,
+            runs: 3,
+            front_hit_rate: hit,
+            ttft_p90_ms: p90,
+            ..KvRow::default()
+        }
+    }
+
+    #[test]
+    fn the_best_peer_is_the_higher_hit_rate_and_the_lower_p90_of_its_own_row() {
+        let rows = vec![
+            row("replay", KvFront::Events, 0.07, 900.0),
+            row("replay", KvFront::VllmKv, 0.03, 1500.0),
+            row("replay", KvFront::Smg, 0.05, 2000.0),
+            row("direct", KvFront::Events, 0.07, 900.0),
+            row("direct", KvFront::Smg, 0.09, 100.0),
+        ];
+        assert_eq!(best_peer(&rows, &rows[0]), Some((0.05, 1500.0)));
+        assert_eq!(best_peer(&rows, &rows[3]), Some((0.09, 100.0)));
+        let mut skipped = rows[4].clone();
+        skipped.skipped = Some("no smg".into());
+        assert_eq!(best_peer(&[rows[3].clone(), skipped], &rows[3]), None);
+    }
+
+    #[test]
+    fn only_the_direct_workload_sends_requests_straight_and_the_restart_is_a_third_in() {
+        let kc = KvConf {
+            trace: PathBuf::new(),
+            requests: 0,
+            caches: vec![],
+            runs: 1,
+            fronts: vec![],
+            workloads: vec![],
+            speed: 1.0,
+            load_pct: 50.0,
+            max_tokens: 1,
+            direct_pct: 30.0,
+            peers_venv: PathBuf::new(),
+            smg_venv: PathBuf::new(),
+            out: PathBuf::new(),
+        };
+        assert_eq!(KvWorkload::Direct.direct_pct(&kc), 30.0);
+        assert_eq!(KvWorkload::Replay.direct_pct(&kc), 0.0);
+        assert_eq!(KvWorkload::Restart.direct_pct(&kc), 0.0);
+        assert_eq!(restart_index(300), 100);
+        for w in ["replay", "restart", "direct"] {
+            assert_eq!(KvWorkload::parse(w).map(|w| w.name()), Some(w));
+        }
+        assert_eq!(KvWorkload::parse("mixed"), None);
     }
 
     #[test]
