@@ -173,6 +173,70 @@ fn dump(v: &Value, style: &Style, depth: usize, out: &mut String) -> Result<(), 
     Ok(())
 }
 
+/// Whether the template only ever writes a message's `content` out as it is: each read of a
+/// `content` attribute or item goes, through `+` and `~` only, to the output, or is tested for
+/// truth or with `is string`/`defined`/`none`. Such a template renders the same text with each
+/// non-empty content swapped for a placeholder and the content put back in its place after. Any
+/// other read (a filter, a method, a comparison, `in`, a slice, stored in a variable, captured
+/// in a macro or a `set` block) answers no. Reads of the whole message (`tojson`, `items()`) are
+/// not seen here; the placeholder render watches for those itself.
+pub fn content_is_text_only(env: &Environment<'_>) -> bool {
+    use minijinja::machinery::Instruction as I;
+    let Ok(tmpl) = env.get_template(NAME) else {
+        return false;
+    };
+    let compiled = minijinja::machinery::get_compiled_template(&tmpl);
+    if !compiled.blocks.is_empty() {
+        return false;
+    }
+    let ins = &compiled.instructions;
+    let mut i = 0;
+    while let Some(op) = ins.get(i) {
+        let start = match op {
+            I::BuildMacro(..) | I::BeginCapture(_) => return false,
+            I::GetAttr("content") => i + 1,
+            I::LoadConst(v) if v.as_str() == Some("content") => match ins.get(i + 1) {
+                Some(I::GetItem) => i + 2,
+                _ => return false,
+            },
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        if !written_as_is(ins, start) {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// Follows the value on top of the stack at `at` (a content) through straight-line code.
+fn written_as_is(ins: &minijinja::machinery::Instructions<'_>, mut at: u32) -> bool {
+    use minijinja::machinery::Instruction as I;
+    // How many values sit above the content on the stack.
+    let mut above = 0usize;
+    while let Some(op) = ins.get(at) {
+        match op {
+            I::LoadConst(_) | I::Lookup(_) => above += 1,
+            I::GetAttr(_) if above > 0 => {}
+            I::GetItem if above > 1 => above -= 1,
+            // A concatenation with the content in it is still the content, written as it is.
+            I::Add | I::StringConcat => above = above.saturating_sub(1),
+            I::Emit | I::JumpIfFalse(_) | I::Not if above == 0 => return true,
+            I::PerformTest(name, _, _)
+                if above == 0 && matches!(*name, "string" | "defined" | "undefined" | "none") =>
+            {
+                return true
+            }
+            _ => return false,
+        }
+        at += 1;
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,6 +287,40 @@ mod tests {
         let env = environment("{{ raise_exception('no system here') }}".into()).unwrap();
         let e = env.get_template(NAME).unwrap().render(ctx).unwrap_err();
         assert!(e.to_string().contains("no system here"), "{e}");
+    }
+
+    #[test]
+    fn content_written_as_is_or_not() {
+        let yes = [
+            "{{ messages[0].content }}",
+            "{% for m in messages %}{{ '<' + m.role + '>' + m['content'] + '</>' }}{% endfor %}",
+            "{% for m in messages %}{% if m.content %}{{ m.content ~ '.' }}{% endif %}{% endfor %}",
+            "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% endif %}{% endfor %}",
+            crate::fixture::CHATML_TOOLS,
+        ];
+        let no = [
+            "{{ messages[0].content | trim }}",
+            "{{ messages[0].content.strip() }}",
+            "{% if '</think>' in messages[0].content %}x{% endif %}",
+            "{{ messages[0].content[1:] }}",
+            "{% set c = messages[0].content %}{{ c }}",
+            "{% if messages[0].content == 'x' %}x{% endif %}",
+            "{{ messages[0].get('content') }}",
+            "{% filter upper %}{{ messages[0].content }}{% endfilter %}",
+            "{% macro m(x) %}{{ x.content }}{% endmacro %}{{ m(messages[0]) | trim }}",
+            "{{ (messages[0].content if true else '') | upper }}",
+            crate::fixture::LLAMA3_LIKE,
+            crate::fixture::QWEN3_LIKE,
+        ];
+        for t in yes {
+            assert!(content_is_text_only(&environment(t.into()).unwrap()), "{t}");
+        }
+        for t in no {
+            assert!(
+                !content_is_text_only(&environment(t.into()).unwrap()),
+                "{t}"
+            );
+        }
     }
 
     #[test]
