@@ -18,10 +18,16 @@
 //! `strftime_now`, and writes Python values (`True`, `None`, dicts) the way minijinja does when
 //! a template prints them raw rather than through `tojson`.
 //!
-//! Cost (`cargo bench -p inferlb-tokens`, 2 shared cores, a 600-token trained BPE): a 400 KB
-//! conversation takes about 145 ms cold and 1.0 to 1.6 ms with one new turn, of which the
-//! render of the whole conversation is 0.3 to 0.6 ms and tokenizing the ~2 KB turn 0.35 to
-//! 0.6 ms (`fancy-regex`; `onig` is about 1.6 times faster cold, but builds C).
+//! - Where the template writes contents only as they are ([`template::content_is_text_only`]),
+//!   a turn renders the conversation with placeholders for contents and keeps the text as
+//!   pieces, so that the render costs per message, not per byte; the split regex runs on the
+//!   `regex` crate where that splits as `fancy-regex` does ([`pretok`]).
+//!
+//! Cost (`cargo bench -p inferlb-tokens`, 2 cores shared at a load of 5 to 8, mimalloc, a
+//! 600-token trained BPE): a 400 KB conversation takes about 150 ms cold and 1.9 to 2.2 ms with
+//! one new turn (from 290 ms and 3.9 ms before placeholders and `regex`); of that turn, parsing
+//! the body is about 0.35 ms, the placeholder render of 200 messages 0.5 ms and tokenizing the
+//! ~2 KB turn 0.35 ms.
 
 mod cache;
 pub mod chat;
