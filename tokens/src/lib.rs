@@ -37,7 +37,7 @@ pub mod pretok;
 pub mod template;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use aho_corasick::AhoCorasick;
@@ -203,6 +203,40 @@ impl minijinja::value::Object for Fields {
         self.whole.store(true, Ordering::SeqCst);
         minijinja::value::Enumerator::Values(self.map.keys().cloned().collect())
     }
+
+    /// The number of fields is the same with a placeholder: `message|length` reads no content.
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.map.len())
+    }
+
+    /// As a map's truth, without enumerating: `{% if message %}` reads no content.
+    fn is_true(self: &Arc<Self>) -> bool {
+        !self.map.is_empty()
+    }
+
+    /// `message.get(key)` with a key the template computed (a constant `'content'` is refused
+    /// by the scan) is a read of the content this cannot follow. The method itself is left to
+    /// pycompat's callback.
+    fn call_method(
+        self: &Arc<Self>,
+        _state: &mut minijinja::State<'_, '_>,
+        method: &str,
+        args: &[Value],
+    ) -> Result<Value, minijinja::Error> {
+        if method == "get" && args.first().and_then(Value::as_str) == Some("content") {
+            self.whole.store(true, Ordering::SeqCst);
+        }
+        Err(minijinja::Error::from(minijinja::ErrorKind::UnknownMethod))
+    }
+}
+
+/// Renders that used placeholders (their pieces were all whole placeholders), for tests.
+static PLACEHOLDER_RENDERS: AtomicU64 = AtomicU64::new(0);
+
+/// How many chat renders so far, in this process, used placeholders for contents.
+#[doc(hidden)]
+pub fn placeholder_renders() -> u64 {
+    PLACEHOLDER_RENDERS.load(Ordering::Relaxed)
 }
 
 impl ModelTokens {
@@ -394,10 +428,10 @@ impl ModelTokens {
         self.render_messages(b, messages)
     }
 
-    /// The text with each non-empty content a placeholder and then put back, or None where that
+    /// The text with each non-empty content a placeholder, and the contents, or None where that
     /// could differ from the whole render (the template reads contents or whole messages, or the
-    /// body holds the placeholder mark). Its cost grows with the number of messages, not their
-    /// size.
+    /// body holds the placeholder mark). [`pieces`] then checks the placeholders and puts the
+    /// contents back. Its cost grows with the number of messages, not their size.
     fn render_spliced(
         &self,
         b: &chat::ChatBody,
@@ -457,10 +491,6 @@ impl ModelTokens {
         };
         if self.whole.load(Ordering::SeqCst) {
             self.splice.store(false, Ordering::SeqCst);
-            return Ok(None);
-        }
-        // The placeholders must all be whole ones of non-empty contents.
-        if pieces(&text, &contents).is_none() {
             return Ok(None);
         }
         Ok(Some((text, contents)))
@@ -527,8 +557,12 @@ impl ModelTokens {
         // contents (not copied into one string: only the new tail is).
         let spliced = self.render_spliced(&b, &hashes)?;
         let whole: String;
+        // The placeholders must all be whole ones of non-empty contents, else the whole render.
         let text = match spliced.as_ref().and_then(|(t, c)| pieces(t, c)) {
-            Some(p) => Rope::new(p),
+            Some(p) => {
+                PLACEHOLDER_RENDERS.fetch_add(1, Ordering::Relaxed);
+                Rope::new(p)
+            }
             None => {
                 whole = self.render_hashed(&b, &hashes)?;
                 Rope::new(vec![whole.as_str()])
