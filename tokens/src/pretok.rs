@@ -56,9 +56,12 @@ impl FastRegex {
             let (start, mut end) = (m.start(), m.end());
             if let Some(head) = &self.head {
                 let s = &text[start..end];
-                // `\s+(?!\S)`: a run of two or more before a non-space leaves its last one.
+                // `\s+(?!\S)`: a run of two or more before a non-space leaves its last one. A
+                // match the head does not give is the `\s+` branch's (leftmost-first), so all
+                // `\s` (Unicode White_Space, as in `fancy-regex`); its first character is looked
+                // at only so that the head is run again on whitespace matches alone.
                 if end < text.len()
-                    && s.chars().all(char::is_whitespace)
+                    && s.starts_with(char::is_whitespace)
                     && s.chars().nth(1).is_some()
                     && !head.is_match(&text[start..])
                 {
@@ -200,6 +203,80 @@ mod tests {
 
     const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+    /// Characters where the patterns' classes and `\s` could part: every Unicode White_Space,
+    /// near-spaces that are not (U+180E, U+200B, U+FEFF), combining marks, non-ASCII digits,
+    /// emoji (with a joiner and a variation selector), and the pattern's own punctuation.
+    const EDGES: &[char] = &[
+        ' ',
+        '\t',
+        '\n',
+        '\r',
+        '\x0b',
+        '\x0c',
+        '\u{85}',
+        '\u{a0}',
+        '\u{1680}',
+        '\u{2000}',
+        '\u{2001}',
+        '\u{2002}',
+        '\u{2003}',
+        '\u{2004}',
+        '\u{2005}',
+        '\u{2006}',
+        '\u{2007}',
+        '\u{2008}',
+        '\u{2009}',
+        '\u{200a}',
+        '\u{2028}',
+        '\u{2029}',
+        '\u{202f}',
+        '\u{205f}',
+        '\u{3000}',
+        '\u{180e}',
+        '\u{200b}',
+        '\u{feff}',
+        '\u{301}',
+        '\u{308}',
+        '\u{93f}',
+        '\u{660}',
+        '\u{967}',
+        '\u{ff11}',
+        '\u{2167}',
+        '\u{1f600}',
+        '\u{1f44d}',
+        '\u{1f3fd}',
+        '\u{200d}',
+        '\u{fe0f}',
+        'a',
+        'Z',
+        'e',
+        '\u{e9}',
+        '\u{6f22}',
+        '1',
+        '9',
+        '\'',
+        's',
+        'L',
+        '!',
+        '.',
+        '{',
+        '"',
+    ];
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, ..Default::default() })]
+        #[test]
+        fn splits_as_fancy_regex_does_on_any_mix(
+            which in 0..3usize,
+            picks in proptest::collection::vec(0..EDGES.len(), 0..24),
+        ) {
+            let text: String = picks.into_iter().map(|i| EDGES[i]).collect();
+            same_as_fancy([GPT2, LLAMA3, QWEN2][which], &text);
+        }
+    }
+
     fn same_as_fancy(pattern: &str, text: &str) {
         let fancy = fancy_regex::Regex::new(pattern).unwrap();
         let want: Vec<(usize, usize)> = fancy
@@ -228,8 +305,16 @@ mod tests {
             "it's  I'LL 12345  6 !!  ?? \n",
             "    def f():\n        return 1\n",
             "a \u{a0}\u{a0}b",
+            "e\u{301}\u{301} \u{308}x  \u{93f}",
+            "\u{660}\u{661}\u{662}\u{663} \u{967}\u{968} \u{ff11}\u{ff12}",
+            "a\u{85}\u{85}b \u{1680}\u{1680}c\u{2000}\u{200a}d\u{2028}\u{2028}e\u{202f} \u{202f}f",
+            "a\x0b\x0b b\x0c\x0c\nc",
+            "\u{1f600}\u{1f600} \u{1f44d}\u{1f3fd}  \u{1f469}\u{200d}\u{1f4bb}\u{fe0f}",
+            "end   ",
+            "end \n\n\t ",
+            "\u{2003}\u{2003}\u{2003}",
         ];
-        for p in [GPT2, LLAMA3] {
+        for p in [GPT2, LLAMA3, QWEN2] {
             for t in texts {
                 same_as_fancy(p, t);
             }
@@ -250,5 +335,32 @@ mod tests {
         );
         assert!(FastRegex::new(r"\bx|\s+").is_none(), "word boundaries");
         assert!(FastRegex::new(r"\w+|\s+").is_some());
+    }
+
+    fn pre(json: serde_json::Value) -> PreTokenizerWrapper {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn unsupported_pre_tokenizers_keep_the_standard_one() {
+        let split = |pattern: &str| serde_json::json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
+        for p in [
+            split(r"\s+(?!\S)|\s+"),
+            split(r"\bx|\s+"),
+            split(r"(?=a)b|\s+"),
+            serde_json::json!({"type": "Sequence", "pretokenizers": [
+                split(r"a*"),
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+            ]}),
+            serde_json::json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "always", "split": true}),
+            serde_json::json!({"type": "Whitespace"}),
+        ] {
+            assert!(FastPre::new(&pre(p.clone())).is_none(), "{p}");
+        }
+        assert!(FastPre::new(&pre(split(QWEN2))).is_some());
+        assert!(FastPre::new(&pre(
+            serde_json::json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true})
+        ))
+        .is_some());
     }
 }

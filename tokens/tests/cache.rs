@@ -110,40 +110,69 @@ proptest! {
         prop_assert!(which == 1 || !m.renders_with_placeholders());
     }
 
-    /// The pre-tokenizer run by `regex` (GPT-2's pattern in `ByteLevel`, and Llama 3's in a
-    /// `Split`) gives the ids the `tokenizers` crate's own (`fancy-regex`) gives.
+    /// The pre-tokenizer run by `regex` (GPT-2's pattern in `ByteLevel`, with and without the
+    /// prefix space, and Llama 3's and Qwen2's in a `Split`) gives the ids the `tokenizers`
+    /// crate's own (`fancy-regex`) gives.
     #[test]
     fn the_fast_pre_tokenizer_gives_the_same_ids(
-        llama3 in any::<bool>(),
+        which in 0..4usize,
         parts in prop::collection::vec(prop_oneof![
             text(),
             "[ \t\r\n\u{a0}\u{3000}]{1,5}",
+            // Every other White_Space, and near-spaces that are not.
+            "[\u{b}\u{c}\u{85}\u{1680}\u{2000}-\u{200a}\u{2028}\u{2029}\u{202f}\u{205f}\u{180e}\u{200b}\u{feff} ]{1,4}",
+            // Combining marks, non-ASCII digits, emoji.
+            "[a-z\u{301}\u{308}\u{93f}]{1,4}",
+            "[\u{660}-\u{669}\u{966}-\u{96f}\u{ff10}-\u{ff19}\u{2160}-\u{2168}0-9]{1,5}",
+            "[\u{1f600}-\u{1f64f}\u{1f3fb}-\u{1f3ff}\u{200d}\u{fe0f}]{1,4}",
             "[a-z']{1,6}",
             Just("'S 'll 's".to_owned()),
             "[0-9]{1,7}",
             "[!-/:-@]{1,3}",
+            // Trailing whitespace runs.
+            "[a-z]{1,3}[ \t\n\u{3000}]{2,6}",
         ], 0..16),
     ) {
-        let (_dir, m) = if llama3 { llama3_split_model() } else { model(fixture::CHATML_TOOLS) };
+        let (_dir, m) = match which {
+            0 => model(fixture::CHATML_TOOLS),
+            1 => byte_level_prefix_space_model(),
+            2 => split_model(LLAMA3_SPLIT),
+            _ => split_model(QWEN2_SPLIT),
+        };
         let t = parts.concat();
         let want = m.tokenizer().encode(t.as_str(), true).unwrap().get_ids().to_vec();
         prop_assert_eq!(m.prompt_ids(&t).unwrap(), want, "{:?}", t);
     }
 }
 
-/// The fixture with Llama 3's pre-tokenizer: its split regex, then the byte mapping alone.
-fn llama3_split_model() -> (tempfile::TempDir, ModelTokens) {
+const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const QWEN2_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+/// The fixture with another pre-tokenizer in its `tokenizer.json`.
+fn with_pre_tokenizer(pre: Value) -> (tempfile::TempDir, ModelTokens) {
     let dir = tempfile::tempdir().unwrap();
     fixture::write_dir(dir.path(), fixture::CHATML_TOOLS).unwrap();
     let path = dir.path().join("tokenizer.json");
     let mut tk: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    tk["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
-        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
-    ]});
+    tk["pre_tokenizer"] = pre;
     std::fs::write(&path, tk.to_string()).unwrap();
     let m = ModelTokens::from_dir(dir.path()).unwrap();
     (dir, m)
+}
+
+/// A split regex (Llama 3's, Qwen2's), then the byte mapping alone.
+fn split_model(pattern: &str) -> (tempfile::TempDir, ModelTokens) {
+    with_pre_tokenizer(json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+    ]}))
+}
+
+/// GPT-2's `ByteLevel` with a space put before each split that lacks one.
+fn byte_level_prefix_space_model() -> (tempfile::TempDir, ModelTokens) {
+    with_pre_tokenizer(
+        json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+    )
 }
 
 #[test]
