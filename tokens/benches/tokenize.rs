@@ -1,12 +1,15 @@
 //! Chat bodies of 4 KB, 400 KB and 4 MB (an agent conversation of ~2 KB turns, ChatML with
 //! tools) tokenized cold (a full render and tokenize) and warm (the conversation's previous
 //! request is in the message cache, and the body adds one new turn). The tokenizer is a
-//! byte-level BPE trained in setup (`fixture`).
+//! byte-level BPE trained in setup (`fixture`). The allocator is the proxy's (mimalloc).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use inferlb_tokens::{fixture, ModelTokens};
 use serde_json::{json, Value};
 use std::cell::Cell;
+
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const WORDS: &[&str] = &[
     "the",

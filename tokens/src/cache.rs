@@ -5,16 +5,18 @@ use lru::LruCache;
 use std::sync::Arc;
 
 /// What one rendering left behind: its text up to `cut` (as a 128-bit hash and a length) and the
-/// ids of that text. `cut` is the end of an added token, where tokenization splits.
+/// ids of that text, in segments that later entries of the conversation share. `cut` is the end
+/// of an added token, where tokenization splits.
 pub struct Entry {
     pub cut: usize,
     pub prefix_hash: u128,
-    pub ids: Arc<[u32]>,
+    pub ids: Vec<Arc<[u32]>>,
 }
 
 impl Entry {
+    /// Counted as if no segment were shared (an upper bound).
     fn bytes(&self) -> usize {
-        self.ids.len() * 4 + 64
+        self.ids.iter().map(|s| s.len() * 4 + 16).sum::<usize>() + 64
     }
 }
 
@@ -39,7 +41,7 @@ impl PrefixCache {
         &mut self,
         keys: &[u64],
         check: impl Fn(&Entry) -> bool,
-    ) -> Option<(usize, Arc<[u32]>)> {
+    ) -> Option<(usize, Vec<Arc<[u32]>>)> {
         for key in keys.iter().rev() {
             if let Some(e) = self.map.get(key) {
                 if check(e) {
@@ -131,13 +133,13 @@ mod tests {
         Entry {
             cut: n,
             prefix_hash: n as u128,
-            ids: vec![0; n].into(),
+            ids: vec![vec![0; n].into()],
         }
     }
 
     #[test]
     fn bounded_in_bytes_least_recent_out_first() {
-        let mut c = PrefixCache::new(3 * (400 + 64));
+        let mut c = PrefixCache::new(3 * (400 + 80));
         for k in 0..3 {
             c.insert(k, entry(100));
         }
@@ -150,7 +152,7 @@ mod tests {
             "1 was the least recent"
         );
         assert!(c.longest(&[0], |_| true).is_some());
-        assert!(c.bytes() <= 3 * 464);
+        assert!(c.bytes() <= 3 * 480);
         c.insert(10, entry(10_000));
         assert_eq!(c.len(), 3, "an entry over the whole bound is not kept");
     }

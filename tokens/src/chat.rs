@@ -116,6 +116,14 @@ fn text_parts(texts: Vec<String>) -> Value {
 
 /// One message as vLLM's conversation holds it.
 pub fn message(raw: &RawValue, format: ContentFormat) -> Result<Value, Error> {
+    fields(raw, format).map(obj)
+}
+
+/// One message's fields, in the order vLLM's conversation holds them.
+pub fn fields(
+    raw: &RawValue,
+    format: ContentFormat,
+) -> Result<IndexMap<&'static str, Value>, Error> {
     let m: Message =
         serde_json::from_str(raw.get()).map_err(|e| Error::Body(format!("message: {e}")))?;
     let texts = texts(m.content)?;
@@ -147,7 +155,7 @@ pub fn message(raw: &RawValue, format: ContentFormat) -> Result<Value, Error> {
     if let Some(serde_json::Value::String(name)) = m.name {
         out.insert("name", Value::from(name));
     }
-    Ok(obj(out))
+    Ok(out)
 }
 
 /// `function.arguments` as an object: a JSON string parsed, empty or null as `{}`, and (as vLLM

@@ -18,25 +18,33 @@
 //! `strftime_now`, and writes Python values (`True`, `None`, dicts) the way minijinja does when
 //! a template prints them raw rather than through `tojson`.
 //!
-//! Cost (`cargo bench -p inferlb-tokens`, 2 shared cores, a 600-token trained BPE): a 400 KB
-//! conversation takes about 145 ms cold and 1.0 to 1.6 ms with one new turn, of which the
-//! render of the whole conversation is 0.3 to 0.6 ms and tokenizing the ~2 KB turn 0.35 to
-//! 0.6 ms (`fancy-regex`; `onig` is about 1.6 times faster cold, but builds C).
+//! - Where the template writes contents only as they are ([`template::content_is_text_only`]),
+//!   a turn renders the conversation with placeholders for contents and keeps the text as
+//!   pieces, so that the render costs per message, not per byte; the split regex runs on the
+//!   `regex` crate where that splits as `fancy-regex` does ([`pretok`]).
+//!
+//! Cost (`cargo bench -p inferlb-tokens`, 2 cores shared at a load of 5 to 8, mimalloc, a
+//! 600-token trained BPE): a 400 KB conversation takes about 150 ms cold and 1.9 to 2.2 ms with
+//! one new turn (from 290 ms and 3.9 ms before placeholders and `regex`); of that turn, parsing
+//! the body is about 0.35 ms, the placeholder render of 200 messages 0.5 ms and tokenizing the
+//! ~2 KB turn 0.35 ms.
 
 mod cache;
 pub mod chat;
 pub mod config;
 pub mod fixture;
+pub mod pretok;
 pub mod template;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use aho_corasick::AhoCorasick;
 use indexmap::IndexMap;
 use minijinja::{Environment, Value};
 use tokenizers::Tokenizer;
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 pub use config::TokenizerConfig;
 pub use template::ContentFormat;
@@ -109,9 +117,20 @@ pub struct ChatTokens {
     pub reused: usize,
 }
 
+/// The model's tokenizer with the faster pre-tokenizer of [`pretok`].
+type FastTokenizer = tokenizers::TokenizerImpl<
+    tokenizers::ModelWrapper,
+    tokenizers::NormalizerWrapper,
+    pretok::FastPre,
+    tokenizers::PostProcessorWrapper,
+    tokenizers::DecoderWrapper,
+>;
+
 /// One model's tokenizer and chat template, with its message cache.
 pub struct ModelTokens {
     tokenizer: Tokenizer,
+    /// The same tokenizer with a faster pre-tokenizer, where it has one that splits the same.
+    fast: Option<FastTokenizer>,
     env: Option<Environment<'static>>,
     config: TokenizerConfig,
     config_path: PathBuf,
@@ -128,6 +147,96 @@ pub struct ModelTokens {
     cache: Mutex<cache::PrefixCache>,
     /// Messages as the template sees them, by the hash of their raw JSON.
     messages: Mutex<cache::Sized<(Value, usize)>>,
+    /// Whether a conversation may be rendered with placeholders for its contents (see
+    /// [`template::content_is_text_only`]); turned off for good once a render reads a whole
+    /// message.
+    splice: AtomicBool,
+    /// Set by a placeholder render that read a whole message.
+    whole: Arc<AtomicBool>,
+    /// The placeholder mark as a message, the tools or the template arguments could hold it (raw
+    /// or escaped): such a body is rendered whole.
+    marker: AhoCorasick,
+    /// Messages with their content as a placeholder, by the hash of their raw JSON and position.
+    skeletons: Mutex<cache::Sized<Skeleton>>,
+}
+
+/// Placeholder `i` is `MARK i END`: private-use characters, refused in bodies and templates.
+const MARK: char = '\u{F8FF}';
+const END: char = '\u{F8FE}';
+
+/// A placeholder render's text, and the content of each message (None where it was not
+/// replaced).
+type Placeheld = (String, Vec<Option<Value>>);
+
+/// A message whose content is a placeholder, and that content.
+#[derive(Clone)]
+struct Skeleton {
+    value: Value,
+    content: Option<Value>,
+    bytes: usize,
+}
+
+impl cache::Weigh for Skeleton {
+    fn weight(&self) -> usize {
+        self.bytes + 64
+    }
+}
+
+/// A message as the template sees it, that notes when it is read whole (iterated, dumped,
+/// printed) rather than field by field: a placeholder render is then not the same text.
+#[derive(Debug)]
+struct Fields {
+    map: IndexMap<Value, Value>,
+    whole: Arc<AtomicBool>,
+}
+
+impl minijinja::value::Object for Fields {
+    fn repr(self: &Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Map
+    }
+
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        self.map.get(key).cloned()
+    }
+
+    fn enumerate(self: &Arc<Self>) -> minijinja::value::Enumerator {
+        self.whole.store(true, Ordering::SeqCst);
+        minijinja::value::Enumerator::Values(self.map.keys().cloned().collect())
+    }
+
+    /// The number of fields is the same with a placeholder: `message|length` reads no content.
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.map.len())
+    }
+
+    /// As a map's truth, without enumerating: `{% if message %}` reads no content.
+    fn is_true(self: &Arc<Self>) -> bool {
+        !self.map.is_empty()
+    }
+
+    /// `message.get(key)` with a key the template computed (a constant `'content'` is refused
+    /// by the scan) is a read of the content this cannot follow. The method itself is left to
+    /// pycompat's callback.
+    fn call_method(
+        self: &Arc<Self>,
+        _state: &mut minijinja::State<'_, '_>,
+        method: &str,
+        args: &[Value],
+    ) -> Result<Value, minijinja::Error> {
+        if method == "get" && args.first().and_then(Value::as_str) == Some("content") {
+            self.whole.store(true, Ordering::SeqCst);
+        }
+        Err(minijinja::Error::from(minijinja::ErrorKind::UnknownMethod))
+    }
+}
+
+/// Renders that used placeholders (their pieces were all whole placeholders), for tests.
+static PLACEHOLDER_RENDERS: AtomicU64 = AtomicU64::new(0);
+
+/// How many chat renders so far, in this process, used placeholders for contents.
+#[doc(hidden)]
+pub fn placeholder_renders() -> u64 {
+    PLACEHOLDER_RENDERS.load(Ordering::Relaxed)
 }
 
 impl ModelTokens {
@@ -170,6 +279,8 @@ impl ModelTokens {
                 })?);
             config_path = jinja;
         }
+        let marked = |s: &str| s.contains(MARK) || s.to_ascii_lowercase().contains("uf8ff");
+        let mut splice = false;
         let (env, format) = match &config.chat_template {
             Some(source) => {
                 let env = template::environment(source.clone()).map_err(|e| Error::Key {
@@ -177,7 +288,19 @@ impl ModelTokens {
                     key: "chat_template".into(),
                     msg: format!("{e:#}"),
                 })?;
-                (Some(env), template::detect_content_format(source))
+                let format = template::detect_content_format(source);
+                splice = format == ContentFormat::String
+                    && template::content_is_text_only(&env)
+                    && !marked(source)
+                    && ![
+                        &config.bos_token,
+                        &config.eos_token,
+                        &config.unk_token,
+                        &config.pad_token,
+                    ]
+                    .iter()
+                    .any(|t| t.as_deref().is_some_and(marked));
+                (Some(env), format)
             }
             None => (None, ContentFormat::String),
         };
@@ -203,8 +326,21 @@ impl ModelTokens {
         };
         let pre = serde_json::to_string(&tokenizer.get_pre_tokenizer()).unwrap_or_default();
         let reuse = !pre.contains("\"prepend_scheme\":\"first\"");
+        let fast = tokenizer
+            .get_pre_tokenizer()
+            .and_then(pretok::FastPre::new)
+            .map(|pre| {
+                let mut t = FastTokenizer::new(tokenizer.get_model().clone());
+                t.with_normalizer(tokenizer.get_normalizer().cloned())
+                    .with_pre_tokenizer(Some(pre))
+                    .with_post_processor(tokenizer.get_post_processor().cloned())
+                    .with_decoder(tokenizer.get_decoder().cloned())
+                    .with_added_vocabulary(tokenizer.get_added_vocabulary().clone());
+                t
+            });
         Ok(Self {
             tokenizer,
+            fast,
             env,
             config,
             config_path,
@@ -215,6 +351,13 @@ impl ModelTokens {
             reuse,
             cache: Mutex::new(cache::PrefixCache::new(DEFAULT_CACHE_BYTES)),
             messages: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
+            splice: AtomicBool::new(splice),
+            whole: Arc::new(AtomicBool::new(false)),
+            marker: aho_corasick::AhoCorasickBuilder::new()
+                .ascii_case_insensitive(true)
+                .build([MARK.to_string().as_str(), "\\uf8ff"])
+                .map_err(|e| Error::Template(e.to_string()))?,
+            skeletons: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
         })
     }
 
@@ -223,6 +366,7 @@ impl ModelTokens {
         Self {
             cache: Mutex::new(cache::PrefixCache::new(bytes)),
             messages: Mutex::new(cache::Sized::new(bytes / 4)),
+            skeletons: Mutex::new(cache::Sized::new(bytes / 4)),
             ..self
         }
     }
@@ -233,6 +377,12 @@ impl ModelTokens {
 
     pub fn content_format(&self) -> ContentFormat {
         self.format
+    }
+
+    /// Whether chat bodies are rendered with placeholders for their contents, put back after
+    /// (the template writes contents only as they are, and has not read a whole message).
+    pub fn renders_with_placeholders(&self) -> bool {
+        self.splice.load(Ordering::SeqCst)
     }
 
     /// Entries and bytes in the message cache.
@@ -248,15 +398,21 @@ impl ModelTokens {
     }
 
     fn render(&self, b: &chat::ChatBody) -> Result<String, Error> {
-        let env = self.env.as_ref().ok_or_else(|| Error::NoTemplate {
-            path: self.config_path.clone(),
-        })?;
+        let hashes: Vec<u64> = b
+            .messages
+            .iter()
+            .map(|m| xxh3_64(m.get().as_bytes()))
+            .collect();
+        self.render_hashed(b, &hashes)
+    }
+
+    /// The whole render, given the hash of each message's raw JSON.
+    fn render_hashed(&self, b: &chat::ChatBody, hashes: &[u64]) -> Result<String, Error> {
         // Each message is converted once: a resent history costs a hash per message here.
         let mut messages = Vec::with_capacity(b.messages.len());
         {
             let mut seen = self.messages.lock().expect("message lock");
-            for raw in &b.messages {
-                let key = xxh3_64(raw.get().as_bytes());
+            for (raw, &key) in b.messages.iter().zip(hashes) {
                 let value = match seen.get(&key) {
                     Some((v, _)) => v.clone(),
                     None => {
@@ -269,6 +425,82 @@ impl ModelTokens {
             }
             seen.trim();
         }
+        self.render_messages(b, messages)
+    }
+
+    /// The text with each non-empty content a placeholder, and the contents, or None where that
+    /// could differ from the whole render (the template reads contents or whole messages, or the
+    /// body holds the placeholder mark). [`pieces`] then checks the placeholders and puts the
+    /// contents back. Its cost grows with the number of messages, not their size.
+    fn render_spliced(
+        &self,
+        b: &chat::ChatBody,
+        hashes: &[u64],
+    ) -> Result<Option<Placeheld>, Error> {
+        let small = [b.tools, b.chat_template_kwargs];
+        if !self.splice.load(Ordering::SeqCst)
+            || small
+                .iter()
+                .flatten()
+                .any(|r| self.marker.is_match(r.get()))
+        {
+            return Ok(None);
+        }
+        let mut messages = Vec::with_capacity(b.messages.len());
+        let mut contents = Vec::with_capacity(b.messages.len());
+        {
+            let mut seen = self.skeletons.lock().expect("skeleton lock");
+            for (i, (raw, h)) in b.messages.iter().zip(hashes).enumerate() {
+                // The placeholder names the position, so the position is part of the key.
+                let key = h ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let skel = match seen.get(&key) {
+                    Some(s) => s.clone(),
+                    None if self.marker.is_match(raw.get()) => return Ok(None),
+                    None => {
+                        let mut fields = chat::fields(raw, self.format)?;
+                        let content = fields
+                            .get("content")
+                            .filter(|c| c.as_str().is_some_and(|s| !s.is_empty()))
+                            .cloned();
+                        if content.is_some() {
+                            fields.insert("content", Value::from(format!("{MARK}{i}{END}")));
+                        }
+                        let s = Skeleton {
+                            value: Value::from_object(Fields {
+                                map: fields
+                                    .into_iter()
+                                    .map(|(k, v)| (Value::from(k), v))
+                                    .collect(),
+                                whole: self.whole.clone(),
+                            }),
+                            content,
+                            bytes: raw.get().len(),
+                        };
+                        seen.put(key, s.clone());
+                        s
+                    }
+                };
+                messages.push(skel.value);
+                contents.push(skel.content);
+            }
+            seen.trim();
+        }
+        // An error is left for the whole render to give.
+        let Ok(text) = self.render_messages(b, messages) else {
+            return Ok(None);
+        };
+        if self.whole.load(Ordering::SeqCst) {
+            self.splice.store(false, Ordering::SeqCst);
+            return Ok(None);
+        }
+        Ok(Some((text, contents)))
+    }
+
+    /// The template rendered with these messages and the rest of the body.
+    fn render_messages(&self, b: &chat::ChatBody, messages: Vec<Value>) -> Result<String, Error> {
+        let env = self.env.as_ref().ok_or_else(|| Error::NoTemplate {
+            path: self.config_path.clone(),
+        })?;
         let mut ctx: IndexMap<String, Value> = IndexMap::new();
         ctx.insert("messages".into(), Value::from(messages));
         ctx.insert("tools".into(), chat::tools(b.tools)?);
@@ -300,9 +532,11 @@ impl ModelTokens {
     }
 
     fn encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding, Error> {
-        self.tokenizer
-            .encode(text, special)
-            .map_err(|e| Error::Encode(e.to_string()))
+        match &self.fast {
+            Some(t) => t.encode(text, special),
+            None => self.tokenizer.encode(text, special),
+        }
+        .map_err(|e| Error::Encode(e.to_string()))
     }
 
     /// The ids of a chat body, rendered and tokenized whole (the reference for the cached path).
@@ -314,9 +548,28 @@ impl ModelTokens {
     /// The ids of a chat body, reusing what an earlier turn of the same conversation tokenized.
     pub fn chat_ids(&self, body: &[u8]) -> Result<ChatTokens, Error> {
         let b = chat::ChatBody::parse(body)?;
-        let text = self.render(&b)?;
+        let hashes: Vec<u64> = b
+            .messages
+            .iter()
+            .map(|m| xxh3_64(m.get().as_bytes()))
+            .collect();
+        // The text as pieces: the placeholder render's text between placeholders, and the
+        // contents (not copied into one string: only the new tail is).
+        let spliced = self.render_spliced(&b, &hashes)?;
+        let whole: String;
+        // The placeholders must all be whole ones of non-empty contents, else the whole render.
+        let text = match spliced.as_ref().and_then(|(t, c)| pieces(t, c)) {
+            Some(p) => {
+                PLACEHOLDER_RENDERS.fetch_add(1, Ordering::Relaxed);
+                Rope::new(p)
+            }
+            None => {
+                whole = self.render_hashed(&b, &hashes)?;
+                Rope::new(vec![whole.as_str()])
+            }
+        };
         if !self.reuse || b.messages.is_empty() {
-            let ids = self.encode(&text, false)?.get_ids().to_vec();
+            let ids = self.encode(&text.string_from(0), false)?.get_ids().to_vec();
             return Ok(ChatTokens { ids, reused: 0 });
         }
         // Keys: the tools and template kwargs, then each leading message, chained.
@@ -328,26 +581,35 @@ impl ModelTokens {
                     .as_bytes(),
             )
             .rotate_left(1);
-        let keys: Vec<u64> = b
-            .messages
+        let keys: Vec<u64> = hashes
             .iter()
             .map(|m| {
-                h = xxh3_64_with_seed(m.get().as_bytes(), h);
+                h = xxh3_64_with_seed(&m.to_le_bytes(), h);
                 h
             })
             .collect();
-        let bytes = text.as_bytes();
+        // The prefix hash of the entry taken, kept going to hash the new entry's prefix.
+        let hasher = std::cell::RefCell::new(None);
         let hit = self.cache.lock().expect("cache lock").longest(&keys, |e| {
-            e.cut <= bytes.len()
-                && text.is_char_boundary(e.cut)
-                && xxh3_128(&bytes[..e.cut]) == e.prefix_hash
-                && !self.straddles(bytes, e.cut)
+            if e.cut > text.len || !text.is_char_boundary(e.cut) || self.straddles(&text, e.cut) {
+                return false;
+            }
+            let h = text.hasher_to(e.cut);
+            let same = h.digest128() == e.prefix_hash;
+            if same {
+                *hasher.borrow_mut() = Some(h);
+            }
+            same
         });
-        let (base_cut, base_ids): (usize, Arc<[u32]>) = hit.unwrap_or((0, Arc::from(Vec::new())));
-        let tail = &text[base_cut..];
-        let enc = self.encode(tail, false)?;
-        let mut ids = Vec::with_capacity(base_ids.len() + enc.len());
-        ids.extend_from_slice(&base_ids);
+        let (base_cut, base_ids) = hit.unwrap_or((0, Vec::new()));
+        let base_len: usize = base_ids.iter().map(|s| s.len()).sum();
+        let mut hasher = hasher.into_inner().unwrap_or_default();
+        let tail = text.string_from(base_cut);
+        let enc = self.encode(&tail, false)?;
+        let mut ids = Vec::with_capacity(base_len + enc.len());
+        for s in &base_ids {
+            ids.extend_from_slice(s);
+        }
         ids.extend_from_slice(enc.get_ids());
         // The new cut: the last added token of the tail that a later text cannot change.
         let mut cut = None;
@@ -365,20 +627,26 @@ impl ModelTokens {
                     && end <= tail.len()
                     && tail.as_bytes()[end - len..end] == *content.as_bytes()
                 {
-                    cut = Some((base_cut + end, base_ids.len() + i + 1));
+                    cut = Some((end, i + 1));
                     break;
                 }
             }
         }
+        // The new entry shares the earlier one's ids and adds the tail's up to the cut.
         let entry = match cut {
-            Some((c, n)) => Some(cache::Entry {
-                cut: c,
-                prefix_hash: xxh3_128(&bytes[..c]),
-                ids: Arc::from(&ids[..n]),
-            }),
+            Some((end, n)) => {
+                hasher.update(&tail.as_bytes()[..end]);
+                let mut segments = base_ids.clone();
+                segments.push(Arc::from(&enc.get_ids()[..n]));
+                Some(cache::Entry {
+                    cut: base_cut + end,
+                    prefix_hash: hasher.digest128(),
+                    ids: segments,
+                })
+            }
             None if base_cut > 0 => Some(cache::Entry {
                 cut: base_cut,
-                prefix_hash: xxh3_128(&bytes[..base_cut]),
+                prefix_hash: hasher.digest128(),
                 ids: base_ids.clone(),
             }),
             None => None,
@@ -387,23 +655,115 @@ impl ModelTokens {
             self.cache.lock().expect("cache lock").insert(*key, e);
         }
         Ok(ChatTokens {
-            reused: base_ids.len(),
+            reused: base_len,
             ids,
         })
     }
 
     /// Whether an added token's text could match across `cut` in `text`.
-    fn straddles(&self, text: &[u8], cut: usize) -> bool {
+    fn straddles(&self, text: &Rope, cut: usize) -> bool {
         let Some(ac) = &self.added else { return false };
         let lo = cut.saturating_sub(self.max_added.saturating_sub(1));
-        let hi = (cut + self.max_added.saturating_sub(1)).min(text.len());
-        ac.find_overlapping_iter(&text[lo..hi])
+        let hi = (cut + self.max_added.saturating_sub(1)).min(text.len);
+        ac.find_overlapping_iter(&text.bytes(lo, hi))
             .any(|m| lo + m.start() < cut && lo + m.end() > cut)
     }
 
     /// A completions prompt's ids (with the tokenizer's own special tokens, as vLLM adds them).
     pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>, Error> {
         Ok(self.encode(prompt, true)?.get_ids().to_vec())
+    }
+}
+
+/// `text` as pieces with each placeholder replaced by its content, or None if a mark is not a
+/// whole placeholder of a non-empty content.
+fn pieces<'a>(text: &'a str, contents: &'a [Option<Value>]) -> Option<Vec<&'a str>> {
+    let mut out = Vec::with_capacity(2 * contents.len() + 1);
+    let mut rest = text;
+    while let Some(at) = rest.find(MARK) {
+        out.push(&rest[..at]);
+        let after = &rest[at + MARK.len_utf8()..];
+        let end = after.find(END)?;
+        let digits = &after[..end];
+        if digits.is_empty() || !digits.bytes().all(|d| d.is_ascii_digit()) {
+            return None;
+        }
+        let i: usize = digits.parse().ok()?;
+        out.push(contents.get(i)?.as_ref()?.as_str()?);
+        rest = &after[end + END.len_utf8()..];
+    }
+    out.push(rest);
+    Some(out)
+}
+
+/// A text held as the pieces it is made of.
+struct Rope<'a> {
+    pieces: Vec<&'a str>,
+    /// Where each piece starts.
+    starts: Vec<usize>,
+    len: usize,
+}
+
+impl<'a> Rope<'a> {
+    fn new(pieces: Vec<&'a str>) -> Self {
+        let mut starts = Vec::with_capacity(pieces.len());
+        let mut len = 0;
+        for p in &pieces {
+            starts.push(len);
+            len += p.len();
+        }
+        Self {
+            pieces,
+            starts,
+            len,
+        }
+    }
+
+    /// The pieces that overlap `lo..hi`, each with its start.
+    fn over(&self, lo: usize, hi: usize) -> impl Iterator<Item = (usize, &'a str)> + '_ {
+        let first = self.starts.partition_point(|&s| s <= lo).saturating_sub(1);
+        self.pieces[first..]
+            .iter()
+            .zip(&self.starts[first..])
+            .map(|(p, s)| (*s, *p))
+            .take_while(move |(s, _)| *s < hi)
+    }
+
+    fn is_char_boundary(&self, at: usize) -> bool {
+        at == self.len
+            || self
+                .over(at, at + 1)
+                .find(|(s, p)| at < s + p.len())
+                .is_some_and(|(s, p)| p.is_char_boundary(at - s))
+    }
+
+    /// The bytes `lo..hi` (a few, to look across a cut).
+    fn bytes(&self, lo: usize, hi: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(hi - lo);
+        for (s, p) in self.over(lo, hi) {
+            let a = lo.saturating_sub(s).min(p.len());
+            let b = (hi - s).min(p.len());
+            out.extend_from_slice(&p.as_bytes()[a..b]);
+        }
+        out
+    }
+
+    /// The text from `from` (a char boundary) to the end.
+    fn string_from(&self, from: usize) -> String {
+        let mut out = String::with_capacity(self.len - from);
+        for (s, p) in self.over(from, self.len) {
+            out.push_str(&p[from.saturating_sub(s).min(p.len())..]);
+        }
+        out
+    }
+
+    /// A hash of the first `cut` bytes, that can go on over more.
+    fn hasher_to(&self, cut: usize) -> Xxh3 {
+        let mut h = Xxh3::new();
+        for (s, p) in self.over(0, cut) {
+            h.update(&p.as_bytes()[..(cut - s).min(p.len())]);
+        }
+        h
     }
 }
 

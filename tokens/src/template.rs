@@ -173,6 +173,186 @@ fn dump(v: &Value, style: &Style, depth: usize, out: &mut String) -> Result<(), 
     Ok(())
 }
 
+/// Whether the template only ever writes a message's `content` out as it is: each read of a
+/// `content` attribute or item goes, through `+` and `~` only, to the output, or is tested for
+/// truth or with `is string`/`defined`/`none`. Such a template renders the same text with each
+/// non-empty content swapped for a placeholder and the content put back in its place after. Any
+/// other read (a filter, a method, a comparison, `in`, a slice, stored in a variable, captured
+/// in a macro or a `set` block) answers no, and so does any instruction the scan does not know,
+/// a constant that names `content` other than as an item key (`map(attribute='content')`, a
+/// list of keys), an item looked up by a computed key whose value is not only read an attribute
+/// of, and anything that changes how output is written (`autoescape`). Reads of the whole
+/// message (`tojson`, `items()`, `get(key)`) are not seen here; the placeholder render watches
+/// for those itself. The instructions are minijinja's own (`unstable_machinery`), which is why
+/// minijinja is pinned at one version.
+pub fn content_is_text_only(env: &Environment<'_>) -> bool {
+    let Ok(tmpl) = env.get_template(NAME) else {
+        return false;
+    };
+    let compiled = minijinja::machinery::get_compiled_template(&tmpl);
+    if !compiled.blocks.is_empty() {
+        return false;
+    }
+    let ins = &compiled.instructions;
+    let targets = jump_targets(ins);
+    let mut i = 0;
+    while ins.get(i).is_some() {
+        if !reads_content_as_text(ins, i, &targets) {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// Where jumps land: an instruction there can be reached other than from the one before it.
+fn jump_targets(ins: &minijinja::machinery::Instructions<'_>) -> std::collections::HashSet<u32> {
+    use minijinja::machinery::Instruction as I;
+    let mut out = std::collections::HashSet::new();
+    let mut i = 0;
+    while let Some(op) = ins.get(i) {
+        if let I::Jump(t)
+        | I::JumpIfFalse(t)
+        | I::JumpIfFalseOrPop(t)
+        | I::JumpIfTrueOrPop(t)
+        | I::Iterate(t) = op
+        {
+            out.insert(*t);
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Whether instruction `i` keeps contents text only: a read of `content` written as it is, or
+/// an instruction known not to read contents otherwise nor change how output is written.
+fn reads_content_as_text(
+    ins: &minijinja::machinery::Instructions<'_>,
+    i: u32,
+    targets: &std::collections::HashSet<u32>,
+) -> bool {
+    use minijinja::machinery::Instruction as I;
+    // The next instruction runs only after this one (no jump lands on it).
+    let then =
+        |want: fn(&I<'_>) -> bool| !targets.contains(&(i + 1)) && ins.get(i + 1).is_some_and(want);
+    let Some(op) = ins.get(i) else {
+        return false;
+    };
+    match op {
+        I::GetAttr("content") => written_as_is(ins, i + 1),
+        // `x['content']`, and the same folded from `'con' ~ 'tent'`.
+        I::LoadConst(v) if v.as_str() == Some("content") && then(|n| matches!(n, I::GetItem)) => {
+            written_as_is(ins, i + 2)
+        }
+        // A constant key, of another field.
+        I::LoadConst(v) if v.as_str().is_some() && then(|n| matches!(n, I::GetItem)) => true,
+        // Text that holds the word, written out (a system prompt's "content").
+        I::LoadConst(v) if v.as_str().is_some() && names_content(v) => written_as_is(ins, i + 1),
+        // Folded kwargs (`attribute='content'`), lists and maps of keys.
+        I::LoadConst(v) => !names_content(v),
+        // A computed key could be `content`: only an attribute of what it gives may be read
+        // (a string has none, so a content and its placeholder give the same).
+        I::GetItem => {
+            let constant_key =
+                !targets.contains(&i) && i > 0 && matches!(ins.get(i - 1), Some(I::LoadConst(_)));
+            constant_key || then(|n| matches!(n, I::GetAttr(_)))
+        }
+        I::EmitRaw(_)
+        | I::StoreLocal(_)
+        | I::Lookup(_)
+        | I::GetAttr(_)
+        | I::SetAttr(_)
+        | I::Slice
+        | I::BuildMap(_)
+        | I::BuildKwargs(_)
+        | I::MergeKwargs(_)
+        | I::BuildList(_)
+        | I::BuildTuple(_)
+        | I::UnpackList(_)
+        | I::UnpackLists(_)
+        | I::Add
+        | I::Sub
+        | I::Mul
+        | I::Div
+        | I::IntDiv
+        | I::Rem
+        | I::Pow
+        | I::Neg
+        | I::Eq
+        | I::Ne
+        | I::Gt
+        | I::Gte
+        | I::Lt
+        | I::Lte
+        | I::Not
+        | I::StringConcat
+        | I::In
+        | I::CompareAndPreserve(_)
+        | I::ApplyFilter(..)
+        | I::PerformTest(..)
+        | I::Emit
+        | I::PushLoop(_)
+        | I::PushWith
+        | I::Iterate(_)
+        | I::PushDidNotIterate
+        | I::PopFrame
+        | I::PopLoopFrame
+        | I::Jump(_)
+        | I::JumpIfFalse(_)
+        | I::JumpIfFalseOrPop(_)
+        | I::JumpIfTrueOrPop(_)
+        | I::CallFunction(..)
+        | I::CallMethod(..)
+        | I::CallObject(_)
+        | I::DupTop
+        | I::DiscardTop
+        | I::Swap => true,
+        // Autoescape, captures (`filter`, `set` blocks, macros, `call`), recursion, includes
+        // and blocks, and whatever a later minijinja adds.
+        _ => false,
+    }
+}
+
+/// Whether a constant holds the string `content` anywhere: as a string, or in a list, tuple,
+/// map (key or value) or kwargs.
+fn names_content(v: &Value) -> bool {
+    if let Some(s) = v.as_str() {
+        return s.contains("content");
+    }
+    let Ok(mut items) = v.try_iter() else {
+        return false;
+    };
+    let map = v.kind() == ValueKind::Map;
+    items.any(|item| {
+        names_content(&item) || (map && v.get_item(&item).is_ok_and(|x| names_content(&x)))
+    })
+}
+
+/// Follows the value on top of the stack at `at` (a content) through straight-line code.
+fn written_as_is(ins: &minijinja::machinery::Instructions<'_>, mut at: u32) -> bool {
+    use minijinja::machinery::Instruction as I;
+    // How many values sit above the content on the stack.
+    let mut above = 0usize;
+    while let Some(op) = ins.get(at) {
+        match op {
+            I::LoadConst(_) | I::Lookup(_) => above += 1,
+            I::GetAttr(_) if above > 0 => {}
+            I::GetItem if above > 1 => above -= 1,
+            // A concatenation with the content in it is still the content, written as it is.
+            I::Add | I::StringConcat => above = above.saturating_sub(1),
+            I::Emit | I::JumpIfFalse(_) | I::Not if above == 0 => return true,
+            I::PerformTest(name, _, _)
+                if above == 0 && matches!(*name, "string" | "defined" | "undefined" | "none") =>
+            {
+                return true
+            }
+            _ => return false,
+        }
+        at += 1;
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,6 +403,65 @@ mod tests {
         let env = environment("{{ raise_exception('no system here') }}".into()).unwrap();
         let e = env.get_template(NAME).unwrap().render(ctx).unwrap_err();
         assert!(e.to_string().contains("no system here"), "{e}");
+    }
+
+    #[test]
+    fn content_written_as_is_or_not() {
+        let yes = [
+            "{{ messages[0].content }}",
+            "{% for m in messages %}{{ '<' + m.role + '>' + m['content'] + '</>' }}{% endfor %}",
+            "{% for m in messages %}{% if m.content %}{{ m.content ~ '.' }}{% endif %}{% endfor %}",
+            "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% endif %}{% endfor %}",
+            "{{ 'Answer with the content only.' }}{{ messages[0].content }}",
+            "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% endif %}",
+            "{{ messages[0]['con' ~ 'tent'] }}",
+            // A computed index whose message is only read an attribute of.
+            "{% for m in messages %}{% if not loop.first and messages[loop.index0 - 1].role == 'user' %}-{% endif %}{{ m.content }}{% endfor %}",
+            "{% for m in messages|selectattr('role', 'equalto', 'user') %}{{ m.content }}{% endfor %}",
+            crate::fixture::CHATML_TOOLS,
+        ];
+        let no = [
+            "{{ messages[0].content | trim }}",
+            "{{ messages[0].content.strip() }}",
+            "{% if '</think>' in messages[0].content %}x{% endif %}",
+            "{{ messages[0].content[1:] }}",
+            "{% set c = messages[0].content %}{{ c }}",
+            "{% if messages[0].content == 'x' %}x{% endif %}",
+            "{{ messages[0].get('content') }}",
+            "{% filter upper %}{{ messages[0].content }}{% endfilter %}",
+            "{% macro m(x) %}{{ x.content }}{% endmacro %}{{ m(messages[0]) | trim }}",
+            "{{ (messages[0].content if true else '') | upper }}",
+            // `content` folded into constant kwargs or lists.
+            "{{ messages|map(attribute='content')|map('trim')|join }}",
+            "{{ messages|map(attribute='x.content')|join }}",
+            "{% for m in messages|sort(attribute='content') %}{{ m.role }}{% endfor %}",
+            "{% for g in messages|groupby(attribute='content') %}{{ g.grouper }}{% endfor %}",
+            "{{ messages|unique(attribute='content')|length }}",
+            "{% for m in messages %}{% for k in ['role', 'content'] %}{{ m[k]|trim }}{% endfor %}{% endfor %}",
+            "{% for m in messages %}{% for k, v in {'content': 1}|items %}{{ m[k]|trim }}{% endfor %}{% endfor %}",
+            "{% set k = 'content' %}{{ messages[0][k] | trim }}",
+            // Computed keys.
+            "{% for m in messages %}{{ m[field] | trim }}{% endfor %}",
+            "{{ messages[0][field] }}",
+            "{{ messages[0][field][0] }}",
+            "{{ messages[0][a if b else 'role'] }}",
+            // Output written differently.
+            "{% autoescape true %}{{ messages[0].content }}{% endautoescape %}",
+            "{% autoescape true %}{{ messages[0].role }}{% endautoescape %}",
+            "{% set x %}{{ messages[0].role }}{% endset %}{{ messages[0].content }}",
+            "{% for m in messages recursive %}{{ m.content }}{{ loop(m.children) }}{% endfor %}",
+            crate::fixture::LLAMA3_LIKE,
+            crate::fixture::QWEN3_LIKE,
+        ];
+        for t in yes {
+            assert!(content_is_text_only(&environment(t.into()).unwrap()), "{t}");
+        }
+        for t in no {
+            assert!(
+                !content_is_text_only(&environment(t.into()).unwrap()),
+                "{t}"
+            );
+        }
     }
 
     #[test]

@@ -26,6 +26,9 @@ fn text() -> impl Strategy<Value = String> {
             Just("{\"k\": 1}".to_owned()),
             Just("<|im_end|>".to_owned()),
             Just("é漢".to_owned()),
+            // The placeholder mark, raw: such a body is rendered whole.
+            Just("\u{F8FF}0\u{F8FE}".to_owned()),
+            Just("\t \u{3000}\r\n".to_owned()),
             "[0-9]{1,4}",
         ],
         0..12,
@@ -78,6 +81,119 @@ proptest! {
         }
         let _ = reused;
     }
+}
+
+/// A ChatML template that trims contents and looks inside them: it must not be rendered with
+/// placeholders.
+const CHATML_TRIM: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}{%- if '</think>' in message.content %}{{- message.content.split('</think>')[-1] }}{%- else %}{{- message.content | trim }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// A template that writes contents as they are but also dumps whole messages.
+const DUMPS_MESSAGES: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.content + '<|im_end|>' }}{%- if loop.last %}{{- message | tojson }}{%- endif %}{%- endfor %}";
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #[test]
+    fn cached_ids_are_exact_where_contents_are_transformed(
+        which in 0..2usize,
+        turns in prop::collection::vec(text(), 1..6),
+    ) {
+        let (_dir, m) = model([CHATML_TRIM, DUMPS_MESSAGES][which]);
+        let mut messages = vec![];
+        for (i, t) in turns.into_iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": format!("  {t} </think> {t}\n")}));
+            let b = body(&messages, false, true);
+            prop_assert_eq!(m.chat_ids(&b).unwrap().ids, m.chat_ids_uncached(&b).unwrap());
+        }
+        // The dumping template is only found out by a render with placeholders (a body with the
+        // mark in it has none), the trimming one from its code.
+        prop_assert!(which == 1 || !m.renders_with_placeholders());
+    }
+
+    /// The pre-tokenizer run by `regex` (GPT-2's pattern in `ByteLevel`, with and without the
+    /// prefix space, and Llama 3's and Qwen2's in a `Split`) gives the ids the `tokenizers`
+    /// crate's own (`fancy-regex`) gives.
+    #[test]
+    fn the_fast_pre_tokenizer_gives_the_same_ids(
+        which in 0..4usize,
+        parts in prop::collection::vec(prop_oneof![
+            text(),
+            "[ \t\r\n\u{a0}\u{3000}]{1,5}",
+            // Every other White_Space, and near-spaces that are not.
+            "[\u{b}\u{c}\u{85}\u{1680}\u{2000}-\u{200a}\u{2028}\u{2029}\u{202f}\u{205f}\u{180e}\u{200b}\u{feff} ]{1,4}",
+            // Combining marks, non-ASCII digits, emoji.
+            "[a-z\u{301}\u{308}\u{93f}]{1,4}",
+            "[\u{660}-\u{669}\u{966}-\u{96f}\u{ff10}-\u{ff19}\u{2160}-\u{2168}0-9]{1,5}",
+            "[\u{1f600}-\u{1f64f}\u{1f3fb}-\u{1f3ff}\u{200d}\u{fe0f}]{1,4}",
+            "[a-z']{1,6}",
+            Just("'S 'll 's".to_owned()),
+            "[0-9]{1,7}",
+            "[!-/:-@]{1,3}",
+            // Trailing whitespace runs.
+            "[a-z]{1,3}[ \t\n\u{3000}]{2,6}",
+        ], 0..16),
+    ) {
+        let (_dir, m) = match which {
+            0 => model(fixture::CHATML_TOOLS),
+            1 => byte_level_prefix_space_model(),
+            2 => split_model(LLAMA3_SPLIT),
+            _ => split_model(QWEN2_SPLIT),
+        };
+        let t = parts.concat();
+        let want = m.tokenizer().encode(t.as_str(), true).unwrap().get_ids().to_vec();
+        prop_assert_eq!(m.prompt_ids(&t).unwrap(), want, "{:?}", t);
+    }
+}
+
+const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const QWEN2_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+/// The fixture with another pre-tokenizer in its `tokenizer.json`.
+fn with_pre_tokenizer(pre: Value) -> (tempfile::TempDir, ModelTokens) {
+    let dir = tempfile::tempdir().unwrap();
+    fixture::write_dir(dir.path(), fixture::CHATML_TOOLS).unwrap();
+    let path = dir.path().join("tokenizer.json");
+    let mut tk: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tk["pre_tokenizer"] = pre;
+    std::fs::write(&path, tk.to_string()).unwrap();
+    let m = ModelTokens::from_dir(dir.path()).unwrap();
+    (dir, m)
+}
+
+/// A split regex (Llama 3's, Qwen2's), then the byte mapping alone.
+fn split_model(pattern: &str) -> (tempfile::TempDir, ModelTokens) {
+    with_pre_tokenizer(json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+    ]}))
+}
+
+/// GPT-2's `ByteLevel` with a space put before each split that lacks one.
+fn byte_level_prefix_space_model() -> (tempfile::TempDir, ModelTokens) {
+    with_pre_tokenizer(
+        json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+    )
+}
+
+#[test]
+fn placeholders_only_where_the_template_writes_contents_as_they_are() {
+    assert!(model(fixture::CHATML_TOOLS).1.renders_with_placeholders());
+    for t in [CHATML_TRIM, fixture::LLAMA3_LIKE, fixture::QWEN3_LIKE] {
+        assert!(!model(t).1.renders_with_placeholders(), "{t}");
+    }
+    // Whole messages are only seen reading them: the first render turns placeholders off.
+    let (_dir, m) = model(DUMPS_MESSAGES);
+    assert!(m.renders_with_placeholders());
+    let b = body(
+        &[json!({"role": "user", "content": "a \"quoted\" word"})],
+        false,
+        true,
+    );
+    assert_eq!(
+        m.chat_ids(&b).unwrap().ids,
+        m.chat_ids_uncached(&b).unwrap()
+    );
+    assert!(!m.renders_with_placeholders());
 }
 
 #[test]
