@@ -79,10 +79,10 @@ bench: build peers
 	$(BIN)/inferlb-bench --out bench/results --peers-venv $(PEERS_VENV)
 
 # The replicas' KV events against the estimate and the peers' event/cache routing: the trace on
-# 4 sims with a tokenizer, 30% of requests straight to a replica, one replica restarted
-# (bench/results/kv-events/README.md). Apart from `bench`: it is CPU-bound on 2 cores.
+# 4 sims with a tokenizer, as it is, with one replica restarted, and with 30% of requests
+# straight to a replica (bench/README.md). Apart from `bench`: CPU-bound on 2 cores, ~50 min.
 bench-kv-events: build peers
-	$(BIN)/inferlb-bench --kv-events-bench --peers-venv $(PEERS_VENV) --kv-requests 500 --kv-runs 3 --kv-speed 2 --kv-load 50 --out bench/results/kv-events
+	$(BIN)/inferlb-bench --kv-events-bench --peers-venv $(PEERS_VENV) --kv-requests 300 --kv-runs 3 --kv-speed 2 --kv-load 50 --out bench/results/kv-events
 
 bench-smoke: build
 	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
