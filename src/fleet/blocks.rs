@@ -33,27 +33,53 @@ const STORAGE_CREDIT: u64 = 4;
 pub const MIN_BLOCKS: usize = 65_536;
 
 /// A prompt's token ids, with its chain hashes per block size computed once for every replica
-/// that is asked about it.
+/// that is asked about it. The ids may be a leading part of the prompt's ([`Self::partial`]):
+/// enough when no replica holds all of that part.
 #[derive(Debug)]
 pub struct PromptTokens {
     ids: Vec<u32>,
+    /// The whole prompt's tokens: `ids.len()`, or more for a leading part.
+    total: usize,
     chains: Mutex<Vec<(u32, std::sync::Arc<Vec<u64>>)>>,
 }
 
 impl PromptTokens {
     pub fn new(ids: Vec<u32>) -> PromptTokens {
+        PromptTokens::partial(ids, 0)
+    }
+
+    /// The first ids of a prompt of `total` tokens.
+    pub fn partial(ids: Vec<u32>, total: usize) -> PromptTokens {
         PromptTokens {
+            total: total.max(ids.len()),
             ids,
             chains: Mutex::new(Vec::new()),
         }
     }
 
+    /// The whole prompt's tokens (estimated from the part known, for a leading part).
     pub fn len(&self) -> usize {
-        self.ids.len()
+        self.total
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.total == 0
+    }
+
+    /// The ids known are all the prompt's.
+    pub fn is_whole(&self) -> bool {
+        self.ids.len() >= self.total
+    }
+
+    /// Tokens of the known ids a replica of `block_size` could hold at most: their whole
+    /// blocks before the prompt's last token.
+    pub fn coverable(&self, block_size: u32) -> u64 {
+        let size = u64::from(block_size.max(1));
+        let usable = match self.is_whole() {
+            true => self.ids.len().saturating_sub(1),
+            false => self.ids.len(),
+        };
+        usable as u64 / size * size
     }
 
     /// The chain hashes of the blocks a replica of `block_size` could have cached for this
@@ -63,7 +89,7 @@ impl PromptTokens {
         if let Some((_, c)) = memo.iter().find(|(b, _)| *b == block_size) {
             return c.clone();
         }
-        let usable = &self.ids[..self.ids.len().saturating_sub(1)];
+        let usable = &self.ids[..self.coverable(1) as usize];
         let chain = std::sync::Arc::new(chain_hashes(ROOT, usable, block_size));
         memo.push((block_size, chain.clone()));
         chain
@@ -369,6 +395,16 @@ impl BlockIndex {
         held
     }
 
+    /// It holds every block of `prompt`'s known ids (so a leading part cannot tell how much
+    /// more of the prompt it holds).
+    pub fn holds_all(&self, prompt: &PromptTokens) -> bool {
+        let Some(size) = self.lock().block_size else {
+            return false;
+        };
+        let most = prompt.coverable(size);
+        most > 0 && self.held(prompt).tokens() >= most
+    }
+
     /// The replica's hashes the index can name (bounded with the blocks).
     #[cfg(test)]
     fn names(&self) -> usize {
@@ -417,6 +453,36 @@ mod tests {
 
     fn prompt(n: u32) -> PromptTokens {
         PromptTokens::new((0..n).collect())
+    }
+
+    /// A leading part of a prompt (its first 12 of about 400 tokens): its blocks are all
+    /// cacheable (no last token among them), it counts as the whole prompt's length, and a
+    /// replica holding all of its blocks is told apart from one holding fewer.
+    #[test]
+    fn a_leading_part_is_held_all_or_in_part() {
+        let part = PromptTokens::partial((0..12).collect(), 400);
+        assert!(!part.is_whole());
+        assert_eq!((part.len(), part.coverable(4)), (400, 12));
+        assert_eq!(
+            prompt(13).coverable(4),
+            12,
+            "the whole prompt's last token never is"
+        );
+        assert_eq!(PromptTokens::partial((0..8).collect(), 3).len(), 8);
+        let idx = BlockIndex::new(MIN_BLOCKS);
+        assert!(
+            !idx.holds_all(&part),
+            "no events yet: no block size, nothing held"
+        );
+        let t: Vec<u32> = (0..8).collect();
+        idx.stored(&stored(&[1, 2], None, &t, None));
+        assert_eq!(idx.held(&part).tokens(), 8);
+        assert!(!idx.holds_all(&part));
+        idx.stored(&stored(&[3], Some(2), &[8, 9, 10, 11], None));
+        assert!(idx.holds_all(&part));
+        assert!(idx.holds_all(&prompt(13)));
+        assert!(!idx.holds_all(&prompt(17)));
+        assert!(!idx.holds_all(&PromptTokens::new(vec![])));
     }
 
     /// (events, in order) → the tokens of a 17-token prompt (0..17) held, by tier. Blocks of

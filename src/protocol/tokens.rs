@@ -55,7 +55,18 @@ impl Tokenizers {
     /// the replica's block hashes then cover more than the token ids, and ids alone would
     /// match blocks it cannot reuse. (Looked for as text: a false alarm only costs the
     /// estimate.)
-    pub fn ids(&self, family: Family, path: &str, model: &str, body: &[u8]) -> Option<Vec<u32>> {
+    ///
+    /// A chat prompt is tokenized up to about `budget` bytes beyond what the message cache
+    /// holds ([`ModelTokens::chat_ids_within`]): [`Ids::whole`] says whether the ids are all
+    /// of it.
+    pub fn ids(
+        &self,
+        family: Family,
+        path: &str,
+        model: &str,
+        body: &[u8],
+        budget: usize,
+    ) -> Option<Ids> {
         let t = self.0.get(model)?;
         if BEYOND_TOKENS
             .iter()
@@ -65,10 +76,47 @@ impl Tokenizers {
         }
         match family {
             Family::Chat if path.trim_end_matches('/') == "/v1/chat/completions" => {
-                t.chat_ids(body).ok().map(|c| c.ids)
+                let c = t.chat_ids_within(body, budget).ok()?;
+                // The whole prompt's length, from the part tokenized: its bytes a token.
+                let total = match c.is_whole() {
+                    true => c.ids.len(),
+                    false => {
+                        let scaled = c.ids.len() as u128 * c.text_bytes as u128
+                            / c.covered_bytes.max(1) as u128;
+                        usize::try_from(scaled)
+                            .unwrap_or(usize::MAX)
+                            .max(c.ids.len())
+                    }
+                };
+                Some(Ids {
+                    whole: c.is_whole(),
+                    ids: c.ids,
+                    total,
+                })
             }
-            Family::Completions => completion_ids(t, body),
+            Family::Completions => completion_ids(t, body).map(Ids::whole),
             _ => None,
+        }
+    }
+}
+
+/// A prompt's ids, or a leading part of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ids {
+    pub ids: Vec<u32>,
+    /// `ids` are the whole prompt's.
+    pub whole: bool,
+    /// The whole prompt's length in tokens: `ids.len()` when whole, else estimated from the
+    /// part tokenized.
+    pub total: usize,
+}
+
+impl Ids {
+    fn whole(ids: Vec<u32>) -> Ids {
+        Ids {
+            total: ids.len(),
+            whole: true,
+            ids,
         }
     }
 }
@@ -121,24 +169,30 @@ mod tests {
         let (dir, t) = tokenizers();
         let direct = ModelTokens::from_dir(dir.path()).expect("load");
         let chat = br#"{"model":"m","messages":[{"role":"user","content":"The quick brown fox"}]}"#;
+        let ids_of = |family, path, model, body| {
+            t.ids(family, path, model, body, usize::MAX).map(|i| {
+                assert!(i.whole && i.total == i.ids.len());
+                i.ids
+            })
+        };
         assert_eq!(
-            t.ids(Family::Chat, "/v1/chat/completions", "m", chat),
+            ids_of(Family::Chat, "/v1/chat/completions", "m", chat),
             Some(direct.chat_ids_uncached(chat).expect("ids"))
         );
         let text = br#"{"model":"m","prompt":"The quick brown fox"}"#;
         let want = direct.prompt_ids("The quick brown fox").expect("ids");
         assert_eq!(
-            t.ids(Family::Completions, "/v1/completions", "m", text),
+            ids_of(Family::Completions, "/v1/completions", "m", text),
             Some(want.clone())
         );
         let one = br#"{"model":"m","prompt":["The quick brown fox"]}"#;
         assert_eq!(
-            t.ids(Family::Completions, "/v1/completions", "m", one),
+            ids_of(Family::Completions, "/v1/completions", "m", one),
             Some(want)
         );
         let ids = br#"{"model":"m","prompt":[5,6,7]}"#;
         assert_eq!(
-            t.ids(Family::Completions, "/v1/completions", "m", ids),
+            ids_of(Family::Completions, "/v1/completions", "m", ids),
             Some(vec![5, 6, 7])
         );
         for (family, path, model, body) in [
@@ -171,8 +225,49 @@ mod tests {
                 &br#"{"prompt":"hi","cache_salt":"tenant-a"}"#[..],
             ),
         ] {
-            assert_eq!(t.ids(family, path, model, body), None, "{path} {model}");
+            assert_eq!(ids_of(family, path, model, body), None, "{path} {model}");
         }
+    }
+
+    /// Within a budget, a long chat prompt's ids stop at a message's end: a leading part of
+    /// the whole prompt's ids, its length estimated from the part; a second call without a
+    /// budget gives them all, reusing the first part.
+    #[test]
+    fn a_budget_tokenizes_a_leading_part_that_the_whole_continues() {
+        let (dir, t) = tokenizers();
+        let direct = ModelTokens::from_dir(dir.path()).expect("load");
+        let messages: Vec<serde_json::Value> = (0..40)
+            .map(|i| {
+                let words: Vec<String> = (0..60).map(|w| format!("w{}", (i * 7 + w) % 97)).collect();
+                serde_json::json!({"role": if i % 2 == 0 {"user"} else {"assistant"}, "content": words.join(" ")})
+            })
+            .collect();
+        let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+        let want = direct.chat_ids_uncached(body.as_bytes()).expect("ids");
+        let path = "/v1/chat/completions";
+        let part = t
+            .ids(Family::Chat, path, "m", body.as_bytes(), 2048)
+            .expect("ids");
+        assert!(!part.whole);
+        assert!(
+            !part.ids.is_empty() && part.ids.len() < want.len() / 4,
+            "{}",
+            part.ids.len()
+        );
+        assert_eq!(part.ids[..], want[..part.ids.len()], "a leading part");
+        let off = part.total.abs_diff(want.len());
+        assert!(off < want.len() / 10, "{} for {}", part.total, want.len());
+        let all = t
+            .ids(Family::Chat, path, "m", body.as_bytes(), usize::MAX)
+            .expect("ids");
+        assert!(all.whole);
+        assert_eq!(all.ids, want);
+        // A budget larger than the prompt: whole at once.
+        let big = t
+            .ids(Family::Chat, path, "m", body.as_bytes(), 1 << 30)
+            .expect("ids");
+        assert!(big.whole);
+        assert_eq!(big.ids, want);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use pingora_proxy::Session;
 use super::answers::{self, Refusal};
 use super::{request, stored_key, Balancer, Ctx};
 use crate::cluster::Table;
+use crate::fleet::blocks::PromptTokens;
 use crate::overload::Admission;
 use crate::protocol::api::classify;
 use crate::protocol::body::{BodyLimits, BodyReplay};
@@ -14,6 +15,10 @@ use crate::protocol::body::{BodyLimits, BodyReplay};
 /// The largest body tokenized for the replicas' KV events; a larger one is routed by the
 /// estimate.
 pub const MAX_TOKENIZED_BYTES: usize = 1 << 20;
+
+/// Bytes of a chat prompt's text tokenized first, beyond what the message cache holds: about
+/// 4k tokens, a few milliseconds cold. The rest only when a replica holds all of them.
+pub const PROBE_TEXT_BYTES: usize = 16 << 10;
 
 impl Balancer {
     /// What the request head alone settles: its size, its key, and whether its (normalised)
@@ -87,12 +92,14 @@ impl Balancer {
     /// about them: a policy that weighs prefill, a model with a tokenizer, and a replica of it
     /// that publishes its events. Called once the request is admitted, and tokenized off the
     /// proxy's threads; a body over [`MAX_TOKENIZED_BYTES`] is left to the estimate (a cold
-    /// render and tokenization costs about 0.35 ms a KB).
+    /// render and tokenization costs about 0.35 ms a KB). A new chat prompt is tokenized up to
+    /// [`PROBE_TEXT_BYTES`] first: where no replica holds all of that part, the part says how
+    /// much each holds, and the rest is left (its length estimated).
     pub(super) async fn tokens_of(
         &self,
         path: &str,
         ctx: &Ctx,
-    ) -> Option<std::sync::Arc<crate::fleet::blocks::PromptTokens>> {
+    ) -> Option<std::sync::Arc<PromptTokens>> {
         let model = ctx.info.as_ref().and_then(|i| i.model.clone())?;
         let body = ctx.body.bytes().clone();
         if !self.policy.weighs_prefill()
@@ -109,12 +116,28 @@ impl Balancer {
             return None;
         }
         let (tokenizers, family, path) = (self.tokenizers.clone(), ctx.family, path.to_owned());
-        let ids = tokio::task::spawn_blocking(move || tokenizers.ids(family, &path, &model, &body))
-            .await
-            .ok()??;
-        Some(std::sync::Arc::new(
-            crate::fleet::blocks::PromptTokens::new(ids),
-        ))
+        tokio::task::spawn_blocking(move || {
+            // A new prompt's first part, then all of it only if some replica holds all of
+            // that part: most of a long cold prompt is never tokenized.
+            let first = tokenizers.ids(family, &path, &model, &body, PROBE_TEXT_BYTES)?;
+            let part = PromptTokens::partial(first.ids, first.total);
+            let held_all = || {
+                fleet
+                    .iter()
+                    .filter(|r| r.serves(&model))
+                    .filter_map(|r| r.cache.blocks.as_ref())
+                    .any(|b| b.holds_all(&part))
+            };
+            if first.whole || !held_all() {
+                return Some(std::sync::Arc::new(part));
+            }
+            let all = tokenizers.ids(family, &path, &model, &body, usize::MAX)?;
+            Some(std::sync::Arc::new(PromptTokens::partial(
+                all.ids, all.total,
+            )))
+        })
+        .await
+        .ok()?
     }
 
     /// The replica that stores the response this request continues (or `named` in its path),

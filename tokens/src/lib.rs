@@ -115,6 +115,17 @@ pub const DEFAULT_CACHE_BYTES: usize = 256 << 20;
 pub struct ChatTokens {
     pub ids: Vec<u32>,
     pub reused: usize,
+    /// Bytes of the rendered text the ids cover: all of it ([`ChatTokens::text_bytes`]) but
+    /// where [`ModelTokens::chat_ids_within`] stopped early.
+    pub covered_bytes: usize,
+    pub text_bytes: usize,
+}
+
+impl ChatTokens {
+    /// The ids are the whole prompt's, not a leading part.
+    pub fn is_whole(&self) -> bool {
+        self.covered_bytes >= self.text_bytes
+    }
 }
 
 /// The model's tokenizer with the faster pre-tokenizer of [`pretok`].
@@ -547,6 +558,16 @@ impl ModelTokens {
 
     /// The ids of a chat body, reusing what an earlier turn of the same conversation tokenized.
     pub fn chat_ids(&self, body: &[u8]) -> Result<ChatTokens, Error> {
+        self.chat_ids_within(body, usize::MAX)
+    }
+
+    /// The same, but tokenizing at most about `budget` bytes of text beyond what the message
+    /// cache gives: the ids stop after the last added token (a message's end, where a later
+    /// text cannot change the tokenization) within the budget, and are a leading part of the
+    /// whole prompt's ids. Enough to learn that no replica holds more than the first blocks of
+    /// a new prompt without tokenizing all of it; a second call without a budget reuses what
+    /// this one tokenized (it is cached like any turn).
+    pub fn chat_ids_within(&self, body: &[u8], budget: usize) -> Result<ChatTokens, Error> {
         let b = chat::ChatBody::parse(body)?;
         let hashes: Vec<u64> = b
             .messages
@@ -570,7 +591,12 @@ impl ModelTokens {
         };
         if !self.reuse || b.messages.is_empty() {
             let ids = self.encode(&text.string_from(0), false)?.get_ids().to_vec();
-            return Ok(ChatTokens { ids, reused: 0 });
+            return Ok(ChatTokens {
+                ids,
+                reused: 0,
+                covered_bytes: text.len,
+                text_bytes: text.len,
+            });
         }
         // Keys: the tools and template kwargs, then each leading message, chained.
         let mut h = xxh3_64(b.tools.map(|t| t.get()).unwrap_or("").as_bytes())
@@ -604,8 +630,12 @@ impl ModelTokens {
         let (base_cut, base_ids) = hit.unwrap_or((0, Vec::new()));
         let base_len: usize = base_ids.iter().map(|s| s.len()).sum();
         let mut hasher = hasher.into_inner().unwrap_or_default();
-        let tail = text.string_from(base_cut);
-        let enc = self.encode(&tail, false)?;
+        let whole_tail = text.string_from(base_cut);
+        let tail = match self.end_within(&text, base_cut, &whole_tail, budget) {
+            Some(end) => &whole_tail[..end],
+            None => whole_tail.as_str(),
+        };
+        let enc = self.encode(tail, false)?;
         let mut ids = Vec::with_capacity(base_len + enc.len());
         for s in &base_ids {
             ids.extend_from_slice(s);
@@ -657,7 +687,29 @@ impl ModelTokens {
         Ok(ChatTokens {
             reused: base_len,
             ids,
+            covered_bytes: base_cut + tail.len(),
+            text_bytes: text.len,
         })
+    }
+
+    /// Where to stop tokenizing `tail` (the text from `from` on) to stay within `budget`
+    /// bytes: just after the last added token that ends within it and that no added token
+    /// straddles; None to tokenize it all (it fits, or has no such point).
+    fn end_within(&self, text: &Rope, from: usize, tail: &str, budget: usize) -> Option<usize> {
+        if tail.len() <= budget {
+            return None;
+        }
+        let mut limit = budget;
+        while !tail.is_char_boundary(limit) {
+            limit -= 1;
+        }
+        let window = &tail[..limit];
+        self.cut_tokens
+            .values()
+            .filter(|c| !c.is_empty())
+            .filter_map(|c| window.rfind(c.as_str()).map(|at| at + c.len()))
+            .filter(|&end| !self.straddles(text, from + end))
+            .max()
     }
 
     /// Whether an added token's text could match across `cut` in `text`.
