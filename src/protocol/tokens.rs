@@ -83,9 +83,10 @@ impl Tokenizers {
                     false => {
                         let scaled = c.ids.len() as u128 * c.text_bytes as u128
                             / c.covered_bytes.max(1) as u128;
+                        // More than the part, so that it is never taken for the whole.
                         usize::try_from(scaled)
                             .unwrap_or(usize::MAX)
-                            .max(c.ids.len())
+                            .max(c.ids.len() + 1)
                     }
                 };
                 Some(Ids {
@@ -262,6 +263,21 @@ mod tests {
             .expect("ids");
         assert!(all.whole);
         assert_eq!(all.ids, want);
+        // A first message longer than the budget: no message ends within it, so whole.
+        let long: Vec<String> = (0..1500).map(|w| format!("w{}", w % 89)).collect();
+        let first_long = serde_json::json!({"model": "m", "messages": [
+            {"role": "user", "content": long.join(" ")},
+            {"role": "assistant", "content": "ok"},
+        ]})
+        .to_string();
+        let one = t
+            .ids(Family::Chat, path, "m", first_long.as_bytes(), 2048)
+            .expect("ids");
+        assert!(one.whole);
+        assert_eq!(
+            one.ids,
+            direct.chat_ids_uncached(first_long.as_bytes()).unwrap()
+        );
         // A budget larger than the prompt: whole at once.
         let big = t
             .ids(Family::Chat, path, "m", body.as_bytes(), 1 << 30)

@@ -131,10 +131,10 @@ impl Balancer {
             if first.whole || !held_all() {
                 return Some(std::sync::Arc::new(part));
             }
-            let all = tokenizers.ids(family, &path, &model, &body, usize::MAX)?;
-            Some(std::sync::Arc::new(PromptTokens::partial(
-                all.ids, all.total,
-            )))
+            let whole = tokenizers
+                .ids(family, &path, &model, &body, usize::MAX)
+                .map(|all| PromptTokens::partial(all.ids, all.total));
+            Some(std::sync::Arc::new(whole.unwrap_or(part)))
         })
         .await
         .ok()?

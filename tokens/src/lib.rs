@@ -152,6 +152,9 @@ pub struct ModelTokens {
     /// Every added token, to see that no match can straddle a cut.
     added: Option<AhoCorasick>,
     max_added: usize,
+    /// Every added token again, matched leftmost-longest as the tokenizer splits them out,
+    /// and whether each (by pattern index) is a cut token: where a budget may stop.
+    splits: Option<(AhoCorasick, Vec<bool>)>,
     /// False for pre-tokenizers that treat a text's first split apart (Metaspace's
     /// `prepend_scheme: first`): tokenizing a tail alone would differ from the whole.
     reuse: bool,
@@ -327,13 +330,28 @@ impl ModelTokens {
             .filter(|c| !c.is_empty())
             .collect();
         let max_added = contents.iter().map(|c| c.len()).max().unwrap_or(0);
-        let added = if contents.is_empty() {
-            None
+        let built = |kind| {
+            aho_corasick::AhoCorasickBuilder::new()
+                .match_kind(kind)
+                .build(&contents)
+                .map_err(|e| Error::Tokenizer {
+                    path: tk_path.clone(),
+                    msg: e.to_string(),
+                })
+        };
+        let (added, splits) = if contents.is_empty() {
+            (None, None)
         } else {
-            Some(AhoCorasick::new(&contents).map_err(|e| Error::Tokenizer {
-                path: tk_path.clone(),
-                msg: e.to_string(),
-            })?)
+            let cuts: std::collections::HashSet<&str> = decoder
+                .values()
+                .filter(|t| !t.normalized && !t.rstrip && !t.single_word)
+                .map(|t| t.content.as_str())
+                .collect();
+            let is_cut = contents.iter().map(|c| cuts.contains(c)).collect();
+            (
+                Some(built(aho_corasick::MatchKind::Standard)?),
+                Some((built(aho_corasick::MatchKind::LeftmostLongest)?, is_cut)),
+            )
         };
         let pre = serde_json::to_string(&tokenizer.get_pre_tokenizer()).unwrap_or_default();
         let reuse = !pre.contains("\"prepend_scheme\":\"first\"");
@@ -359,6 +377,7 @@ impl ModelTokens {
             cut_tokens,
             added,
             max_added,
+            splits,
             reuse,
             cache: Mutex::new(cache::PrefixCache::new(DEFAULT_CACHE_BYTES)),
             messages: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
@@ -662,6 +681,18 @@ impl ModelTokens {
                 }
             }
         }
+        // Stopped within a budget: the ids stand only up to a cut the encoding confirms (an
+        // added token the text search took for one may have been read otherwise).
+        let mut covered = base_cut + tail.len();
+        if tail.len() < whole_tail.len() {
+            match cut {
+                Some((end, n)) => {
+                    ids.truncate(base_len + n);
+                    covered = base_cut + end;
+                }
+                None => return self.chat_ids_within(body, usize::MAX),
+            }
+        }
         // The new entry shares the earlier one's ids and adds the tail's up to the cut.
         let entry = match cut {
             Some((end, n)) => {
@@ -687,29 +718,33 @@ impl ModelTokens {
         Ok(ChatTokens {
             reused: base_len,
             ids,
-            covered_bytes: base_cut + tail.len(),
+            covered_bytes: covered,
             text_bytes: text.len,
         })
     }
 
     /// Where to stop tokenizing `tail` (the text from `from` on) to stay within `budget`
-    /// bytes: just after the last added token that ends within it and that no added token
-    /// straddles; None to tokenize it all (it fits, or has no such point).
+    /// bytes: just after the last cut token the tokenizer would split out within it (one
+    /// leftmost-longest pass, as it matches added tokens) that no added token straddles, and
+    /// in the budget's second half or later; None to tokenize it all (it fits, or no message
+    /// ends there: a part of a few template tokens would tell nothing of a long first
+    /// message).
     fn end_within(&self, text: &Rope, from: usize, tail: &str, budget: usize) -> Option<usize> {
         if tail.len() <= budget {
             return None;
         }
+        let (ac, is_cut) = self.splits.as_ref()?;
         let mut limit = budget;
         while !tail.is_char_boundary(limit) {
             limit -= 1;
         }
-        let window = &tail[..limit];
-        self.cut_tokens
-            .values()
-            .filter(|c| !c.is_empty())
-            .filter_map(|c| window.rfind(c.as_str()).map(|at| at + c.len()))
+        let end = ac
+            .find_iter(&tail[..limit])
+            .filter(|m| is_cut[m.pattern().as_usize()])
+            .map(|m| m.end())
             .filter(|&end| !self.straddles(text, from + end))
-            .max()
+            .last()?;
+        (end >= budget / 2).then_some(end)
     }
 
     /// Whether an added token's text could match across `cut` in `text`.
