@@ -32,6 +32,27 @@ fn publishing(dir: &std::path::Path) -> (Sim, Lb) {
     (sim, lb)
 }
 
+/// A chat tokenizer written under `dir`: its directory, for `--tokenizer` and `tokenizers:`.
+fn a_tokenizer(dir: &std::path::Path) -> String {
+    let tokenizer = dir.join("tokenizer");
+    std::fs::create_dir(&tokenizer).expect("mkdir");
+    inferlb_tokens::fixture::write_dir(&tokenizer, inferlb_tokens::fixture::CHATML_TOOLS)
+        .expect("a tokenizer");
+    tokenizer.to_string_lossy().to_string()
+}
+
+/// Waits until inferlb reads every one of `ids`' event streams whole.
+fn all_live(lb: &Lb, ids: &[&str]) {
+    let state = |id: &str| {
+        let series = format!("inferlb_kv_events_state{{replica=\"{id}\"}}");
+        sample_value(&lb.metrics(), &series)
+    };
+    let live = wait_until(Duration::from_secs(10), || {
+        ids.iter().all(|id| state(id) == Some(2.0))
+    });
+    assert!(live, "{}\n{}", lb.metrics(), lb.proc.log_text());
+}
+
 #[test]
 fn a_reset_the_replica_announces_empties_its_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -146,11 +167,7 @@ fn a_publisher_that_restarted_clears_the_estimate() {
 #[test]
 fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let tokenizer = dir.path().join("tokenizer");
-    std::fs::create_dir(&tokenizer).expect("mkdir");
-    inferlb_tokens::fixture::write_dir(&tokenizer, inferlb_tokens::fixture::CHATML_TOOLS)
-        .expect("a tokenizer");
-    let tk = tokenizer.to_string_lossy().to_string();
+    let tk = a_tokenizer(dir.path());
     let mut sims = Vec::new();
     let mut replicas = Vec::new();
     for id in ["gpu0", "gpu1"] {
@@ -183,12 +200,7 @@ fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
     };
     let lb = Lb::start(dir.path(), &[], conf);
     let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
-    let live = wait_until(Duration::from_secs(10), || {
-        ["gpu0", "gpu1"]
-            .iter()
-            .all(|id| sample(&format!("inferlb_kv_events_state{{replica=\"{id}\"}}")) == 2.0)
-    });
-    assert!(live, "{}\n{}", lb.metrics(), lb.proc.log_text());
+    all_live(&lb, &["gpu0", "gpu1"]);
     // Three prompts held by gpu0, then three by gpu1: no alternation a spread could match.
     for (i, home) in [0usize, 0, 0, 1, 1, 1].into_iter().enumerate() {
         let history = text_of(&format!("held elsewhere {i}"), 3000);
@@ -221,4 +233,100 @@ fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
         "{}",
         lb.metrics()
     );
+}
+
+/// A data-parallel server: one address, two engines, each with its own cache and publishing
+/// on the configured ports plus its rank (as vLLM's `--data-parallel-size` does). inferlb has
+/// a replica per rank, each subscribed to its own engine's stream; a prompt one engine holds
+/// goes to that engine, named in `X-data-parallel-rank`, whatever rank the client asked for.
+#[test]
+fn each_rank_of_a_data_parallel_server_is_a_replica_of_its_own() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tk = a_tokenizer(dir.path());
+    let ev = format!("tcp://127.0.0.1:{}", inferlb_harness::free_ports(2));
+    let rp = format!("tcp://127.0.0.1:{}", inferlb_harness::free_ports(2));
+    let sim = Sim::spawn(
+        dir.path(),
+        "dp",
+        &[
+            "--tokenizer",
+            &tk,
+            "--data-parallel-size",
+            "2",
+            "--kv-events",
+            &ev,
+            "--kv-events-replay",
+            &rp,
+        ],
+    );
+    sim.assert_healthy();
+    let conf = LbConf {
+        routing: Some("prefill_cost".into()),
+        replicas: vec![Replica {
+            extra: format!(
+                "data_parallel_size: 2, kv_events: \"{ev}\", kv_events_replay: \"{rp}\""
+            ),
+            ..Replica::of(&sim)
+        }],
+        extra: format!("  tokenizers: {{sim-model: \"{tk}\"}}\n"),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[], conf);
+    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
+    all_live(&lb, &["dp-dp0", "dp-dp1"]);
+    for (i, home) in [0usize, 0, 1, 1, 0, 1].into_iter().enumerate() {
+        let history = text_of(&format!("held by one engine {i}"), 3000);
+        let messages = [("user", history.as_str())];
+        let id = format!("dp-dp{home}");
+        let blocks = format!("inferlb_kv_blocks{{replica=\"{id}\"}}");
+        let before = sample(&blocks);
+        let r = http()
+            .post(sim.url("/v1/chat/completions"))
+            .header("X-data-parallel-rank", home.to_string())
+            .json(&chat_body(&messages, false, 2))
+            .send()
+            .expect("straight to one engine");
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-sim-dp-rank"], home.to_string().as_str());
+        let heard = wait_until(Duration::from_secs(10), || sample(&blocks) > before);
+        assert!(heard, "{}", lb.metrics());
+        // The client names the other engine: the routing's choice stands.
+        let r = http()
+            .post(lb.url("/v1/chat/completions"))
+            .header("x-data-parallel-rank", (1 - home).to_string())
+            .json(&chat_body(&messages, false, 2))
+            .send()
+            .expect("through inferlb");
+        assert_eq!(r.status(), 200);
+        let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
+        assert_eq!(
+            (
+                h("x-inferlb-replica"),
+                h("x-inferlb-route"),
+                h("x-sim-dp-rank")
+            ),
+            (id.clone(), "prefix".to_string(), home.to_string()),
+            "prompt {i}"
+        );
+        let resp: serde_json::Value = r.json().expect("json");
+        let prompt = resp["usage"]["prompt_tokens"].as_u64().expect("usage");
+        let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached tokens");
+        assert!(cached * 10 >= prompt * 9, "{cached} of {prompt}: {resp}");
+    }
+    // Each engine's requests were its own: three straight and three through inferlb.
+    for k in 0..2 {
+        let stats: serde_json::Value = http()
+            .get(sim.url("/sim/stats"))
+            .header("X-data-parallel-rank", k.to_string())
+            .send()
+            .expect("stats")
+            .json()
+            .expect("json");
+        assert_eq!(
+            (stats["dp_rank"].as_u64(), stats["requests"].as_u64()),
+            (Some(k), Some(6))
+        );
+    }
 }

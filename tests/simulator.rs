@@ -63,7 +63,7 @@ fn the_next_turn_finds_its_history_warm_and_usage_says_so() {
         .text()
         .unwrap();
     assert!(metrics.contains(&format!(
-        "vllm:prefix_cache_hits_total{{model_name=\"sim-model\"}} {cached}"
+        "vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"sim-model\"}} {cached}"
     )));
 }
 

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-const RUNNING: &str = r#"vllm:num_requests_running{model_name="sim-model"}"#;
-const WAITING: &str = r#"vllm:num_requests_waiting{model_name="sim-model"}"#;
-const KV_USAGE: &str = r#"vllm:kv_cache_usage_perc{model_name="sim-model"}"#;
+const RUNNING: &str = r#"vllm:num_requests_running{engine="0",model_name="sim-model"}"#;
+const WAITING: &str = r#"vllm:num_requests_waiting{engine="0",model_name="sim-model"}"#;
+const KV_USAGE: &str = r#"vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"}"#;
 
 fn scrape(sim: &Sim) -> String {
     http()

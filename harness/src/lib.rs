@@ -28,7 +28,7 @@ pub use lb::{Lb, LbConf, Replica};
 pub use nginx::{Nginx, NginxTls};
 pub use nix::sys::signal::Signal;
 pub use peer::{Peer, PeerConf, PeerKind};
-pub use ports::free_port;
+pub use ports::{free_port, free_ports};
 pub use proc::Proc;
 pub use redis::{Redis, RedisTls};
 pub use sim::Sim;

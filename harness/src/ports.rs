@@ -32,6 +32,22 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|| panic!("no free loopback port in {low}..{}", low + len))
 }
 
+/// The first of `n` consecutive free loopback ports, each handed out as [`free_port`] hands
+/// out one (never again in this process): for a server that binds a port per rank, the
+/// configured one plus its rank, as vLLM's data-parallel engines bind their event sockets.
+pub fn free_ports(n: u16) -> u16 {
+    for _ in 0..1_000 {
+        let first = free_port();
+        // The cursor walks up one port a try: the next ports are the next free ones, unless
+        // one was taken or the range wrapped; then this run is abandoned and another tried.
+        let consecutive = (1..n).all(|k| u32::from(free_port()) == u32::from(first) + u32::from(k));
+        if consecutive {
+            return first;
+        }
+    }
+    panic!("no run of {n} free loopback ports");
+}
+
 /// The first port of `low..low + len` that can be bound, walking from `start` plus the
 /// cursor `next` (which moves past every port it tries, so none is tried twice).
 fn next_free(low: u32, len: u32, start: u32, next: &AtomicU32) -> Option<u16> {

@@ -41,6 +41,7 @@
 //! that tokenizer's ids, as vLLM computes them (`inferlb_tokens`), and so are the blocks, the
 //! KV events, the usage and the render endpoints' `token_ids`.
 
+mod dp;
 mod engine;
 mod kvpub;
 mod messages;
@@ -189,6 +190,16 @@ struct Args {
     /// it, every API's token is 4 bytes of the simulator's rendering.
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,
+    /// vLLM's `--data-parallel-size` with its internal load balancing: this many engines
+    /// behind the one address, each with its own prefix cache, batch and (with --kv-events)
+    /// publisher and replay socket on the configured port plus its rank. A request's
+    /// `X-data-parallel-rank` header picks its engine (400 when it names none); without it,
+    /// the least loaded takes it. `/metrics` labels each engine's samples `engine="k"`;
+    /// `/sim/stats` and `/sim/fault` are the header's rank's (rank 0's without);
+    /// `/reset_prefix_cache` resets every engine. The Responses store is the server's, shared.
+    /// Not with --kv-role.
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: usize,
     /// A YAML file with any of these keys (flags given on the command line win).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
@@ -237,8 +248,10 @@ struct Sim {
     fault: Mutex<FaultState>,
     unhealthy_until: Mutex<Instant>,
     listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
-    /// The Responses API's stored responses.
-    responses: responses::Store,
+    /// The Responses API's stored responses (the server's: every data-parallel rank's).
+    responses: Arc<responses::Store>,
+    /// Its data-parallel rank (0 when there is one engine).
+    rank: usize,
     /// The KV connector (prefill/decode disaggregation).
     pd: Arc<Pd>,
     /// Request ids given when the client sends no X-Request-Id.
@@ -554,6 +567,7 @@ fn tag(sim: &Sim, body: &[u8], mut resp: Response) -> Response {
     if let Ok(v) = HeaderValue::from_str(&sim.args.id) {
         h.insert("x-sim-replica", v);
     }
+    h.insert("x-sim-dp-rank", HeaderValue::from(sim.rank));
     // Lets a test check that the body arrived intact, whatever the balancer did with it.
     h.insert("x-sim-body-bytes", HeaderValue::from(body.len()));
     if let Ok(v) = HeaderValue::from_str(&format!("{:016x}", xxhash_rust::xxh3::xxh3_64(body))) {
@@ -881,49 +895,98 @@ async fn health(State(sim): State<App>) -> Response {
 }
 
 /// `/metrics` in vLLM's names and shapes: the engine's gauges and counters with vLLM's
-/// `model_name` label, and `vllm:cache_config_info`, the info-style gauge (always 1) whose
-/// labels are vLLM's CacheConfig as strings (vLLM gives it no `model_name`).
+/// `engine` and `model_name` labels, and `vllm:cache_config_info`, the info-style gauge
+/// (always 1) whose labels are vLLM's CacheConfig as strings (no `model_name`).
 async fn metrics(State(sim): State<App>) -> Response {
-    let c = &sim.engine.counters;
-    let model = sim.models().first().cloned().unwrap_or_default();
-    let l = format!("model_name=\"{model}\"");
-    let conf = &sim.engine.conf;
-    let cache_config = format!(
-        "block_size=\"{}\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",\
-         cpu_offload_gb=\"0\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",\
-         is_attention_free=\"False\",num_cpu_blocks=\"0\",num_gpu_blocks=\"{}\",\
-         num_gpu_blocks_override=\"None\",sliding_window=\"None\",swap_space_bytes=\"0\"",
-        conf.block_tokens,
-        sim.engine.num_blocks(),
+    metrics_of(&[sim])
+}
+
+/// The `/metrics` page of a server whose engines are `sims` (one, or each data-parallel
+/// rank's): every series once, with a sample per engine labelled `engine="k"`, as vLLM labels
+/// them.
+fn metrics_of(sims: &[App]) -> Response {
+    type Value = fn(&Sim) -> String;
+    fn count(c: &std::sync::atomic::AtomicU64) -> String {
+        c.load(Ordering::Relaxed).to_string()
+    }
+    let series: [(&str, &str, &str, Value); 8] = [
+        (
+            "vllm:num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            |s| count(&s.engine.counters.running),
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            |s| count(&s.engine.counters.waiting),
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            |s| s.engine.kv_usage().to_string(),
+        ),
+        (
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            |s| count(&s.engine.counters.prompt_tokens),
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            |s| count(&s.engine.counters.cached_tokens),
+        ),
+        (
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            |s| count(&s.engine.counters.prompt_tokens),
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            |s| count(&s.engine.counters.generation_tokens),
+        ),
+        (
+            "vllm:request_success_total",
+            "counter",
+            "Count of successfully processed requests.",
+            |s| count(&s.engine.counters.requests),
+        ),
+    ];
+    let mut body = String::new();
+    for (name, kind, help, value) in series {
+        body.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for sim in sims {
+            let model = sim.models().first().cloned().unwrap_or_default();
+            body.push_str(&format!(
+                "{name}{{engine=\"{}\",model_name=\"{model}\"}} {}\n",
+                sim.rank,
+                value(sim)
+            ));
+        }
+    }
+    body.push_str(
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+         # TYPE vllm:cache_config_info gauge\n",
     );
-    let body = format!(
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
-         # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{l}}} {}\n\
-         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
-         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{l}}} {}\n\
-         # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
-         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{l}}} {}\n\
-         # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n\
-         # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{{l}}} {}\n\
-         # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
-         # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{{l}}} {}\n\
-         # HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n\
-         # TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{{{l}}} {}\n\
-         # HELP vllm:generation_tokens_total Number of generation tokens processed.\n\
-         # TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{{l}}} {}\n\
-         # HELP vllm:request_success_total Count of successfully processed requests.\n\
-         # TYPE vllm:request_success_total counter\nvllm:request_success_total{{{l}}} {}\n\
-         # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
-         # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{cache_config}}} 1\n",
-        c.running.load(Ordering::Relaxed),
-        c.waiting.load(Ordering::Relaxed),
-        sim.engine.kv_usage(),
-        c.prompt_tokens.load(Ordering::Relaxed),
-        c.cached_tokens.load(Ordering::Relaxed),
-        c.prompt_tokens.load(Ordering::Relaxed),
-        c.generation_tokens.load(Ordering::Relaxed),
-        c.requests.load(Ordering::Relaxed),
-    );
+    for sim in sims {
+        let conf = &sim.engine.conf;
+        body.push_str(&format!(
+            "vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",\
+             cpu_offload_gb=\"0\",enable_prefix_caching=\"True\",engine=\"{}\",gpu_memory_utilization=\"0.9\",\
+             is_attention_free=\"False\",num_cpu_blocks=\"0\",num_gpu_blocks=\"{}\",\
+             num_gpu_blocks_override=\"None\",sliding_window=\"None\",swap_space_bytes=\"0\"}} 1\n",
+            conf.block_tokens,
+            sim.rank,
+            sim.engine.num_blocks(),
+        ));
+    }
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
 }
 
@@ -973,6 +1036,7 @@ async fn stats(State(sim): State<App>) -> Response {
     let p = &sim.pd.counters;
     Json(json!({
         "id": sim.args.id,
+        "dp_rank": sim.rank,
         "requests": c.requests.load(Ordering::Relaxed),
         "scheduler": sim.engine.conf.scheduler.name(),
         "running": c.running.load(Ordering::Relaxed),
@@ -1184,11 +1248,15 @@ fn load_tokens(args: &Args) -> Result<Option<ModelTokens>, String> {
 
 /// The replica `args` describe, its engine started; `listener_ctl` closes its listener for a
 /// while (the `refuse` fault).
+/// One engine's replica state: `rank` is its data-parallel rank, `responses` the server's
+/// store when another rank made it.
 fn replica(
     args: &Args,
     listener_ctl: tokio::sync::mpsc::UnboundedSender<Duration>,
     events: Option<Arc<kvpub::Sink>>,
     tokens: Option<ModelTokens>,
+    rank: usize,
+    responses: Option<Arc<responses::Store>>,
 ) -> App {
     let mut engine = Engine::new(EngineConf {
         prefill_tokens_per_s: args.prefill_tokens_per_s,
@@ -1211,7 +1279,7 @@ fn replica(
     // vLLM's engine ids are random per process; this one also names the replica.
     let nonce = xxhash_rust::xxh3::xxh3_64(
         format!(
-            "{}{:?}{}",
+            "{}{:?}{}{rank}",
             std::process::id(),
             SystemTime::now(),
             args.listen
@@ -1242,11 +1310,14 @@ fn replica(
             Instant::now() + refuse_for + Duration::from_secs_f64(args.unhealthy_for.max(0.0)),
         ),
         listener_ctl,
-        responses: responses::Store::new(
-            &args.id,
-            args.response_store_entries,
-            args.response_store_mib.saturating_mul(1 << 20),
-        ),
+        responses: responses.unwrap_or_else(|| {
+            Arc::new(responses::Store::new(
+                &args.id,
+                args.response_store_entries,
+                args.response_store_mib.saturating_mul(1 << 20),
+            ))
+        }),
+        rank,
         pd,
         next_request: std::sync::atomic::AtomicU64::new(0),
         received: Mutex::new(VecDeque::with_capacity(RECEIVED_KEPT)),
@@ -1321,24 +1392,45 @@ async fn main() {
     };
     let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::unbounded_channel::<Duration>();
     let refuse_for = Duration::from_secs_f64(args.refuse_for.max(0.0));
-    let events = match &args.kv_events {
-        None => None,
-        Some(endpoint) => {
-            let (sink, rx) = kvpub::Sink::new();
-            let conf = kvpub::PublisherConf {
-                endpoint: endpoint.clone(),
-                replay: args.kv_events_replay.clone(),
-                topic: args.kv_events_topic.clone(),
-                buffer: args.kv_events_buffer,
-            };
-            if let Err(e) = kvpub::start(conf, rx).await {
-                eprintln!("inferlb-sim: {e}");
-                std::process::exit(1);
+    if args.data_parallel_size == 0 || (args.data_parallel_size > 1 && args.kv_role != KvRole::None)
+    {
+        eprintln!("inferlb-sim: --data-parallel-size is 1 or more, and more than 1 only without --kv-role");
+        std::process::exit(2);
+    }
+    let mut ranks = Vec::with_capacity(args.data_parallel_size);
+    let mut first_tokens = tokens;
+    for rank in 0..args.data_parallel_size {
+        let events = match &args.kv_events {
+            None => None,
+            Some(endpoint) => {
+                let (sink, rx) = kvpub::Sink::new();
+                // vLLM's rank k binds its publisher and replay socket on the port plus k.
+                let conf = kvpub::PublisherConf {
+                    endpoint: dp::offset_port(endpoint, rank),
+                    replay: args
+                        .kv_events_replay
+                        .as_deref()
+                        .map(|e| dp::offset_port(e, rank)),
+                    topic: args.kv_events_topic.clone(),
+                    buffer: args.kv_events_buffer,
+                };
+                if let Err(e) = kvpub::start(conf, rx).await {
+                    eprintln!("inferlb-sim: {e}");
+                    std::process::exit(1);
+                }
+                Some(Arc::new(sink))
             }
-            Some(Arc::new(sink))
-        }
-    };
-    let sim = replica(&args, ctl_tx, events, tokens);
+        };
+        let tokens = if rank == 0 {
+            first_tokens.take()
+        } else {
+            load_tokens(&args).ok().flatten()
+        };
+        let store = ranks.first().map(|r: &App| r.responses.clone());
+        ranks.push(replica(&args, ctl_tx.clone(), events, tokens, rank, store));
+    }
+    drop(ctl_tx);
+    let sim = ranks[0].clone();
     let pd = sim.pd.clone();
     if let (Some(port), true) = (
         args.bootstrap_port,
@@ -1361,7 +1453,11 @@ async fn main() {
             let _ = axum::serve(listener, bootstrap).await;
         });
     }
-    let app = router(&sim);
+    let app = if ranks.len() > 1 {
+        dp::router(ranks)
+    } else {
+        router(&sim)
+    };
 
     let tls = match &args.tls_cert {
         None => None,
@@ -1454,7 +1550,7 @@ mod testkit {
         let args = Args::try_parse_from(argv).unwrap();
         let (ctl, _) = tokio::sync::mpsc::unbounded_channel();
         let tokens = load_tokens(&args).unwrap();
-        let sim = replica(&args, ctl, None, tokens);
+        let sim = replica(&args, ctl, None, tokens, 0, None);
         let app = router(&sim);
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;

@@ -91,6 +91,12 @@ impl Admin {
         if conf.discover.is_some() {
             return Err("discover: dns belongs in the conf file".into());
         }
+        if conf.data_parallel_size.is_some_and(|n| n > 1) {
+            return Err(
+                "data_parallel_size belongs in the conf file; add each rank here with data_parallel_rank (and its own id)"
+                    .into(),
+            );
+        }
         // A key sent here would travel in requests and, in a cluster, to every instance.
         if conf.api_key.is_some() {
             return Err(

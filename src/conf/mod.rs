@@ -189,9 +189,13 @@ impl Config {
             }
         }
         for (i, r) in self.replicas.iter().enumerate() {
-            let earlier = self.replicas[..i]
-                .iter()
-                .find(|o| o.socket.is_some() && o.socket == r.socket);
+            let earlier = self.replicas[..i].iter().find(|o| {
+                // Ranks of one data-parallel server each have their own cache.
+                let ranks = o.data_parallel_rank.is_some()
+                    && r.data_parallel_rank.is_some()
+                    && o.data_parallel_rank != r.data_parallel_rank;
+                o.socket.is_some() && o.socket == r.socket && !ranks
+            });
             if let Some(o) = earlier {
                 out.push(format!(
                     "inferlb.replicas[{i}].address: {:?} ({}) is the same server as replica {} ({:?}); \

@@ -80,7 +80,21 @@ pub struct ReplicaConf {
     /// With `kv_events_port`: the port of each found replica's replay socket.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_replay_port: Option<u16>,
+    /// vLLM's `--data-parallel-size` behind this one address (its internal load balancing):
+    /// the entry stands for that many replicas, `{id}-dp{k}` for rank k, each with its own
+    /// cache and load. Expanded by [`ReplicaConf::ranks`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_size: Option<u16>,
+    /// The data-parallel rank this replica is: sent as `X-data-parallel-rank`, its `/metrics`
+    /// samples those labelled `engine="{rank}"`. Set on each rank of a `data_parallel_size`
+    /// entry; may be written on an entry (or an admin API addition) for one rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_rank: Option<u16>,
 }
+
+/// The most data-parallel ranks one entry may stand for (vLLM's wide expert-parallel
+/// deployments run a few hundred).
+pub const MAX_DATA_PARALLEL: u16 = 1024;
 
 /// A replica's KV event endpoints, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,6 +133,45 @@ impl ReplicaConf {
             ..self.clone()
         }
     }
+
+    /// The replicas this entry stands for: itself, or with `data_parallel_size: n`, one per
+    /// rank: `{id}-dp{k}` with `data_parallel_rank: k` and every event endpoint (or port)
+    /// offset by k, as vLLM's rank k binds its publisher and replay socket on the configured
+    /// port plus k. Checked by [`check_replica`]: no offset port passes 65535.
+    pub fn ranks(&self) -> Vec<ReplicaConf> {
+        let n = match self.data_parallel_size {
+            Some(n) if n > 1 => n,
+            _ => {
+                return vec![ReplicaConf {
+                    data_parallel_size: None,
+                    ..self.clone()
+                }]
+            }
+        };
+        (0..n)
+            .map(|k| ReplicaConf {
+                id: format!("{}-dp{k}", self.id),
+                data_parallel_size: None,
+                data_parallel_rank: Some(k),
+                kv_events: self.kv_events.as_deref().and_then(|e| offset_port(e, k)),
+                kv_events_replay: self
+                    .kv_events_replay
+                    .as_deref()
+                    .and_then(|e| offset_port(e, k)),
+                kv_events_port: self.kv_events_port.and_then(|p| p.checked_add(k)),
+                kv_events_replay_port: self.kv_events_replay_port.and_then(|p| p.checked_add(k)),
+                ..self.clone()
+            })
+            .collect()
+    }
+}
+
+/// `tcp://host:port` with the port plus `k`; None when it is not such an endpoint or the
+/// port passes 65535.
+fn offset_port(endpoint: &str, k: u16) -> Option<String> {
+    let (base, port) = endpoint.rsplit_once(':')?;
+    let port = port.parse::<u16>().ok()?.checked_add(k)?;
+    Some(format!("{base}:{port}"))
 }
 
 /// `tcp://host:port`, as ZMQ names a TCP endpoint.
@@ -134,6 +187,11 @@ fn check_zmq_endpoint(e: &str) -> Result<(), String> {
         return Err(format!("{e:?} is not tcp://host:port"));
     }
     Ok(())
+}
+
+/// The port of a `tcp://host:port` endpoint.
+fn endpoint_port(e: &str) -> Option<u16> {
+    e.rsplit_once(':')?.1.parse().ok()
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
@@ -202,6 +260,54 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
     if r.kv_events_replay_port.is_some() && r.kv_events_port.is_none() {
         return Err(format!(
             "{key}.kv_events_replay_port: a replay socket without kv_events_port, the publisher"
+        ));
+    }
+    match (r.data_parallel_size, r.data_parallel_rank) {
+        (Some(_), Some(_)) => {
+            return Err(format!(
+                "{key}: data_parallel_size (an entry for every rank) or data_parallel_rank (one rank), not both"
+            ))
+        }
+        (Some(n), None) if n == 0 || n > MAX_DATA_PARALLEL => {
+            return Err(format!(
+                "{key}.data_parallel_size: {n} is not a number of ranks (1 to {MAX_DATA_PARALLEL})"
+            ))
+        }
+        (None, Some(k)) if k >= MAX_DATA_PARALLEL => {
+            return Err(format!(
+                "{key}.data_parallel_rank: {k} is not a rank (0 to {})",
+                MAX_DATA_PARALLEL - 1
+            ))
+        }
+        _ => {}
+    }
+    if let Some(n) = r.data_parallel_size.filter(|n| *n > 1) {
+        if !r.role.is_plain() {
+            return Err(format!(
+                "{key}.data_parallel_size: a data-parallel replica takes no part in prefill/decode disaggregation here; list its ranks' servers one by one"
+            ));
+        }
+        let last = n - 1;
+        let ports = [
+            ("kv_events", r.kv_events.as_deref().and_then(endpoint_port)),
+            (
+                "kv_events_replay",
+                r.kv_events_replay.as_deref().and_then(endpoint_port),
+            ),
+            ("kv_events_port", r.kv_events_port),
+            ("kv_events_replay_port", r.kv_events_replay_port),
+        ];
+        for (name, port) in ports {
+            if port.is_some_and(|p| p.checked_add(last).is_none()) {
+                return Err(format!(
+                    "{key}.{name}: rank {last} publishes on this port plus {last}, past 65535"
+                ));
+            }
+        }
+    }
+    if r.data_parallel_rank.is_some() && !r.role.is_plain() {
+        return Err(format!(
+            "{key}.data_parallel_rank: a data-parallel replica takes no part in prefill/decode disaggregation here"
         ));
     }
     if r.bootstrap_port == Some(0) {
@@ -380,5 +486,177 @@ mod tests {
             let err = super::check_replica(&mut e, "replicas[0]").expect_err(says);
             assert!(err.contains(says), "{err}");
         }
+    }
+
+    /// A data-parallel entry is one replica per rank: ids `{id}-dp{k}`, the rank set, each
+    /// event endpoint (or, found by DNS, port) on its port plus the rank, as vLLM binds them.
+    #[test]
+    fn a_data_parallel_entry_is_a_replica_per_rank_on_offset_event_ports() {
+        let mut e = super::ReplicaConf {
+            id: "dsv3".into(),
+            address: "127.0.0.1:8000".into(),
+            data_parallel_size: Some(3),
+            kv_events: Some("tcp://127.0.0.1:5557".into()),
+            kv_events_replay: Some("tcp://[::1]:6557".into()),
+            ..Default::default()
+        };
+        super::check_replica(&mut e, "replicas[0]").expect("valid");
+        let ranks = e.ranks();
+        let got: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                (
+                    r.id.as_str(),
+                    r.data_parallel_rank,
+                    r.data_parallel_size,
+                    r.kv_events.as_deref().unwrap_or(""),
+                    r.kv_events_replay.as_deref().unwrap_or(""),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "dsv3-dp0",
+                    Some(0),
+                    None,
+                    "tcp://127.0.0.1:5557",
+                    "tcp://[::1]:6557"
+                ),
+                (
+                    "dsv3-dp1",
+                    Some(1),
+                    None,
+                    "tcp://127.0.0.1:5558",
+                    "tcp://[::1]:6558"
+                ),
+                (
+                    "dsv3-dp2",
+                    Some(2),
+                    None,
+                    "tcp://127.0.0.1:5559",
+                    "tcp://[::1]:6559"
+                ),
+            ]
+        );
+        assert!(ranks.iter().all(|r| r.socket == e.socket));
+        // Found by DNS: each pod's ranks, on the pod's address.
+        let mut d = super::ReplicaConf {
+            data_parallel_size: Some(2),
+            ..entry(true, Some(5557), Some(5600))
+        };
+        super::check_replica(&mut d, "replicas[0]").expect("valid");
+        let pod = d.found_at(
+            "vllm-10.0.0.7-8000".into(),
+            "10.0.0.7:8000".parse().unwrap(),
+        );
+        let got: Vec<_> = pod
+            .ranks()
+            .into_iter()
+            .map(|r| {
+                (
+                    r.id,
+                    r.kv_events.unwrap_or_default(),
+                    r.kv_events_replay.unwrap_or_default(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "vllm-10.0.0.7-8000-dp0".into(),
+                    "tcp://10.0.0.7:5557".into(),
+                    "tcp://10.0.0.7:5600".into()
+                ),
+                (
+                    "vllm-10.0.0.7-8000-dp1".into(),
+                    "tcp://10.0.0.7:5558".into(),
+                    "tcp://10.0.0.7:5601".into()
+                ),
+            ]
+        );
+        // One rank (or none): the entry itself, no rank.
+        for size in [None, Some(1)] {
+            let mut one = super::ReplicaConf {
+                data_parallel_size: size,
+                ..entry(false, None, None)
+            };
+            one.address = "127.0.0.1:8000".into();
+            super::check_replica(&mut one, "replicas[0]").expect("valid");
+            let ranks = one.ranks();
+            assert_eq!(ranks.len(), 1);
+            assert_eq!(
+                (ranks[0].id.as_str(), ranks[0].data_parallel_rank),
+                ("vllm", None)
+            );
+        }
+    }
+
+    #[test]
+    fn data_parallel_sizes_and_ranks_are_checked() {
+        let base = || super::ReplicaConf {
+            id: "dp".into(),
+            address: "127.0.0.1:8000".into(),
+            ..Default::default()
+        };
+        for (e, says) in [
+            (
+                super::ReplicaConf {
+                    data_parallel_size: Some(2),
+                    data_parallel_rank: Some(1),
+                    ..base()
+                },
+                "not both",
+            ),
+            (
+                super::ReplicaConf {
+                    data_parallel_size: Some(0),
+                    ..base()
+                },
+                "is not a number of ranks",
+            ),
+            (
+                super::ReplicaConf {
+                    data_parallel_size: Some(1025),
+                    ..base()
+                },
+                "is not a number of ranks",
+            ),
+            (
+                super::ReplicaConf {
+                    data_parallel_rank: Some(1024),
+                    ..base()
+                },
+                "is not a rank",
+            ),
+            (
+                super::ReplicaConf {
+                    data_parallel_size: Some(4),
+                    kv_events: Some("tcp://127.0.0.1:65533".into()),
+                    ..base()
+                },
+                "past 65535",
+            ),
+            (
+                super::ReplicaConf {
+                    data_parallel_size: Some(2),
+                    role: crate::conf::pd::Role::Decode,
+                    ..base()
+                },
+                "prefill/decode",
+            ),
+        ] {
+            let mut e = e;
+            let err = super::check_replica(&mut e, "replicas[0]").expect_err(says);
+            assert!(err.contains(says), "{err}");
+        }
+        let mut edge = super::ReplicaConf {
+            data_parallel_size: Some(3),
+            kv_events: Some("tcp://127.0.0.1:65533".into()),
+            ..base()
+        };
+        super::check_replica(&mut edge, "replicas[0]").expect("65533 + 2 is a port");
     }
 }

@@ -317,19 +317,30 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
         return Err("inferlb.replicas: at least one replica (id and address) is needed".into());
     }
     let mut ids = BTreeSet::new();
-    for (i, r) in raw.replicas.iter_mut().enumerate() {
+    let mut replicas = Vec::with_capacity(raw.replicas.len());
+    for (i, mut r) in std::mem::take(&mut raw.replicas).into_iter().enumerate() {
         let key = format!("inferlb.replicas[{i}]");
-        check_replica(r, &key)?;
+        check_replica(&mut r, &key)?;
         if let Some(socket) = r.socket {
             admin
                 .allowed_networks
                 .check(socket.ip())
                 .map_err(|e| format!("{key}.address: {:?}: {e}", r.address))?;
         }
-        if !ids.insert(r.id.clone()) {
-            return Err(format!("{key}.id: {:?} is used twice", r.id));
+        // A data-parallel entry is a replica per rank; one found by DNS, per rank of each pod.
+        let each = if r.discover.is_some() {
+            vec![r]
+        } else {
+            r.ranks()
+        };
+        for r in each {
+            if !ids.insert(r.id.clone()) {
+                return Err(format!("{key}.id: {:?} is used twice", r.id));
+            }
+            replicas.push(r);
         }
     }
+    raw.replicas = replicas;
     let h = &raw.health;
     if !h.path.starts_with('/') {
         return Err(format!(

@@ -30,23 +30,26 @@ pub fn replica_id(id: &str, addr: SocketAddr) -> String {
     format!("{id}-{ip}-{}", addr.port())
 }
 
-/// What to add and what to remove so that entry `id`'s replicas are exactly `found`.
+/// What to add (each replica's conf) and what to remove (ids) so that `entry`'s replicas
+/// are exactly those at `found`: one per address, or with `data_parallel_size`, one per rank
+/// of each.
 pub fn plan(
-    id: &str,
+    entry: &ReplicaConf,
     found: &BTreeSet<SocketAddr>,
     present: &BTreeSet<String>,
-) -> (Vec<(String, SocketAddr)>, Vec<String>) {
-    let wanted: Vec<(String, SocketAddr)> =
-        found.iter().map(|a| (replica_id(id, *a), *a)).collect();
-    let add = wanted
+) -> (Vec<ReplicaConf>, Vec<String>) {
+    let wanted: Vec<ReplicaConf> = found
         .iter()
-        .filter(|(rid, _)| !present.contains(rid))
-        .cloned()
+        .flat_map(|a| entry.found_at(replica_id(&entry.id, *a), *a).ranks())
         .collect();
     let remove = present
         .iter()
-        .filter(|p| !wanted.iter().any(|(rid, _)| rid == *p))
+        .filter(|p| !wanted.iter().any(|r| r.id == **p))
         .cloned()
+        .collect();
+    let add = wanted
+        .into_iter()
+        .filter(|r| !present.contains(&r.id))
         .collect();
     (add, remove)
 }
@@ -138,9 +141,8 @@ impl Discovery {
             .filter(|r| r.origin.as_deref() == Some(&entry.id))
             .map(|r| r.id.to_string())
             .collect();
-        let (add, remove) = plan(&entry.id, &found, &present);
-        for (id, socket) in add {
-            let conf = entry.found_at(id, socket);
+        let (add, remove) = plan(entry, &found, &present);
+        for conf in add {
             if let Err(e) = self.registry.add(&conf, Some(&entry.id)) {
                 log::warn!("discovery: {e}");
             }
@@ -194,14 +196,57 @@ mod tests {
     fn the_plan_adds_what_appeared_and_removes_what_vanished() {
         let a: SocketAddr = "10.0.0.1:80".parse().expect("addr");
         let b: SocketAddr = "10.0.0.2:80".parse().expect("addr");
+        let entry = ReplicaConf {
+            id: "v".into(),
+            address: "v.test:80".into(),
+            ..Default::default()
+        };
+        let ids =
+            |add: &[ReplicaConf]| -> Vec<String> { add.iter().map(|r| r.id.clone()).collect() };
         let present: BTreeSet<String> =
             ["v-10.0.0.1-80".to_string(), "v-10.0.0.9-80".to_string()].into();
-        let (add, remove) = plan("v", &[a, b].into(), &present);
-        assert_eq!(add, vec![("v-10.0.0.2-80".to_string(), b)]);
+        let (add, remove) = plan(&entry, &[a, b].into(), &present);
+        assert_eq!(ids(&add), ["v-10.0.0.2-80"]);
+        assert_eq!(add[0].socket, Some(b));
         assert_eq!(remove, vec!["v-10.0.0.9-80".to_string()]);
-        let (add, remove) = plan("v", &BTreeSet::new(), &present);
+        let (add, remove) = plan(&entry, &BTreeSet::new(), &present);
         assert!(add.is_empty());
         assert_eq!(remove.len(), 2, "a name with no addresses removes them all");
+        // Data-parallel pods: a replica per rank of each, and a pod that goes takes all its
+        // ranks; a rank present stays.
+        let dp = ReplicaConf {
+            data_parallel_size: Some(2),
+            kv_events_port: Some(5557),
+            ..entry
+        };
+        let present: BTreeSet<String> = [
+            "v-10.0.0.1-80-dp0".to_string(),
+            "v-10.0.0.9-80-dp0".to_string(),
+            "v-10.0.0.9-80-dp1".to_string(),
+        ]
+        .into();
+        let (add, remove) = plan(&dp, &[a, b].into(), &present);
+        assert_eq!(
+            ids(&add),
+            [
+                "v-10.0.0.1-80-dp1",
+                "v-10.0.0.2-80-dp0",
+                "v-10.0.0.2-80-dp1"
+            ]
+        );
+        let found: Vec<_> = add
+            .iter()
+            .map(|r| (r.data_parallel_rank, r.kv_events.as_deref().unwrap_or("")))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                (Some(1), "tcp://10.0.0.1:5558"),
+                (Some(0), "tcp://10.0.0.2:5557"),
+                (Some(1), "tcp://10.0.0.2:5558")
+            ]
+        );
+        assert_eq!(remove, ["v-10.0.0.9-80-dp0", "v-10.0.0.9-80-dp1"]);
     }
 
     #[test]

@@ -44,12 +44,24 @@ pub struct Reported {
 /// (NaN, infinite, negative). Samples of several models add up, to [`MAX_REQUESTS`] at most;
 /// the cache size is at most [`MAX_CACHE_TOKENS`].
 pub fn parse(text: &str) -> Option<Reported> {
+    parse_rank(text, None)
+}
+
+/// [`parse`] for one data-parallel rank of the server: only the samples labelled
+/// `engine="{rank}"` (vLLM labels each engine's), and those labelled with no engine.
+pub fn parse_rank(text: &str, rank: Option<u16>) -> Option<Reported> {
     let mut r = Reported::default();
     let (mut waiting, mut running) = (false, false);
+    let rank = rank.map(|k| k.to_string());
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else {
             continue;
         };
+        if let (Some(rank), Some(engine)) = (&rank, label(series, "engine")) {
+            if engine != rank {
+                continue;
+            }
+        }
         let name = series.split('{').next().unwrap_or("");
         let raw = value;
         let value = || requests(raw);
@@ -108,12 +120,29 @@ pub struct LoadReader {
 }
 
 impl LoadReader {
-    async fn read(&self, r: &Replica) {
-        let page =
-            crate::fleet::probe::get(r, "/metrics", self.interval.max(Duration::from_millis(200)))
-                .await
-                .filter(|(status, _)| *status == 200);
-        let reported = page.and_then(|(_, body)| parse(&String::from_utf8_lossy(&body)));
+    /// Reads the `/metrics` of `group`'s server once (the ranks of one data-parallel server
+    /// share it) and gives each replica its own samples.
+    async fn read(&self, group: &[&Arc<Replica>]) {
+        let Some(first) = group.first() else {
+            return;
+        };
+        let page = crate::fleet::probe::get(
+            first,
+            "/metrics",
+            self.interval.max(Duration::from_millis(200)),
+        )
+        .await
+        .filter(|(status, _)| *status == 200);
+        let text = page.map(|(_, body)| String::from_utf8_lossy(&body).into_owned());
+        for r in group {
+            let reported = text
+                .as_deref()
+                .and_then(|t| parse_rank(t, r.endpoint.data_parallel_rank));
+            self.apply(r, reported);
+        }
+    }
+
+    fn apply(&self, r: &Replica, reported: Option<Reported>) {
         r.set_reported_load(reported.map(|x| (x.waiting, x.running)));
         r.set_reported_kv_usage(reported.and_then(|x| x.kv_usage_ppm));
         if let Some(tokens) = reported.and_then(|x| x.cache_tokens) {
@@ -149,9 +178,31 @@ impl BackgroundService for LoadReader {
                 _ = tick.tick() => {}
             }
             let fleet = self.registry.all();
-            join_all(fleet.iter().map(|r| self.read(r))).await;
+            join_all(groups(&fleet).iter().map(|g| self.read(g))).await;
         }
     }
+}
+
+/// The replicas grouped by the `/metrics` page that tells their load: the ranks of one
+/// data-parallel server (by address) together, every other replica alone (two replicas
+/// configured on one address are read each on its own, as they are checked).
+fn groups(fleet: &[Arc<Replica>]) -> Vec<Vec<&Arc<Replica>>> {
+    let mut out: Vec<Vec<&Arc<Replica>>> = Vec::with_capacity(fleet.len());
+    let mut servers: std::collections::HashMap<&str, usize> = Default::default();
+    for r in fleet {
+        if r.endpoint.data_parallel_rank.is_none() {
+            out.push(vec![r]);
+            continue;
+        }
+        match servers.get(r.endpoint.address.as_str()) {
+            Some(&i) => out[i].push(r),
+            None => {
+                servers.insert(&r.endpoint.address, out.len());
+                out.push(vec![r]);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -179,6 +230,91 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
                 cache_tokens: Some(200_000),
                 kv_usage_ppm: Some(250_000),
             })
+        );
+    }
+
+    /// A data-parallel server's page (vLLM labels each engine's samples): each rank reads
+    /// its own engine's load, usage and cache; the unlabelled samples belong to all.
+    #[test]
+    fn each_rank_reads_its_own_engine() {
+        let page = r#"vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_running{engine="10",model_name="m"} 50.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.125
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
+"#;
+        let rank = |k| parse_rank(page, Some(k)).expect("load");
+        assert_eq!(
+            rank(0),
+            Reported {
+                waiting: 3,
+                running: 7,
+                cache_tokens: Some(32_000),
+                kv_usage_ppm: Some(500_000)
+            }
+        );
+        assert_eq!(
+            rank(1),
+            Reported {
+                waiting: 0,
+                running: 2,
+                cache_tokens: Some(16_000),
+                kv_usage_ppm: Some(125_000)
+            }
+        );
+        assert_eq!(rank(10).running, 50);
+        assert_eq!(parse_rank(page, Some(2)), None, "no such engine");
+        // Not a rank: the whole server.
+        assert_eq!(parse(page).map(|r| (r.waiting, r.running)), Some((3, 59)));
+        let unlabelled = "vllm:num_requests_running{model_name=\"m\"} 4\n";
+        assert_eq!(parse_rank(unlabelled, Some(3)).map(|r| r.running), Some(4));
+    }
+
+    /// A conf's data-parallel entries are a replica per rank; the ranks of one server are
+    /// read from one page, two servers' ranks apart, and every other replica alone.
+    #[test]
+    fn the_ranks_of_a_server_share_one_page_read() {
+        let text = [
+            "inferlb:",
+            "  replicas:",
+            "    - {id: solo-a, address: \"127.0.0.1:9001\"}",
+            "    - {id: dp, address: \"127.0.0.1:9100\", data_parallel_size: 2}",
+            "    - {id: solo-b, address: \"127.0.0.1:9100\"}",
+            "    - {id: other, address: \"127.0.0.1:9200\", data_parallel_size: 3}",
+        ]
+        .join("\n");
+        let l = crate::conf::parse(&text, None).expect("conf");
+        let reg = Registry::new(&l.inferlb.replicas, &l.inferlb.upstream);
+        let fleet = reg.all();
+        let ids: Vec<Vec<&str>> = groups(&fleet)
+            .iter()
+            .map(|g| g.iter().map(|r| &*r.id).collect())
+            .collect();
+        assert_eq!(
+            ids,
+            [
+                vec!["solo-a"],
+                vec!["dp-dp0", "dp-dp1"],
+                vec!["solo-b"],
+                vec!["other-dp0", "other-dp1", "other-dp2"]
+            ]
+        );
+        let ranks: Vec<_> = fleet
+            .iter()
+            .map(|r| r.endpoint.data_parallel_rank)
+            .collect();
+        assert_eq!(
+            ranks,
+            [None, Some(0), Some(1), None, Some(0), Some(1), Some(2)]
+        );
+        assert!(
+            l.inferlb.warnings().iter().all(|w| !w.contains("dp-dp1")),
+            "ranks of one server do not share a cache: {:?}",
+            l.inferlb.warnings()
         );
     }
 

@@ -29,7 +29,7 @@ use crate::cluster::Cluster;
 use crate::conf::Config;
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::Replica;
+use crate::fleet::replica::{Replica, RANK_HEADER};
 use crate::protocol::api::shape::Shape;
 use crate::protocol::api::{Family, RequestInfo};
 use crate::protocol::body::BodyReplay;
@@ -328,6 +328,8 @@ impl ProxyHttp for Balancer {
         // The client's key is for inferlb; the replica gets its own key or none.
         upstream.remove_header("authorization");
         upstream.remove_header("x-api-key");
+        // The rank is the routing's to choose.
+        upstream.remove_header(RANK_HEADER);
         if ctx.body_replaced && upstream.headers.contains_key("content-length") {
             upstream.insert_header("content-length", ctx.body.bytes().len().to_string())?;
         }
@@ -335,6 +337,9 @@ impl ProxyHttp for Balancer {
             upstream.insert_header("host", &r.endpoint.host)?;
             if let Some(key) = &r.endpoint.api_key {
                 upstream.insert_header("authorization", format!("Bearer {}", key.current()))?;
+            }
+            if let Some(rank) = r.endpoint.data_parallel_rank {
+                upstream.insert_header(RANK_HEADER, rank.to_string())?;
             }
         }
         Ok(())

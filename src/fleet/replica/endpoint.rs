@@ -26,7 +26,15 @@ pub struct Endpoint {
     pub api_key: Option<Arc<Secret>>,
     /// SGLang's protocol: where its bootstrap server listens (a prefill replica's).
     pub bootstrap: Option<SocketAddr>,
+    /// The data-parallel rank it is of the server at `address`: every request to it names the
+    /// rank in [`RANK_HEADER`], which vLLM and SGLang honour.
+    pub data_parallel_rank: Option<u16>,
 }
+
+/// The header naming the data-parallel rank that is to serve a request (vLLM's
+/// `X-data-parallel-rank`, read in any case; SGLang's too). Only inferlb sets it: a client's
+/// is dropped, since it would choose the rank in place of the routing.
+pub const RANK_HEADER: &str = "x-data-parallel-rank";
 
 impl Endpoint {
     /// `conf` was validated: its address resolved.
@@ -62,6 +70,7 @@ impl Endpoint {
             backend,
             api_key: conf.key.clone(),
             bootstrap: conf.bootstrap_port.map(|p| SocketAddr::new(socket.ip(), p)),
+            data_parallel_rank: conf.data_parallel_rank,
         }
     }
 }

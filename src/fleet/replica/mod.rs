@@ -26,7 +26,7 @@ mod health;
 mod load;
 
 pub use cache::{CacheModel, CacheSource, Check, Freshness, Prompt, DEFAULT_CACHE_TOKENS};
-pub use endpoint::Endpoint;
+pub use endpoint::{Endpoint, RANK_HEADER};
 pub use health::{Health, HealthState};
 use load::Load;
 pub use load::{HeldKv, InFlight, QueuedPrefill, MAX_REPORTED_REQUESTS};

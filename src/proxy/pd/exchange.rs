@@ -172,6 +172,7 @@ fn leg_header(
         "expect",
         "accept-encoding",
         "x-request-id",
+        crate::fleet::replica::RANK_HEADER,
     ] {
         req.remove_header(name);
     }
@@ -188,6 +189,13 @@ fn leg_header(
             &mut req,
             "authorization",
             format!("Bearer {}", key.current()),
+        )?;
+    }
+    if let Some(rank) = r.endpoint.data_parallel_rank {
+        set(
+            &mut req,
+            crate::fleet::replica::RANK_HEADER,
+            rank.to_string(),
         )?;
     }
     Ok(Box::new(req))
