@@ -312,17 +312,33 @@ fn the_queue_holds_its_bound_under_5000_waiting_requests_and_leaving_clients_are
     let refused = "inferlb_overload_rejected_total{key=\"anonymous\",reason=\"queue_full\"}";
     assert!(wait_until(Duration::from_secs(10), || lb.metric(refused) == 1000.0));
     let at_bound = inferlb_harness::rss_bytes(lb.proc.pid()).expect("inferlb VmRSS");
-    // The refused ones have their 429 with Retry-After; the queued ones nothing yet.
-    let (mut answered, mut with_retry) = (0, 0);
-    for s in &mut clients {
+    // The refused ones have their 429 with Retry-After; the queued ones nothing yet. The
+    // counter moves before the last answers are written, so read each socket's head as it
+    // arrives, in passes bounded in time, until a thousand are whole.
+    let mut heads = vec![Vec::new(); clients.len()];
+    for s in &clients {
         s.set_nonblocking(true).expect("nonblocking");
-        let mut buf = [0u8; 4096];
-        if let Ok(n) = s.read(&mut buf) {
-            let text = String::from_utf8_lossy(&buf[..n]);
-            answered += 1;
-            assert!(text.starts_with("HTTP/1.1 429"), "{text}");
-            with_retry += usize::from(text.to_ascii_lowercase().contains("retry-after:"));
+    }
+    let whole = |h: &Vec<u8>| h.windows(4).any(|w| w == b"\r\n\r\n");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        for (s, head) in clients.iter_mut().zip(&mut heads) {
+            let mut buf = [0u8; 4096];
+            if let Ok(n) = s.read(&mut buf) {
+                head.extend_from_slice(&buf[..n]);
+            }
         }
+        if heads.iter().filter(|h| whole(h)).count() >= 1000 || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (mut answered, mut with_retry) = (0, 0);
+    for head in heads.iter().filter(|h| !h.is_empty()) {
+        let text = String::from_utf8_lossy(head);
+        answered += 1;
+        assert!(text.starts_with("HTTP/1.1 429"), "{text}");
+        with_retry += usize::from(text.to_ascii_lowercase().contains("retry-after:"));
     }
     assert_eq!((answered, with_retry), (1000, 1000));
     assert_eq!(lb.metric(queue), 4000.0, "still at the bound");
