@@ -41,6 +41,36 @@ fn a_tokenizer(dir: &std::path::Path) -> String {
     tokenizer.to_string_lossy().to_string()
 }
 
+/// A simulator `id` with `tk`'s tokenizer and `ranks` engines, publishing its KV events and
+/// their replay on free ports (rank k on each plus k), with `more` flags: it and the two
+/// endpoints (rank 0's).
+fn with_events(
+    dir: &std::path::Path,
+    id: &str,
+    tk: &str,
+    ranks: u16,
+    more: &[&str],
+) -> (Sim, String, String) {
+    let ev = format!("tcp://127.0.0.1:{}", inferlb_harness::free_ports(ranks));
+    let rp = format!("tcp://127.0.0.1:{}", inferlb_harness::free_ports(ranks));
+    let n = ranks.to_string();
+    let mut args = vec![
+        "--tokenizer",
+        tk,
+        "--kv-events",
+        &ev,
+        "--kv-events-replay",
+        &rp,
+    ];
+    if ranks > 1 {
+        args.extend(["--data-parallel-size", n.as_str()]);
+    }
+    args.extend(more);
+    let sim = Sim::spawn(dir, id, &args);
+    sim.assert_healthy();
+    (sim, ev, rp)
+}
+
 /// Waits until inferlb reads every one of `ids`' event streams whole.
 fn all_live(lb: &Lb, ids: &[&str]) {
     let state = |id: &str| {
@@ -171,21 +201,7 @@ fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
     let mut sims = Vec::new();
     let mut replicas = Vec::new();
     for id in ["gpu0", "gpu1"] {
-        let ev = format!("tcp://127.0.0.1:{}", free_port());
-        let rp = format!("tcp://127.0.0.1:{}", free_port());
-        let sim = Sim::spawn(
-            dir.path(),
-            id,
-            &[
-                "--tokenizer",
-                &tk,
-                "--kv-events",
-                &ev,
-                "--kv-events-replay",
-                &rp,
-            ],
-        );
-        sim.assert_healthy();
+        let (sim, ev, rp) = with_events(dir.path(), id, &tk, 1, &[]);
         replicas.push(Replica {
             extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
             ..Replica::of(&sim)
@@ -243,23 +259,7 @@ fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
 fn each_rank_of_a_data_parallel_server_is_a_replica_of_its_own() {
     let dir = tempfile::tempdir().expect("tempdir");
     let tk = a_tokenizer(dir.path());
-    let ev = format!("tcp://127.0.0.1:{}", inferlb_harness::free_ports(2));
-    let rp = format!("tcp://127.0.0.1:{}", inferlb_harness::free_ports(2));
-    let sim = Sim::spawn(
-        dir.path(),
-        "dp",
-        &[
-            "--tokenizer",
-            &tk,
-            "--data-parallel-size",
-            "2",
-            "--kv-events",
-            &ev,
-            "--kv-events-replay",
-            &rp,
-        ],
-    );
-    sim.assert_healthy();
+    let (sim, ev, rp) = with_events(dir.path(), "dp", &tk, 2, &[]);
     let conf = LbConf {
         routing: Some("prefill_cost".into()),
         replicas: vec![Replica {
@@ -327,6 +327,76 @@ fn each_rank_of_a_data_parallel_server_is_a_replica_of_its_own() {
         assert_eq!(
             (stats["dp_rank"].as_u64(), stats["requests"].as_u64()),
             (Some(k), Some(6))
+        );
+    }
+}
+
+/// `kv_events: server_info`: the replica names its event sockets in its own
+/// `GET /server_info`, in vLLM's form (a data-parallel server: each rank on the ports plus its
+/// rank) and in SGLang's, and inferlb reads each stream from there: every one live, and a
+/// prompt held by one engine routed to it on the events' word.
+#[test]
+fn a_replica_that_names_its_event_sockets_over_http_is_read_from_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tk = a_tokenizer(dir.path());
+    let (dp, ev, _) = with_events(dir.path(), "dp", &tk, 2, &["--server-info", "vllm"]);
+    let (sg, ev1, _) = with_events(dir.path(), "sg", &tk, 1, &["--server-info", "sglang"]);
+    let conf = LbConf {
+        routing: Some("prefill_cost".into()),
+        replicas: vec![
+            Replica {
+                extra: "data_parallel_size: 2, kv_events: server_info".into(),
+                ..Replica::of(&dp)
+            },
+            Replica {
+                extra: "kv_events: server_info".into(),
+                ..Replica::of(&sg)
+            },
+        ],
+        extra: format!("  tokenizers: {{sim-model: \"{tk}\"}}\n"),
+        ..test_conf()
+    };
+    let lb = Lb::start(dir.path(), &[], conf);
+    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
+    all_live(&lb, &["dp-dp0", "dp-dp1", "sg"]);
+    let log = lb.proc.log_text();
+    for (id, publisher) in [
+        ("dp-dp0", ev.clone()),
+        (
+            "dp-dp1",
+            inferlb_kvevents::endpoint_for_rank(&ev, 1).expect("rank 1"),
+        ),
+        ("sg", ev1.clone()),
+    ] {
+        let said = format!("replica {id}: KV events on {publisher} ");
+        assert!(log.contains(&said), "{said} not in\n{log}");
+    }
+    for (i, (sim, rank, id)) in [
+        (&dp, Some(1), "dp-dp1"),
+        (&sg, None, "sg"),
+        (&dp, Some(0), "dp-dp0"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let history = text_of(&format!("named over http {i}"), 3000);
+        let messages = [("user", history.as_str())];
+        let blocks = format!("inferlb_kv_blocks{{replica=\"{id}\"}}");
+        let before = sample(&blocks);
+        let mut straight = http()
+            .post(sim.url("/v1/chat/completions"))
+            .json(&chat_body(&messages, false, 2));
+        if let Some(k) = rank {
+            straight = straight.header("X-data-parallel-rank", k.to_string());
+        }
+        assert_eq!(straight.send().expect("straight").status(), 200);
+        let heard = wait_until(Duration::from_secs(10), || sample(&blocks) > before);
+        assert!(heard, "{}", lb.metrics());
+        let (replica, route, _) = routed_chat(&lb, &messages);
+        assert_eq!(
+            (replica.as_str(), route.as_str()),
+            (id, "prefix"),
+            "prompt {i}"
         );
     }
 }

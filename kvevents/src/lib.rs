@@ -481,27 +481,35 @@ pub fn replay_end() -> [Vec<u8>; 4] {
     ]
 }
 
-/// Rank `rank`'s endpoint: a tcp port moves by the rank (port 0 stays 0); inproc gets `_dp{rank}`.
+/// Rank `rank`'s endpoint, as vLLM's (and SGLang's) data-parallel rank k binds its event
+/// sockets: a tcp port moves by the rank (port 0, any free port, stays 0); inproc gets
+/// `_dp{rank}`. An error for another transport, a port that is not a number, or one the rank
+/// moves past 65535.
 pub fn endpoint_for_rank(endpoint: &str, rank: u32) -> Result<String, Error> {
     if rank == 0 {
         return Ok(endpoint.to_string());
     }
-    if endpoint.contains("inproc") {
+    if endpoint.starts_with("inproc://") {
         return Ok(format!("{endpoint}_dp{rank}"));
     }
-    if !endpoint.contains("tcp") {
+    if !endpoint.starts_with("tcp://") {
         return err(format!("endpoint {endpoint}: must be tcp:// or inproc://"));
     }
     let Some((base, port)) = endpoint.rsplit_once(':') else {
-        return Ok(endpoint.to_string());
+        return err(format!("endpoint {endpoint}: no port"));
     };
-    let port: u32 = port
+    let port: u16 = port
         .parse()
         .map_err(|_| Error(format!("endpoint {endpoint}: the port is not a number")))?;
     if port == 0 {
         return Ok(endpoint.to_string());
     }
-    Ok(format!("{base}:{}", port + rank))
+    match u16::try_from(u32::from(port) + rank) {
+        Ok(p) => Ok(format!("{base}:{p}")),
+        Err(_) => err(format!(
+            "endpoint {endpoint}: rank {rank} moves it past port 65535"
+        )),
+    }
 }
 
 #[cfg(test)]

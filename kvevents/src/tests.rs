@@ -433,6 +433,10 @@ fn ranks_offset_the_port() {
         ("inproc://cache", 1, Ok("inproc://cache_dp1")),
         ("ipc:///tmp/kv", 1, Err(())),
         ("tcp://h:x", 1, Err(())),
+        ("tcp://[::1]:5557", 1, Ok("tcp://[::1]:5558")),
+        ("tcp://h:65535", 0, Ok("tcp://h:65535")),
+        ("tcp://h:65535", 1, Err(())),
+        ("tcp://h", 1, Err(())),
     ];
     for (ep, rank, want) in cases {
         assert_eq!(

@@ -39,19 +39,6 @@ pub fn router(ranks: Vec<App>) -> Router {
     Router::new().fallback(dispatch).with_state(server)
 }
 
-/// `endpoint` (`tcp://host:port`) with its port plus `rank`, as vLLM offsets each rank's
-/// event sockets; unchanged for rank 0 or an endpoint without a port.
-pub fn offset_port(endpoint: &str, rank: usize) -> String {
-    let shifted = endpoint.rsplit_once(':').and_then(|(base, port)| {
-        let port = port.parse::<usize>().ok()? + rank;
-        (port <= usize::from(u16::MAX)).then(|| format!("{base}:{port}"))
-    });
-    match shifted {
-        Some(e) if rank > 0 => e,
-        _ => endpoint.to_owned(),
-    }
-}
-
 /// The engine `header` names: `Ok(None)` without one, `Err` for a value that is not one of
 /// `n` ranks.
 fn named_rank(header: Option<&axum::http::HeaderValue>, n: usize) -> Result<Option<usize>, String> {
@@ -116,19 +103,6 @@ async fn dispatch(State(server): State<Arc<Server>>, req: Request) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn each_rank_publishes_on_the_port_plus_its_rank() {
-        assert_eq!(
-            offset_port("tcp://127.0.0.1:5557", 0),
-            "tcp://127.0.0.1:5557"
-        );
-        assert_eq!(
-            offset_port("tcp://127.0.0.1:5557", 3),
-            "tcp://127.0.0.1:5560"
-        );
-        assert_eq!(offset_port("tcp://[::1]:5557", 1), "tcp://[::1]:5558");
-    }
 
     #[test]
     fn the_rank_header_names_one_of_the_engines() {

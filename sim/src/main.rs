@@ -48,6 +48,7 @@ mod messages;
 mod pd;
 mod render;
 mod responses;
+mod server_info;
 mod tls;
 
 use std::collections::VecDeque;
@@ -200,6 +201,12 @@ struct Args {
     /// Not with --kv-role.
     #[arg(long, default_value_t = 1)]
     data_parallel_size: usize,
+    /// Which engine's `GET /server_info` to serve, with the KV events config (--kv-events)
+    /// in its form: vLLM's (`VLLM_SERVER_DEV_MODE=1`; JSON with `?config_format=json`) or
+    /// SGLang's (`kv_events_config` as its flag's JSON string). Default: SGLang's with
+    /// `--pd-protocol sglang` and a --kv-role (what its gateway reads in P/D mode), else none.
+    #[arg(long, value_enum)]
+    server_info: Option<server_info::Flavour>,
     /// A YAML file with any of these keys (flags given on the command line win).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
@@ -1077,35 +1084,6 @@ async fn kv_pull(State(pd): State<Arc<Pd>>, body: Bytes) -> Response {
         .into_response()
 }
 
-/// SGLang's `/server_info` (and `/model_info`), in `--pd-protocol sglang` with a connector:
-/// what SGLang's gateway reads of a worker in P/D mode (its disaggregation mode, its
-/// bootstrap port and its running window).
-async fn server_info(State(sim): State<App>) -> Response {
-    let mode = match sim.pd.conf.role {
-        KvRole::Producer => "prefill",
-        KvRole::Consumer => "decode",
-        _ => "null",
-    };
-    let model = sim.models().first().cloned().unwrap_or_default();
-    Json(json!({
-        "model_path": model,
-        "served_model_name": model,
-        "tokenizer_path": null,
-        "disaggregation_mode": mode,
-        "disaggregation_bootstrap_port": sim.pd.conf.bootstrap_port,
-        "max_running_requests": sim.args.max_batch,
-        "page_size": sim.args.block_tokens,
-        "version": "inferlb-sim",
-    }))
-    .into_response()
-}
-
-async fn model_info(State(sim): State<App>) -> Response {
-    let model = sim.models().first().cloned().unwrap_or_default();
-    Json(json!({"model_path": model, "tokenizer_path": null, "is_generation": true}))
-        .into_response()
-}
-
 async fn set_fault(State(sim): State<App>, Json(req): Json<FaultRequest>) -> Response {
     match req.fault {
         Fault::Refuse => {
@@ -1349,16 +1327,8 @@ fn router(sim: &App) -> Router {
         .route("/sim/fault", post(set_fault))
         .route("/sim/echo", axum::routing::any(echo))
         .route("/sim/received", get(received));
-    let args = &sim.args;
-    let app = if args.pd_protocol == PdProtocol::Sglang && args.kv_role != KvRole::None {
-        app.route("/server_info", get(server_info))
-            .route("/get_server_info", get(server_info))
-            .route("/model_info", get(model_info))
-            .route("/get_model_info", get(model_info))
-    } else {
-        app
-    };
-    app.with_state(sim.clone())
+    server_info::routes(app, &sim.args)
+        .with_state(sim.clone())
         .route("/sim/kv/pull", post(kv_pull).with_state(sim.pd.clone()))
         .layer(axum::middleware::from_fn_with_state(
             sim.clone(),
@@ -1405,12 +1375,15 @@ async fn main() {
             Some(endpoint) => {
                 let (sink, rx) = kvpub::Sink::new();
                 // vLLM's rank k binds its publisher and replay socket on the port plus k.
+                let for_rank = |e: &str| {
+                    inferlb_kvevents::endpoint_for_rank(e, rank as u32).unwrap_or_else(|err| {
+                        eprintln!("inferlb-sim: --kv-events: {err}");
+                        std::process::exit(2);
+                    })
+                };
                 let conf = kvpub::PublisherConf {
-                    endpoint: dp::offset_port(endpoint, rank),
-                    replay: args
-                        .kv_events_replay
-                        .as_deref()
-                        .map(|e| dp::offset_port(e, rank)),
+                    endpoint: for_rank(endpoint),
+                    replay: args.kv_events_replay.as_deref().map(for_rank),
                     topic: args.kv_events_topic.clone(),
                     buffer: args.kv_events_buffer,
                 };

@@ -33,7 +33,7 @@ pub mod tls;
 pub use admin::{read_token, AdminConf, Token, TokenSource};
 pub use mode::Mode;
 pub use pd::{PdConf, Protocol, Role};
-pub use replica::{check_replica, split_address, Discover, KvEvents, ReplicaConf};
+pub use replica::{check_replica, split_address, Discover, KvEndpoints, KvEvents, ReplicaConf};
 use section::{validate, RawSection};
 
 /// Everything inferlb reads from its conf, validated.

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use inferlb_kvevents::endpoint_for_rank;
 use serde::Deserialize;
 
 use crate::conf::pd::Role;
@@ -66,7 +67,9 @@ pub struct ReplicaConf {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
     /// vLLM's KV event publisher (`--kv-events-config`'s `endpoint`), `tcp://host:port`: its
-    /// cache's stores, evictions and resets, read by a subscriber (`fleet::kv_events`).
+    /// cache's stores, evictions and resets, read by a subscriber (`fleet::kv_events`). Or
+    /// `server_info` ([`KV_EVENTS_FROM_SERVER_INFO`]): the endpoints the replica names in its
+    /// own `GET /server_info`, read again at each reconnect (on a discover entry too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<String>,
     /// Its replay socket (`replay_endpoint`), `tcp://host:port`: missed batches are asked
@@ -96,20 +99,44 @@ pub struct ReplicaConf {
 /// deployments run a few hundred).
 pub const MAX_DATA_PARALLEL: u16 = 1024;
 
+/// `kv_events: server_info`: a replica's event endpoints are those its `GET /server_info`
+/// names (vLLM's, with `VLLM_SERVER_DEV_MODE=1`, or SGLang's).
+pub const KV_EVENTS_FROM_SERVER_INFO: &str = "server_info";
+
 /// A replica's KV event endpoints, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvEvents {
+pub struct KvEndpoints {
     pub publisher: String,
     pub replay: Option<String>,
 }
 
+/// Where a replica's KV events are read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvents {
+    /// The endpoints the conf names.
+    At(KvEndpoints),
+    /// The endpoints the replica's `GET /server_info` names, for its rank
+    /// (`fleet::kv_events::server_info`).
+    ServerInfo,
+}
+
 impl ReplicaConf {
-    /// Its KV event endpoints, when it has them (checked by [`check_replica`]).
+    /// Where its KV events are read, when they are (checked by [`check_replica`]).
     pub fn kv_events(&self) -> Option<KvEvents> {
-        Some(KvEvents {
-            publisher: self.kv_events.clone()?,
-            replay: self.kv_events_replay.clone(),
+        let publisher = self.kv_events.clone()?;
+        Some(if publisher == KV_EVENTS_FROM_SERVER_INFO {
+            KvEvents::ServerInfo
+        } else {
+            KvEvents::At(KvEndpoints {
+                publisher,
+                replay: self.kv_events_replay.clone(),
+            })
         })
+    }
+
+    /// Whether its event endpoints are read from its `/server_info`.
+    fn learns_kv_events(&self) -> bool {
+        self.kv_events.as_deref() == Some(KV_EVENTS_FROM_SERVER_INFO)
     }
 
     /// The entry of one replica a discover entry found at `socket`: the entry's scheme and
@@ -126,7 +153,11 @@ impl ReplicaConf {
             },
             socket: Some(socket),
             discover: None,
-            kv_events: on_it(self.kv_events_port),
+            kv_events: if self.learns_kv_events() {
+                self.kv_events.clone()
+            } else {
+                on_it(self.kv_events_port)
+            },
             kv_events_replay: on_it(self.kv_events_replay_port),
             kv_events_port: None,
             kv_events_replay_port: None,
@@ -137,7 +168,8 @@ impl ReplicaConf {
     /// The replicas this entry stands for: itself, or with `data_parallel_size: n`, one per
     /// rank: `{id}-dp{k}` with `data_parallel_rank: k` and every event endpoint (or port)
     /// offset by k, as vLLM's rank k binds its publisher and replay socket on the configured
-    /// port plus k. Checked by [`check_replica`]: no offset port passes 65535.
+    /// port plus k (`server_info` stays: the rank's offset is taken when the endpoints are
+    /// read). Checked by [`check_replica`]: no offset port passes 65535.
     pub fn ranks(&self) -> Vec<ReplicaConf> {
         let n = match self.data_parallel_size {
             Some(n) if n > 1 => n,
@@ -153,25 +185,20 @@ impl ReplicaConf {
                 id: format!("{}-dp{k}", self.id),
                 data_parallel_size: None,
                 data_parallel_rank: Some(k),
-                kv_events: self.kv_events.as_deref().and_then(|e| offset_port(e, k)),
+                kv_events: match self.kv_events.as_deref() {
+                    Some(KV_EVENTS_FROM_SERVER_INFO) => self.kv_events.clone(),
+                    e => e.and_then(|e| endpoint_for_rank(e, k.into()).ok()),
+                },
                 kv_events_replay: self
                     .kv_events_replay
                     .as_deref()
-                    .and_then(|e| offset_port(e, k)),
+                    .and_then(|e| endpoint_for_rank(e, k.into()).ok()),
                 kv_events_port: self.kv_events_port.and_then(|p| p.checked_add(k)),
                 kv_events_replay_port: self.kv_events_replay_port.and_then(|p| p.checked_add(k)),
                 ..self.clone()
             })
             .collect()
     }
-}
-
-/// `tcp://host:port` with the port plus `k`; None when it is not such an endpoint or the
-/// port passes 65535.
-fn offset_port(endpoint: &str, k: u16) -> Option<String> {
-    let (base, port) = endpoint.rsplit_once(':')?;
-    let port = port.parse::<u16>().ok()?.checked_add(k)?;
-    Some(format!("{base}:{port}"))
 }
 
 /// `tcp://host:port`, as ZMQ names a TCP endpoint.
@@ -227,11 +254,23 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
             ));
         }
     }
-    if let Some(e) = &r.kv_events {
-        check_zmq_endpoint(e).map_err(|m| format!("{key}.kv_events: {m}"))?;
+    if r.learns_kv_events() {
+        let fixed = [
+            ("kv_events_replay", r.kv_events_replay.is_some()),
+            ("kv_events_port", r.kv_events_port.is_some()),
+            ("kv_events_replay_port", r.kv_events_replay_port.is_some()),
+        ];
+        if let Some((name, _)) = fixed.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "{key}.{name}: with kv_events: server_info the replica names its endpoints itself"
+            ));
+        }
+    } else if let Some(e) = &r.kv_events {
+        check_zmq_endpoint(e)
+            .map_err(|m| format!("{key}.kv_events: {m} (or server_info: read from the replica)"))?;
         if r.discover.is_some() {
             return Err(format!(
-                "{key}.kv_events: one publisher cannot be every replica a discover entry finds; list those replicas one by one"
+                "{key}.kv_events: one publisher cannot be every replica a discover entry finds; give kv_events_port, or kv_events: server_info"
             ));
         }
     }
@@ -486,6 +525,76 @@ mod tests {
             let err = super::check_replica(&mut e, "replicas[0]").expect_err(says);
             assert!(err.contains(says), "{err}");
         }
+    }
+
+    /// `kv_events: server_info` stands alone (the replica names both sockets), holds on a
+    /// discover entry's replicas and on each rank, and is read from the replica.
+    #[test]
+    fn server_info_names_the_event_endpoints_on_every_replica_and_rank_it_stands_for() {
+        let learning = |discover: bool| super::ReplicaConf {
+            kv_events: Some("server_info".into()),
+            // One replica's address resolves; a discover entry's is a DNS name.
+            address: if discover {
+                "vllm.test:8000"
+            } else {
+                "127.0.0.1:8000"
+            }
+            .into(),
+            ..entry(discover, None, None)
+        };
+        for discover in [false, true] {
+            let mut e = learning(discover);
+            super::check_replica(&mut e, "replicas[0]").expect("valid");
+            assert_eq!(e.kv_events(), Some(super::KvEvents::ServerInfo));
+        }
+        let mut found = learning(true).found_at("f".into(), "10.0.0.7:8000".parse().unwrap());
+        super::check_replica(&mut found, "replicas[0]").expect("valid");
+        assert_eq!(found.kv_events(), Some(super::KvEvents::ServerInfo));
+        let dp = super::ReplicaConf {
+            data_parallel_size: Some(2),
+            ..learning(false)
+        };
+        let ranks: Vec<_> = dp
+            .ranks()
+            .iter()
+            .map(|r| (r.data_parallel_rank, r.kv_events()))
+            .collect();
+        assert_eq!(
+            ranks,
+            [
+                (Some(0), Some(super::KvEvents::ServerInfo)),
+                (Some(1), Some(super::KvEvents::ServerInfo))
+            ]
+        );
+        for (e, name) in [
+            (
+                super::ReplicaConf {
+                    kv_events_replay: Some("tcp://127.0.0.1:5558".into()),
+                    ..learning(false)
+                },
+                "kv_events_replay",
+            ),
+            (
+                super::ReplicaConf {
+                    kv_events_port: Some(5557),
+                    ..learning(true)
+                },
+                "kv_events_port",
+            ),
+        ] {
+            let mut e = e;
+            let err = super::check_replica(&mut e, "replicas[0]").expect_err(name);
+            assert!(
+                err.contains(name) && err.contains("names its endpoints"),
+                "{err}"
+            );
+        }
+        let mut fixed = super::ReplicaConf {
+            kv_events: Some("tcp://*:5557".into()),
+            ..learning(false)
+        };
+        let err = super::check_replica(&mut fixed, "replicas[0]").expect_err("a bind address");
+        assert!(err.contains("server_info"), "{err}");
     }
 
     /// A data-parallel entry is one replica per rank: ids `{id}-dp{k}`, the rank set, each

@@ -260,7 +260,13 @@ impl Balancer {
                         // the prompt whole: its usage says nothing of what was sent.
                         if self.policy.weighs_prefill() && ctx.owner.is_none() {
                             let links = ctx.info.as_ref().map_or(&[][..], |i| i.shape.links());
-                            self.check_prediction(r, links, (a.predicted, a.predicted_exact), &u);
+                            self.check_prediction(
+                                r,
+                                ctx.family,
+                                links,
+                                (a.predicted, a.predicted_exact),
+                                &u,
+                            );
                         }
                     }
                 }
@@ -290,12 +296,19 @@ impl Balancer {
     /// metrics show both counts side by side.
     /// `predicted`: the tokens, and whether the replica's KV events said so (then the
     /// estimate is not corrected by it).
-    fn check_prediction(&self, r: &Replica, links: &[Link], predicted: (u64, bool), u: &Usage) {
+    fn check_prediction(
+        &self,
+        r: &Replica,
+        family: Family,
+        links: &[Link],
+        predicted: (u64, bool),
+        u: &Usage,
+    ) {
         let (predicted, exact) = predicted;
         let cached = u.cached_reported.then_some(u.cached_tokens);
         let check = r
             .cache
-            .answered(links, predicted, exact, u.prompt_tokens, cached);
+            .answered(family, links, predicted, exact, u.prompt_tokens, cached);
         if check == Check::Unreported {
             return;
         }
@@ -303,7 +316,7 @@ impl Balancer {
         METRICS
             .predicted_cached_tokens
             .with_label_values(&[id])
-            .inc_by(r.cache.index.to_replica_tokens(predicted));
+            .inc_by(r.cache.to_replica_tokens(family, predicted));
         METRICS
             .reported_cached_tokens
             .with_label_values(&[id])

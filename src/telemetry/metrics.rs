@@ -12,8 +12,8 @@ use pingora_prometheus::prometheus::core::{Collector, Desc};
 use pingora_prometheus::prometheus::proto::MetricFamily;
 use pingora_prometheus::prometheus::{
     self, register_histogram_vec, register_int_counter, register_int_counter_vec,
-    register_int_gauge, register_int_gauge_vec, Encoder, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec, Opts,
+    register_int_gauge, register_int_gauge_vec, Encoder, GaugeVec, HistogramVec, IntCounter,
+    IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 
 /// The `replica` label of a request no replica served.
@@ -29,6 +29,9 @@ pub trait ReplicaGauges: Send + Sync {
     fn role(&self) -> &'static str;
     /// KV its running requests hold, in tokens.
     fn kv_tokens(&self) -> u64;
+    /// Bytes of prompt per token of its tokenizer, by API family (`chat`, `completions`,
+    /// `responses`, `messages`), for the families its answers taught one.
+    fn bytes_per_token(&self) -> Vec<(&'static str, f64)>;
 }
 
 type Tracked = HashMap<Arc<str>, Weak<dyn ReplicaGauges>>;
@@ -137,6 +140,7 @@ struct ReplicaGaugeFamilies {
     draining: IntGaugeVec,
     role: IntGaugeVec,
     kv_tokens: IntGaugeVec,
+    bytes_per_token: GaugeVec,
     /// One scrape fills the vectors at a time.
     filling: Mutex<()>,
 }
@@ -168,6 +172,13 @@ impl ReplicaGaugeFamilies {
                 "inferlb_replica_kv_tokens",
                 "KV its running requests hold, in tokens (this process's and its /metrics').",
             )?,
+            bytes_per_token: GaugeVec::new(
+                Opts::new(
+                    "inferlb_replica_bytes_per_token",
+                    "Bytes of prompt per token of the replica's tokenizer, learnt from its answers' usage, by API family.",
+                ),
+                &["replica", "api"],
+            )?,
             filling: Mutex::new(()),
         })
     }
@@ -184,6 +195,7 @@ impl Collector for ReplicaGaugeFamilies {
         ]
         .into_iter()
         .flat_map(|v| v.desc())
+        .chain(self.bytes_per_token.desc())
         .collect()
     }
 
@@ -197,6 +209,7 @@ impl Collector for ReplicaGaugeFamilies {
             &self.kv_tokens,
         ];
         vecs.iter().for_each(|v| v.reset());
+        self.bytes_per_token.reset();
         for (id, r) in tracked().iter() {
             let Some(r) = r.upgrade() else { continue };
             let id: &str = id;
@@ -211,8 +224,16 @@ impl Collector for ReplicaGaugeFamilies {
             self.kv_tokens
                 .with_label_values(&[id])
                 .set(i64::try_from(r.kv_tokens()).unwrap_or(i64::MAX));
+            for (api, ratio) in r.bytes_per_token() {
+                self.bytes_per_token
+                    .with_label_values(&[id, api])
+                    .set(ratio);
+            }
         }
-        vecs.iter().flat_map(|v| v.collect()).collect()
+        vecs.iter()
+            .flat_map(|v| v.collect())
+            .chain(self.bytes_per_token.collect())
+            .collect()
     }
 }
 

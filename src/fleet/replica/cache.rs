@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::fleet::blocks::{BlockIndex, PromptTokens};
 use crate::fleet::index::{PrefixIndex, BYTES_PER_TOKEN};
 use crate::protocol::api::prompt::Link;
+use crate::protocol::api::Family;
 
 /// The cache capacity assumed for a replica that neither the conf nor its `/metrics` sizes.
 pub const DEFAULT_CACHE_TOKENS: u64 = 1_000_000;
@@ -34,6 +35,46 @@ const RATIO_MILLI: std::ops::RangeInclusive<u64> = 1000..=8000;
 /// blocks of 16 tokens it holds (room for a CPU tier and smaller blocks).
 fn max_blocks(tokens: u64) -> usize {
     usize::try_from(tokens / CHECK_BLOCK_TOKENS * 4).unwrap_or(usize::MAX)
+}
+
+/// A mean of bytes per token (in thousandths) over about the last 8 samples.
+#[derive(Default)]
+struct Ratio {
+    milli: AtomicU64,
+    samples: AtomicU64,
+}
+
+impl Ratio {
+    /// Takes one more sample in: the new mean.
+    fn learn(&self, sample: u64) -> u64 {
+        let next = match self.samples.fetch_add(1, Ordering::Relaxed) {
+            0 => sample,
+            _ => {
+                self.milli
+                    .load(Ordering::Relaxed)
+                    .saturating_mul(7)
+                    .saturating_add(sample)
+                    / 8
+            }
+        };
+        self.milli.store(next, Ordering::Relaxed);
+        next
+    }
+
+    /// The mean, once a sample came.
+    fn get(&self) -> Option<u64> {
+        (self.samples.load(Ordering::Relaxed) > 0).then(|| self.milli.load(Ordering::Relaxed))
+    }
+}
+
+/// Each API family's place in [`CacheModel`]'s ratios.
+fn slot(family: Family) -> usize {
+    match family {
+        Family::Chat => 0,
+        Family::Completions => 1,
+        Family::Responses => 2,
+        Family::Messages => 3,
+    }
 }
 
 /// Evictions in a row that shrink an unsized replica's bound.
@@ -96,8 +137,12 @@ pub struct CacheModel {
     live: AtomicBool,
     /// Its `/metrics` gave its size: never shrunk by a guess.
     size_reported: AtomicBool,
-    /// Answers its ratio of bytes to tokens was learnt from.
-    ratio_samples: AtomicU64,
+    /// Its ratio of bytes to tokens over every answer (the index's, which bounds it by its
+    /// capacity: what it holds is of every family).
+    ratio: Ratio,
+    /// The same ratio per API family ([`slot`]): their bodies and templates differ, so one
+    /// family's prompt is counted in its replica's tokens by its own.
+    family_ratios: [Ratio; 4],
     /// Evictions seen since the last confirmed prediction.
     evictions_seen: AtomicU64,
 }
@@ -111,7 +156,8 @@ impl CacheModel {
             blocks: None,
             live: AtomicBool::new(false),
             size_reported: AtomicBool::new(false),
-            ratio_samples: AtomicU64::new(0),
+            ratio: Ratio::default(),
+            family_ratios: Default::default(),
             evictions_seen: AtomicU64::new(0),
         }
     }
@@ -143,14 +189,30 @@ impl CacheModel {
         self.size_reported.store(true, Ordering::Relaxed);
     }
 
-    /// An answer to a prompt of `links` reported `prompt_tokens` (its tokenizer's count) and,
+    /// Estimate tokens of a prompt of `family` in the replica's own tokens: by that family's
+    /// ratio once an answer taught it, else by the replica's.
+    pub fn to_replica_tokens(&self, family: Family, estimate: u64) -> u64 {
+        let milli = self.family_ratios[slot(family)]
+            .get()
+            .unwrap_or_else(|| self.index.bytes_per_token_milli());
+        let scaled =
+            u128::from(estimate) * u128::from(BYTES_PER_TOKEN * 1000) / u128::from(milli.max(1));
+        u64::try_from(scaled).unwrap_or(u64::MAX)
+    }
+
+    /// The bytes per token learnt from `family`'s answers, in thousandths.
+    pub fn bytes_per_token_milli(&self, family: Family) -> Option<u64> {
+        self.family_ratios[slot(family)].get()
+    }
+
+    /// An answer to a `family` prompt of `links` reported `prompt_tokens` (its tokenizer's count) and,
     /// when the replica reports it, `cached` of them from its cache, where the index had
     /// predicted `predicted` estimate tokens. Called once the answer ended, so the replica
     /// holds this prompt now whatever it held before.
     ///
     /// The ratio of bytes to the replica's tokens is learnt from every long enough prompt (a
-    /// mean over about the last 8). A replica that cached less than predicted shows the index
-    /// wrong, and why:
+    /// mean over about the last 8), for the replica and for the family. A replica that cached
+    /// less than predicted shows the index wrong, and why:
     /// - the index was near its bound: the replica evicted sooner than the bound says, so an
     ///   unsized replica's capacity shrinks to what the index held, less a sixteenth, after
     ///   three such answers in a row (the least recently used links go at the next record);
@@ -164,6 +226,7 @@ impl CacheModel {
     /// estimate's.
     pub fn answered(
         &self,
+        family: Family,
         links: &[Link],
         predicted: u64,
         exact: bool,
@@ -176,18 +239,8 @@ impl CacheModel {
             .then(|| bytes.saturating_mul(1000) / prompt_tokens)
             .filter(|s| RATIO_MILLI.contains(s));
         if let Some(sample) = sample {
-            let n = self.ratio_samples.fetch_add(1, Ordering::Relaxed);
-            let next = match n {
-                0 => sample,
-                _ => {
-                    index
-                        .bytes_per_token_milli()
-                        .saturating_mul(7)
-                        .saturating_add(sample)
-                        / 8
-                }
-            };
-            index.set_bytes_per_token_milli(next);
+            index.set_bytes_per_token_milli(self.ratio.learn(sample));
+            self.family_ratios[slot(family)].learn(sample);
         }
         let Some(cached) = cached else {
             return Check::Unreported;
@@ -203,7 +256,7 @@ impl CacheModel {
                     .unwrap_or(u64::MAX)
                     .min(prompt_tokens.saturating_sub(1))
             }
-            None => index.to_replica_tokens(predicted),
+            None => self.to_replica_tokens(family, predicted),
         };
         let slack = CHECK_BLOCK_TOKENS + 1 + expected / 16;
         if cached.saturating_add(slack) >= expected {
@@ -383,14 +436,43 @@ mod tests {
         let bytes = links.last().expect("links").bytes;
         // 1.8 bytes a token, as one real tokenizer gave.
         for _ in 0..3 {
-            m.answered(&links, 0, false, bytes * 10 / 18, None);
+            m.answered(Family::Chat, &links, 0, false, bytes * 10 / 18, None);
         }
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
         // Short prompts teach nothing, nor a body that held a fraction of its prompt.
         let short = long_prompt("ab")[..1].to_vec();
-        m.answered(&short, 0, false, 1, None);
-        m.answered(&links, 0, false, bytes * 20, None);
+        m.answered(Family::Chat, &short, 0, false, 1, None);
+        m.answered(Family::Chat, &links, 0, false, bytes * 20, None);
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
+    }
+
+    /// Chat answers at 1.8 bytes a token and Responses at 3.2 (their bodies differ): each
+    /// family counts its prompts by its own ratio, the replica (what bounds its index) by the
+    /// mix, and a family no answer taught by the replica's.
+    #[test]
+    fn each_api_family_learns_its_own_ratio_beside_the_replicas() {
+        let m = CacheModel::estimate(None);
+        let links = long_prompt("abcd");
+        let bytes = links.last().expect("links").bytes;
+        for _ in 0..20 {
+            m.answered(Family::Chat, &links, 0, false, bytes * 10 / 18, None);
+            m.answered(Family::Responses, &links, 0, false, bytes * 10 / 32, None);
+        }
+        let near = |got: Option<u64>, want: u64| got.is_some_and(|g| g.abs_diff(want) <= 15);
+        assert!(near(m.bytes_per_token_milli(Family::Chat), 1800));
+        assert!(near(m.bytes_per_token_milli(Family::Responses), 3200));
+        assert_eq!(m.bytes_per_token_milli(Family::Messages), None);
+        let mix = m.index.bytes_per_token_milli();
+        assert!((1800..3200).contains(&mix), "{mix}");
+        // 1000 estimate tokens are 4000 bytes.
+        let tokens = |f| m.to_replica_tokens(f, 1000);
+        assert!(
+            tokens(Family::Chat).abs_diff(2222) <= 20,
+            "{}",
+            tokens(Family::Chat)
+        );
+        assert!(tokens(Family::Responses).abs_diff(1250) <= 10);
+        assert_eq!(tokens(Family::Messages), m.index.to_replica_tokens(1000));
     }
 
     /// (predicted estimate tokens, reported cached) → the check, at 4 bytes a token.
@@ -415,7 +497,7 @@ mod tests {
             let m = CacheModel::estimate(None);
             m.prefilled(&links);
             assert_eq!(
-                m.answered(&links, predicted, false, all, cached),
+                m.answered(Family::Chat, &links, predicted, false, all, cached),
                 want,
                 "{predicted} {cached:?}"
             );
@@ -435,7 +517,7 @@ mod tests {
         m.prefilled(&other);
         m.prefilled(&links);
         assert_eq!(
-            m.answered(&links, all, false, all, Some(0)),
+            m.answered(Family::Chat, &links, all, false, all, Some(0)),
             Check::Wrong { evicted: false }
         );
         assert_eq!(m.likely_cached(Prompt::of_links(&other)).0, 0);
@@ -450,7 +532,7 @@ mod tests {
         m.prefilled(&other);
         m.prefilled(&links);
         assert_eq!(
-            m.answered(&links, all, true, all, Some(0)),
+            m.answered(Family::Chat, &links, all, true, all, Some(0)),
             Check::Wrong { evicted: false }
         );
         assert_eq!(m.likely_cached(Prompt::of_links(&other)).0, all);
@@ -464,23 +546,23 @@ mod tests {
         let guessed = CacheModel::estimate(None);
         guessed.index.set_capacity_tokens(all + 10);
         guessed.prefilled(&links);
-        guessed.answered(&links, all, false, all, Some(all / 2));
+        guessed.answered(Family::Chat, &links, all, false, all, Some(all / 2));
         assert_eq!(guessed.index.capacity_tokens(), all + 10, "one is a hint");
-        guessed.answered(&links, all, false, all, Some(all / 2));
-        guessed.answered(&links, all, false, all, Some(all / 2));
+        guessed.answered(Family::Chat, &links, all, false, all, Some(all / 2));
+        guessed.answered(Family::Chat, &links, all, false, all, Some(all / 2));
         let c = guessed.index.capacity_tokens();
         assert!(c < all + 10 && c >= MIN_GUESSED_CACHE_TOKENS, "{c}");
         // Sized by the conf: kept.
         let sized = CacheModel::estimate(Some(all + 10));
         sized.prefilled(&links);
-        sized.answered(&links, all, false, all, Some(all / 2));
+        sized.answered(Family::Chat, &links, all, false, all, Some(all / 2));
         assert_eq!(sized.index.capacity_tokens(), all + 10);
         // Sized by its /metrics: kept.
         let reported = CacheModel::estimate(None);
         reported.capacity_reported();
         reported.index.set_capacity_tokens(all + 10);
         reported.prefilled(&links);
-        reported.answered(&links, all, false, all, Some(all / 2));
+        reported.answered(Family::Chat, &links, all, false, all, Some(all / 2));
         assert_eq!(reported.index.capacity_tokens(), all + 10);
     }
 }

@@ -183,6 +183,21 @@ impl ReplicaGauges for Replica {
     fn kv_tokens(&self) -> u64 {
         Replica::kv_tokens(self)
     }
+    fn bytes_per_token(&self) -> Vec<(&'static str, f64)> {
+        use crate::protocol::api::Family;
+        [
+            (Family::Chat, "chat"),
+            (Family::Completions, "completions"),
+            (Family::Responses, "responses"),
+            (Family::Messages, "messages"),
+        ]
+        .into_iter()
+        .filter_map(|(f, api)| {
+            let milli = self.cache.bytes_per_token_milli(f)?;
+            Some((api, milli as f64 / 1000.0))
+        })
+        .collect()
+    }
 }
 
 #[cfg(test)]

@@ -16,8 +16,13 @@
 //! whose removal was missed, so it is emptied at the gap and only what is stored after counts.
 //! `gone`: the publisher cannot be reached.
 //!
+//! The endpoints are the conf's, or (`kv_events: server_info`) those the replica names in its
+//! own `GET /server_info` ([`server_info`]), read again before each (re)connect.
+//!
 //! Never on the request path: the sockets are read by background tasks that change a
 //! replica's indexes under their own locks.
+
+pub mod server_info;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -30,7 +35,7 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::conf::KvEvents;
+use crate::conf::{KvEndpoints, KvEvents};
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::Replica;
 use crate::telemetry::metrics::METRICS;
@@ -170,12 +175,19 @@ impl BackgroundService for KvEventWatcher {
 /// whose sequence went back restarted, so its cache is empty and the estimate is cleared;
 /// otherwise the batches missed meanwhile are applied. What the first connect replays only
 /// establishes where the stream stands: an old reset in the buffer clears nothing.
-async fn subscribe(replica: Weak<Replica>, ep: KvEvents) {
+async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
     let mut state = None;
     let mut seq = Sequence::default();
+    let mut learnt = None;
     while let Some(r) = replica.upgrade() {
         let id = r.id.clone();
+        let ep = endpoints(&r, &source, &mut learnt).await;
         drop(r);
+        let Some(ep) = ep else {
+            transition(&replica, &id, &mut state, StreamState::Gone);
+            tokio::time::sleep(IDLE_CHECK).await;
+            continue;
+        };
         let mut sub = zeromq::SubSocket::new();
         let connected = tokio::time::timeout(SOCKET_TIMEOUT, sub.connect(&ep.publisher)).await;
         if !matches!(connected, Ok(Ok(()))) || sub.subscribe("").await.is_err() {
@@ -255,6 +267,42 @@ async fn subscribe(replica: Weak<Replica>, ep: KvEvents) {
         }
         tokio::time::sleep(IDLE_CHECK).await;
     }
+}
+
+/// The endpoints to (re)connect to: the conf's, or those the replica's `/server_info` names
+/// now, logged when they change and once for each reason they cannot be read (`last`).
+async fn endpoints(
+    r: &Replica,
+    source: &KvEvents,
+    last: &mut Option<Result<KvEndpoints, String>>,
+) -> Option<KvEndpoints> {
+    if let KvEvents::At(ep) = source {
+        return Some(ep.clone());
+    }
+    let now = match crate::fleet::probe::get(r, server_info::PATH, SOCKET_TIMEOUT).await {
+        Some((200, body)) => server_info::endpoints(
+            &body,
+            r.endpoint.socket.ip(),
+            r.endpoint.data_parallel_rank.unwrap_or(0),
+        ),
+        Some((status, _)) => Err(format!(
+            "its /server_info answered {status} (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
+        )),
+        None => Err("its /server_info did not answer".into()),
+    };
+    if last.as_ref() != Some(&now) {
+        match &now {
+            Ok(ep) => log::info!(
+                "replica {}: KV events on {} (replay: {}), as its /server_info names them",
+                r.id,
+                ep.publisher,
+                ep.replay.as_deref().unwrap_or("none")
+            ),
+            Err(m) => log::warn!("replica {}: its KV events are not read: {m}", r.id),
+        }
+        *last = Some(now.clone());
+    }
+    now.ok()
 }
 
 /// A stream silent this long is subscribed anew (see [`subscribe`]).
