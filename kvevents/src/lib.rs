@@ -492,10 +492,10 @@ pub fn endpoint_for_rank(endpoint: &str, rank: u32) -> Result<String, Error> {
     if endpoint.starts_with("inproc://") {
         return Ok(format!("{endpoint}_dp{rank}"));
     }
-    if !endpoint.starts_with("tcp://") {
+    let Some(address) = endpoint.strip_prefix("tcp://") else {
         return err(format!("endpoint {endpoint}: must be tcp:// or inproc://"));
-    }
-    let Some((base, port)) = endpoint.rsplit_once(':') else {
+    };
+    let Some((host, port)) = address.rsplit_once(':') else {
         return err(format!("endpoint {endpoint}: no port"));
     };
     let port: u16 = port
@@ -505,7 +505,7 @@ pub fn endpoint_for_rank(endpoint: &str, rank: u32) -> Result<String, Error> {
         return Ok(endpoint.to_string());
     }
     match u16::try_from(u32::from(port) + rank) {
-        Ok(p) => Ok(format!("{base}:{p}")),
+        Ok(p) => Ok(format!("tcp://{host}:{p}")),
         Err(_) => err(format!(
             "endpoint {endpoint}: rank {rank} moves it past port 65535"
         )),

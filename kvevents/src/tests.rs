@@ -445,4 +445,6 @@ fn ranks_offset_the_port() {
             "{ep} {rank}"
         );
     }
+    let no_port = endpoint_for_rank("tcp://h", 1).expect_err("no port");
+    assert!(no_port.to_string().contains("no port"), "{no_port}");
 }

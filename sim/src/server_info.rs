@@ -41,13 +41,15 @@ pub fn routes(app: Router<App>, args: &Args) -> Router<App> {
     }
 }
 
-/// The `--kv-events-config` this simulator would have been started with: the flags'
-/// endpoints, as vLLM and SGLang name them (rank 0's; each rank adds its rank).
+/// The `--kv-events-config` an engine would be started with to listen where this simulator
+/// does (rank 0's; each rank adds its rank): the engines bind the publisher only on a
+/// wildcard host (on any other they connect out), so its host is `*` here, whatever loopback
+/// address the simulator binds; the replay endpoint as given (they bind it on any host).
 fn kv_events_config(args: &Args) -> Option<Value> {
-    let endpoint = args.kv_events.as_deref()?;
+    let (_, port) = args.kv_events.as_deref()?.rsplit_once(':')?;
     Some(json!({
         "publisher": "zmq",
-        "endpoint": endpoint,
+        "endpoint": format!("tcp://*:{port}"),
         "replay_endpoint": args.kv_events_replay,
         "topic": args.kv_events_topic,
         "buffer_steps": args.kv_events_buffer,

@@ -178,7 +178,7 @@ impl BackgroundService for KvEventWatcher {
 async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
     let mut state = None;
     let mut seq = Sequence::default();
-    let mut learnt = None;
+    let mut learnt = Learnt::default();
     while let Some(r) = replica.upgrade() {
         let id = r.id.clone();
         let ep = endpoints(&r, &source, &mut learnt).await;
@@ -269,40 +269,85 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
     }
 }
 
+/// What the subscriber learnt from a replica's `/server_info`.
+#[derive(Default)]
+struct Learnt {
+    /// The endpoints last read, and logged.
+    good: Option<KvEndpoints>,
+    /// The reasons logged since (each once).
+    logged: std::collections::HashSet<String>,
+    /// Reads that failed in a row: the next is put off longer (1 s doubling to 32 s).
+    failures: u32,
+}
+
 /// The endpoints to (re)connect to: the conf's, or those the replica's `/server_info` names
-/// now, logged when they change and once for each reason they cannot be read (`last`).
-async fn endpoints(
-    r: &Replica,
-    source: &KvEvents,
-    last: &mut Option<Result<KvEndpoints, String>>,
-) -> Option<KvEndpoints> {
+/// now. When the replica does not answer it, the endpoints read last stand (their own probe
+/// tells whether they listen); an answer that names none ends them. Logged when they change,
+/// and each reason they cannot be read once until they can.
+async fn endpoints(r: &Replica, source: &KvEvents, learnt: &mut Learnt) -> Option<KvEndpoints> {
     if let KvEvents::At(ep) = source {
         return Some(ep.clone());
     }
-    let now = match crate::fleet::probe::get(r, server_info::PATH, SOCKET_TIMEOUT).await {
-        Some((200, body)) => server_info::endpoints(
-            &body,
-            r.endpoint.socket.ip(),
-            r.endpoint.data_parallel_rank.unwrap_or(0),
-        ),
-        Some((status, _)) => Err(format!(
-            "its /server_info answered {status} (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
-        )),
-        None => Err("its /server_info did not answer".into()),
-    };
-    if last.as_ref() != Some(&now) {
-        match &now {
-            Ok(ep) => log::info!(
-                "replica {}: KV events on {} (replay: {}), as its /server_info names them",
-                r.id,
-                ep.publisher,
-                ep.replay.as_deref().unwrap_or("none")
-            ),
-            Err(m) => log::warn!("replica {}: its KV events are not read: {m}", r.id),
+    let rank = r.endpoint.data_parallel_rank;
+    let mut answer = Err("its /server_info did not answer".to_string());
+    for path in server_info::PATHS {
+        match crate::fleet::probe::get(r, path, SOCKET_TIMEOUT).await {
+            Some((200, body)) => {
+                answer = Ok(server_info::endpoints(&body, r.endpoint.socket.ip(), rank));
+                break;
+            }
+            Some((404, _)) => {
+                answer = Err(
+                    "it serves neither /server_info nor /get_server_info (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)"
+                        .to_string(),
+                );
+            }
+            Some((status, _)) => {
+                answer = Err(format!("its /server_info answered {status}"));
+                break;
+            }
+            None => break,
         }
-        *last = Some(now.clone());
     }
-    now.ok()
+    let now = match answer {
+        Ok(named) => named,
+        // Unanswered: what it named before stands.
+        Err(m) if learnt.good.is_some() => {
+            if learnt.logged.insert(m.clone()) {
+                log::warn!(
+                    "replica {}: {m}; its KV events are read where it named them last",
+                    r.id
+                );
+            }
+            return learnt.good.clone();
+        }
+        Err(m) => Err(m),
+    };
+    match now {
+        Ok(ep) => {
+            if learnt.good.as_ref() != Some(&ep) {
+                log::info!(
+                    "replica {}: KV events on {} (replay: {}), as its /server_info names them",
+                    r.id,
+                    ep.publisher,
+                    ep.replay.as_deref().unwrap_or("none")
+                );
+            }
+            learnt.logged.clear();
+            learnt.failures = 0;
+            learnt.good = Some(ep.clone());
+            Some(ep)
+        }
+        Err(m) => {
+            if learnt.logged.insert(m.clone()) {
+                log::warn!("replica {}: its KV events are not read: {m}", r.id);
+            }
+            learnt.good = None;
+            learnt.failures = learnt.failures.saturating_add(1);
+            tokio::time::sleep(Duration::from_secs(1 << learnt.failures.min(6)) / 2).await;
+            None
+        }
+    }
 }
 
 /// A stream silent this long is subscribed anew (see [`subscribe`]).

@@ -6,13 +6,19 @@
 //!   as JSON, whose `vllm_config.kv_events_config` holds `enable_kv_cache_events`, `publisher`
 //!   (`zmq`), `endpoint` and `replay_endpoint`. Without dev mode the path answers 404, and
 //!   without `config_format=json` the config is text; both are reported, not guessed at.
-//! - SGLang, always: its server arguments, whose `kv_events_config` is the JSON string given
-//!   to `--kv-events-config` (`publisher`, `endpoint`, `replay_endpoint`), or null.
+//! - SGLang (`/server_info`, or `/get_server_info` before it had that): its server
+//!   arguments, whose `kv_events_config` is the JSON string given to `--kv-events-config`
+//!   (`publisher`, `endpoint`, `replay_endpoint`), or null.
 //!
-//! The endpoints are bind addresses (`tcp://*:5557` as often as not): a wildcard host is the
-//! replica's own address, and a rank's sockets are on the ports plus its rank, as both engines
-//! bind them. A host other than the replica's own is refused: a replica names its own sockets,
-//! never where else inferlb should connect.
+//! The engines bind the publisher only on a wildcard host (`*` or `::`; on any other address
+//! they connect out to a subscriber that binds, which inferlb is not), and the replay socket
+//! always: so the publisher's host must be a wildcard, read as the replica's own address, and
+//! the replay's a wildcard or that address. `*` and `0.0.0.0` bind IPv4 only (ZMQ without
+//! `ZMQ_IPV6`), so an IPv6 replica needs `::`. A rank's sockets are on the ports plus its rank,
+//! as both engines bind them: the conf's rank, else the one vLLM reports
+//! (`parallel_config.data_parallel_rank`, a rank behind its own API server). A host other than
+//! the replica's own is refused: a replica names its own sockets, never where else inferlb
+//! should connect.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -20,20 +26,33 @@ use serde_json::Value;
 
 use crate::conf::KvEndpoints;
 
-/// The path asked: vLLM's JSON form; SGLang ignores the query.
-pub const PATH: &str = "/server_info?config_format=json";
+/// The paths asked, in turn on a 404: vLLM's JSON form (SGLang ignores the query), then the
+/// older SGLang's.
+pub const PATHS: [&str; 2] = ["/server_info?config_format=json", "/get_server_info"];
+
+/// Which engine's form an answer takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    Vllm,
+    Sglang,
+}
 
 /// The endpoints an answer of `GET /server_info` names, for the replica at `ip` serving
-/// data-parallel rank `rank` (0 without data parallelism). Pure.
-pub fn endpoints(body: &[u8], ip: IpAddr, rank: u16) -> Result<KvEndpoints, String> {
+/// data-parallel rank `rank` (None: the conf names none). Pure.
+pub fn endpoints(body: &[u8], ip: IpAddr, rank: Option<u16>) -> Result<KvEndpoints, String> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("its /server_info is not JSON: {e}"))?;
-    let config = match v.get("vllm_config") {
+    let (form, config, reported_rank) = match v.get("vllm_config") {
         Some(Value::String(_)) => {
             return Err("its /server_info gave vLLM's config as text, not JSON".into())
         }
-        Some(c) => c.get("kv_events_config"),
-        None => v.get("kv_events_config"),
+        Some(c) => (
+            Form::Vllm,
+            c.get("kv_events_config"),
+            c.pointer("/parallel_config/data_parallel_rank")
+                .and_then(Value::as_u64),
+        ),
+        None => (Form::Sglang, v.get("kv_events_config"), None),
     };
     // SGLang's is the JSON string of its flag.
     let parsed;
@@ -50,29 +69,49 @@ pub fn endpoints(body: &[u8], ip: IpAddr, rank: u16) -> Result<KvEndpoints, Stri
             )
         }
     };
-    if config.get("enable_kv_cache_events") == Some(&Value::Bool(false)) {
-        return Err("its KV events are off (enable_kv_cache_events: false)".into());
+    // vLLM publishes only when enabled; SGLang's publisher defaults to none ("null").
+    if form == Form::Vllm && config.get("enable_kv_cache_events") != Some(&Value::Bool(true)) {
+        return Err("its KV events are off (enable_kv_cache_events is not true)".into());
     }
     match config.get("publisher").and_then(Value::as_str) {
-        None | Some("zmq") => {}
-        Some(other) => return Err(format!("its KV event publisher is {other:?}, not zmq")),
+        Some("zmq") => {}
+        None if form == Form::Vllm => {}
+        other => {
+            return Err(format!(
+                "its KV event publisher is {}, not zmq",
+                other.unwrap_or("null (unset)")
+            ))
+        }
     }
+    let rank = match rank {
+        Some(k) => k,
+        None => u16::try_from(reported_rank.unwrap_or(0))
+            .map_err(|_| "its data_parallel_rank is not a rank".to_string())?,
+    };
     let publisher = match config.get("endpoint").and_then(Value::as_str) {
-        Some(e) => on_replica(e, ip, rank)?,
+        Some(e) => on_replica(e, ip, rank, Socket::Publisher)?,
         None => return Err("its kv_events_config has no endpoint".into()),
     };
     let replay = match config.get("replay_endpoint") {
         None | Some(Value::Null) => None,
         Some(Value::String(e)) if e.is_empty() => None,
-        Some(Value::String(e)) => Some(on_replica(e, ip, rank)?),
+        Some(Value::String(e)) => Some(on_replica(e, ip, rank, Socket::Replay)?),
         Some(other) => return Err(format!("its replay_endpoint {other} is not an endpoint")),
     };
     Ok(KvEndpoints { publisher, replay })
 }
 
+/// Which of the two sockets an endpoint names: the engines bind the publisher only on a
+/// wildcard host, the replay socket on any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Socket {
+    Publisher,
+    Replay,
+}
+
 /// A bound endpoint (`tcp://host:port`) as a connectable one on the replica at `ip`, on the
 /// port plus `rank`.
-fn on_replica(endpoint: &str, ip: IpAddr, rank: u16) -> Result<String, String> {
+fn on_replica(endpoint: &str, ip: IpAddr, rank: u16, socket: Socket) -> Result<String, String> {
     let shifted = inferlb_kvevents::endpoint_for_rank(endpoint, rank.into())
         .map_err(|e| format!("its KV events {e}"))?;
     let Some((host, port)) = shifted
@@ -92,11 +131,22 @@ fn on_replica(endpoint: &str, ip: IpAddr, rank: u16) -> Result<String, String> {
         }
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let wildcard = matches!(host, "" | "*" | "0.0.0.0" | "::");
+    let ipv4_only = matches!(host, "*" | "0.0.0.0");
+    let wildcard = ipv4_only || host == "::";
     let own = host.parse::<IpAddr>().is_ok_and(|h| h == ip);
+    if socket == Socket::Publisher && !(host == "*" || host == "::") {
+        return Err(format!(
+            "its KV events endpoint {endpoint:?} is not a wildcard (* or ::): on any other host the engine connects out instead of listening"
+        ));
+    }
     if !(wildcard || own) {
         return Err(format!(
             "its KV events endpoint {endpoint:?} is not on its own address {ip}"
+        ));
+    }
+    if ipv4_only && ip.is_ipv6() {
+        return Err(format!(
+            "its KV events endpoint {endpoint:?} listens on IPv4 only, and its address {ip} is IPv6 (bind :: for both)"
         ));
     }
     Ok(format!("tcp://{}", SocketAddr::new(ip, port)))
@@ -108,7 +158,12 @@ mod tests {
     use serde_json::json;
 
     fn vllm(kv: Value) -> Vec<u8> {
-        json!({"vllm_config": {"model_config": {"model": "m"}, "kv_events_config": kv},
+        vllm_ranked(kv, 0)
+    }
+
+    fn vllm_ranked(kv: Value, rank: u64) -> Vec<u8> {
+        json!({"vllm_config": {"model_config": {"model": "m"}, "kv_events_config": kv,
+            "parallel_config": {"data_parallel_size": 4, "data_parallel_rank": rank}},
             "vllm_env": {}, "system_env": {}})
         .to_string()
         .into_bytes()
@@ -118,6 +173,11 @@ mod tests {
         json!({"model_path": "m", "kv_events_config": kv, "dp_size": 1})
             .to_string()
             .into_bytes()
+    }
+
+    fn on(endpoint: &str, replay: Value) -> Value {
+        json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": endpoint,
+            "replay_endpoint": replay, "topic": ""})
     }
 
     #[test]
@@ -130,35 +190,64 @@ mod tests {
                 replay: r.map(str::to_string),
             })
         };
-        let on = json!({"enable_kv_cache_events": true, "publisher": "zmq",
-            "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""});
-        let sg = r#"{"publisher": "zmq", "endpoint": "tcp://0.0.0.0:5557"}"#;
-        type Case = (Vec<u8>, IpAddr, u16, Result<KvEndpoints, String>);
+        let wild = on("tcp://*:5557", json!("tcp://*:5558"));
+        let sg = r#"{"publisher": "zmq", "endpoint": "tcp://*:5557"}"#;
+        type Case = (Vec<u8>, IpAddr, Option<u16>, Result<KvEndpoints, String>);
         let cases: Vec<Case> = vec![
             (
-                vllm(on.clone()),
+                vllm(wild.clone()),
                 ip,
-                0,
+                None,
                 both("tcp://10.0.0.7:5557", Some("tcp://10.0.0.7:5558")),
             ),
             (
-                vllm(on.clone()),
+                vllm(wild.clone()),
                 ip,
-                3,
+                Some(3),
                 both("tcp://10.0.0.7:5560", Some("tcp://10.0.0.7:5561")),
             ),
+            // A rank behind its own API server: the rank it reports.
             (
-                vllm(on.clone()),
+                vllm_ranked(wild.clone(), 2),
+                ip,
+                None,
+                both("tcp://10.0.0.7:5559", Some("tcp://10.0.0.7:5560")),
+            ),
+            // The conf's rank wins over the server's (one server, every rank behind it).
+            (
+                vllm_ranked(wild.clone(), 2),
+                ip,
+                Some(1),
+                both("tcp://10.0.0.7:5558", Some("tcp://10.0.0.7:5559")),
+            ),
+            (
+                vllm(on("tcp://[::]:5557", json!("tcp://[fd00::7]:5558"))),
                 v6,
-                1,
+                Some(1),
                 both("tcp://[fd00::7]:5558", Some("tcp://[fd00::7]:5559")),
             ),
-            (sglang(Some(sg)), ip, 0, both("tcp://10.0.0.7:5557", None)),
-            (sglang(Some(sg)), ip, 2, both("tcp://10.0.0.7:5559", None)),
             (
-                vllm(json!({"endpoint": "tcp://10.0.0.7:6000", "replay_endpoint": null})),
+                vllm(on("tcp://*:5557", json!("tcp://10.0.0.7:6000"))),
                 ip,
-                0,
+                None,
+                both("tcp://10.0.0.7:5557", Some("tcp://10.0.0.7:6000")),
+            ),
+            (
+                sglang(Some(sg)),
+                ip,
+                None,
+                both("tcp://10.0.0.7:5557", None),
+            ),
+            (
+                sglang(Some(sg)),
+                ip,
+                Some(2),
+                both("tcp://10.0.0.7:5559", None),
+            ),
+            (
+                vllm(on("tcp://*:6000", Value::Null)),
+                ip,
+                None,
                 both("tcp://10.0.0.7:6000", None),
             ),
         ];
@@ -170,52 +259,83 @@ mod tests {
     #[test]
     fn what_names_no_usable_socket_of_its_own_is_refused_with_the_reason() {
         let ip: IpAddr = "10.0.0.7".parse().unwrap();
-        let cases: Vec<(Vec<u8>, &str)> = vec![
-            (b"<html>".to_vec(), "not JSON"),
+        let v6: IpAddr = "fd00::7".parse().unwrap();
+        let cases: Vec<(Vec<u8>, IpAddr, &str)> = vec![
+            (b"<html>".to_vec(), ip, "not JSON"),
             (
                 json!({"vllm_config": "VllmConfig(...)"})
                     .to_string()
                     .into_bytes(),
+                ip,
                 "as text",
             ),
-            (sglang(None), "publishes no KV events"),
+            (sglang(None), ip, "publishes no KV events"),
             (
                 vllm(json!({"enable_kv_cache_events": false, "publisher": "null",
                     "endpoint": "tcp://*:5557"})),
+                ip,
                 "are off",
             ),
             (
-                vllm(json!({"publisher": "nats", "endpoint": "tcp://*:5557"})),
+                vllm(json!({"publisher": "zmq", "endpoint": "tcp://*:5557"})),
+                ip,
+                "are off",
+            ),
+            (
+                vllm(json!({"enable_kv_cache_events": true, "publisher": "nats",
+                    "endpoint": "tcp://*:5557"})),
+                ip,
                 "not zmq",
             ),
-            (vllm(json!({"publisher": "zmq"})), "no endpoint"),
-            (sglang(Some("{not json")), "not JSON"),
+            // SGLang's publisher defaults to none.
             (
-                vllm(json!({"endpoint": "tcp://10.9.9.9:5557"})),
-                "not on its own address",
+                sglang(Some(r#"{"endpoint": "tcp://*:5557"}"#)),
+                ip,
+                "not zmq",
             ),
             (
-                vllm(json!({"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://evil:5558"})),
+                vllm(json!({"enable_kv_cache_events": true, "publisher": "zmq"})),
+                ip,
+                "no endpoint",
+            ),
+            (sglang(Some("{not json")), ip, "not JSON"),
+            // Any host but a wildcard: the engine's publisher connects out.
+            (
+                vllm(on("tcp://10.0.0.7:5557", Value::Null)),
+                ip,
+                "not a wildcard",
+            ),
+            (
+                vllm(on("tcp://0.0.0.0:5557", Value::Null)),
+                ip,
+                "not a wildcard",
+            ),
+            (
+                vllm(on("tcp://*:5557", json!("tcp://10.9.9.9:5558"))),
+                ip,
                 "not on its own address",
             ),
-            (vllm(json!({"endpoint": "ipc:///tmp/kv"})), "tcp://"),
+            (vllm(on("tcp://*:5557", Value::Null)), v6, "IPv4 only"),
             (
-                vllm(json!({"endpoint": "inproc://cache"})),
+                vllm(on("ipc:///tmp/kv", Value::Null)),
+                ip,
                 "tcp://host:port",
             ),
-            (vllm(json!({"endpoint": "tcp://*:0"})), "no fixed port"),
             (
-                vllm(json!({"endpoint": "tcp://*:65535"})),
+                vllm(on("inproc://cache", Value::Null)),
+                ip,
+                "tcp://host:port",
+            ),
+            (vllm(on("tcp://*:0", Value::Null)), ip, "no fixed port"),
+            (
+                vllm_ranked(on("tcp://*:65535", Value::Null), 1),
+                ip,
                 "past port 65535",
             ),
-            (
-                vllm(json!({"endpoint": "tcp://*:5557", "replay_endpoint": 5558})),
-                "not an endpoint",
-            ),
+            (vllm(on("tcp://*:5557", json!(5558))), ip, "not an endpoint"),
         ];
-        for (body, says) in cases {
-            let rank = if says == "past port 65535" { 1 } else { 0 };
-            let err = endpoints(&body, ip, rank).expect_err(says);
+        for (body, ip, says) in cases {
+            let err = endpoints(&body, ip, None).expect_err(says);
             assert!(err.contains(says), "{says}: {err}");
         }
     }

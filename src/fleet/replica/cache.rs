@@ -45,18 +45,16 @@ struct Ratio {
 }
 
 impl Ratio {
-    /// Takes one more sample in: the new mean.
+    /// Takes one more sample (within [`RATIO_MILLI`]) in: the new mean. Two answers at once may
+    /// lose one's sample, never average with a mean not yet written (0).
     fn learn(&self, sample: u64) -> u64 {
-        let next = match self.samples.fetch_add(1, Ordering::Relaxed) {
+        let first = self.samples.fetch_add(1, Ordering::Relaxed) == 0;
+        let next = match self.milli.load(Ordering::Relaxed) {
             0 => sample,
-            _ => {
-                self.milli
-                    .load(Ordering::Relaxed)
-                    .saturating_mul(7)
-                    .saturating_add(sample)
-                    / 8
-            }
-        };
+            _ if first => sample,
+            mean => mean.saturating_mul(7).saturating_add(sample) / 8,
+        }
+        .clamp(*RATIO_MILLI.start(), *RATIO_MILLI.end());
         self.milli.store(next, Ordering::Relaxed);
         next
     }
