@@ -23,11 +23,17 @@
 //!   pieces, so that the render costs per message, not per byte; the split regex runs on the
 //!   `regex` crate where that splits as `fancy-regex` does ([`pretok`]).
 //!
-//! Cost (`cargo bench -p inferlb-tokens`, 2 cores shared at a load of 5 to 8, mimalloc, a
-//! 600-token trained BPE): a 400 KB conversation takes about 150 ms cold and 1.9 to 2.2 ms with
-//! one new turn (from 290 ms and 3.9 ms before placeholders and `regex`); of that turn, parsing
-//! the body is about 0.35 ms, the placeholder render of 200 messages 0.5 ms and tokenizing the
-//! ~2 KB turn 0.35 ms.
+//! - Where the pre-tokenizer splits once by a regex and then maps bytes (GPT-2's, Llama 3's,
+//!   Qwen2's) and the model is a BPE, each split's ids are kept (`words.rs`): a new turn costs a
+//!   lookup per word, not the pipeline's per-byte alignments and per-token strings.
+//!
+//! Cost (`cargo bench -p inferlb-tokens`, 2 shared cores, mimalloc, a 600-token trained BPE;
+//! wall times move by up to 2x with the machine's load, so compare within one run): a 400 KB
+//! conversation takes about 100 ms cold and 1.0 ms with one new turn on an idle machine (1.3 ms
+//! before the kept split ids; 150 ms and 1.9 to 2.2 ms loaded, and 290 ms and 3.9 ms before
+//! placeholders and `regex`). Of that turn, parsing the body is about 0.30 ms, the placeholder
+//! render of 200 messages 0.49 ms, and tokenizing the ~2 KB turn 0.1 ms (from 0.38). A 4 KB
+//! conversation's new turn takes 0.13 ms (from 0.42 ms in the same run).
 
 mod cache;
 pub mod chat;
@@ -35,6 +41,7 @@ pub mod config;
 pub mod fixture;
 pub mod pretok;
 pub mod template;
+mod words;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -129,7 +136,7 @@ impl ChatTokens {
 }
 
 /// The model's tokenizer with the faster pre-tokenizer of [`pretok`].
-type FastTokenizer = tokenizers::TokenizerImpl<
+pub(crate) type FastTokenizer = tokenizers::TokenizerImpl<
     tokenizers::ModelWrapper,
     tokenizers::NormalizerWrapper,
     pretok::FastPre,
@@ -142,6 +149,9 @@ pub struct ModelTokens {
     tokenizer: Tokenizer,
     /// The same tokenizer with a faster pre-tokenizer, where it has one that splits the same.
     fast: Option<FastTokenizer>,
+    /// The ids of each pre-tokenizer split seen, where the fast tokenizer's splits are
+    /// tokenized each on its own.
+    words: Option<words::Words>,
     env: Option<Environment<'static>>,
     config: TokenizerConfig,
     config_path: PathBuf,
@@ -367,9 +377,11 @@ impl ModelTokens {
                     .with_added_vocabulary(tokenizer.get_added_vocabulary().clone());
                 t
             });
+        let words = fast.as_ref().and_then(words::Words::for_tokenizer);
         Ok(Self {
             tokenizer,
             fast,
+            words,
             env,
             config,
             config_path,
@@ -569,6 +581,51 @@ impl ModelTokens {
         .map_err(|e| Error::Encode(e.to_string()))
     }
 
+    /// `text`'s ids (no special tokens added), and the end of its last cut token with the
+    /// number of ids up to it: the last added token a later text cannot change.
+    fn ids_with_cut(&self, text: &str) -> Result<(Vec<u32>, Cut), Error> {
+        let confirmed = |id: u32, end: usize| {
+            self.cut_tokens.get(&id).is_some_and(|content| {
+                let len = content.len();
+                end >= len
+                    && end <= text.len()
+                    && text.as_bytes()[end - len..end] == *content.as_bytes()
+            })
+        };
+        if let (Some(t), Some(w)) = (&self.fast, &self.words) {
+            let got = w.ids(t, text)?;
+            let cut = got
+                .added
+                .iter()
+                .rev()
+                .find(|(id, end, _)| confirmed(*id, *end))
+                .map(|&(_, end, n)| (end, n));
+            return Ok((got.ids, cut));
+        }
+        let enc = self.encode(text, false)?;
+        let cut = enc
+            .get_ids()
+            .iter()
+            .zip(enc.get_offsets())
+            .enumerate()
+            .rev()
+            .find(|(_, (id, off))| confirmed(**id, off.1))
+            .map(|(i, (_, off))| (off.1, i + 1));
+        Ok((enc.get_ids().to_vec(), cut))
+    }
+
+    /// The ids of `text` as the model's tokenizer gives them without added special tokens, by
+    /// the fastest path this model has (the kept ids of its pre-tokenizer splits, where it
+    /// splits once and maps bytes).
+    pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, Error> {
+        Ok(self.ids_with_cut(text)?.0)
+    }
+
+    /// Whether [`ModelTokens::text_ids`] keeps its splits' ids.
+    pub fn keeps_split_ids(&self) -> bool {
+        self.words.is_some()
+    }
+
     /// The ids of a chat body, rendered and tokenized whole (the reference for the cached path).
     pub fn chat_ids_uncached(&self, body: &[u8]) -> Result<Vec<u32>, Error> {
         let text = self.render_chat(body)?;
@@ -609,7 +666,7 @@ impl ModelTokens {
             }
         };
         if !self.reuse || b.messages.is_empty() {
-            let ids = self.encode(&text.string_from(0), false)?.get_ids().to_vec();
+            let ids = self.ids_with_cut(&text.string_from(0))?.0;
             return Ok(ChatTokens {
                 ids,
                 reused: 0,
@@ -654,33 +711,12 @@ impl ModelTokens {
             Some(end) => &whole_tail[..end],
             None => whole_tail.as_str(),
         };
-        let enc = self.encode(tail, false)?;
-        let mut ids = Vec::with_capacity(base_len + enc.len());
+        let (tail_ids, cut) = self.ids_with_cut(tail)?;
+        let mut ids = Vec::with_capacity(base_len + tail_ids.len());
         for s in &base_ids {
             ids.extend_from_slice(s);
         }
-        ids.extend_from_slice(enc.get_ids());
-        // The new cut: the last added token of the tail that a later text cannot change.
-        let mut cut = None;
-        for (i, (id, off)) in enc
-            .get_ids()
-            .iter()
-            .zip(enc.get_offsets())
-            .enumerate()
-            .rev()
-        {
-            if let Some(content) = self.cut_tokens.get(id) {
-                let end = off.1;
-                let len = content.len();
-                if end >= len
-                    && end <= tail.len()
-                    && tail.as_bytes()[end - len..end] == *content.as_bytes()
-                {
-                    cut = Some((end, i + 1));
-                    break;
-                }
-            }
-        }
+        ids.extend_from_slice(&tail_ids);
         // Stopped within a budget: the ids stand only up to a cut the encoding confirms (an
         // added token the text search took for one may have been read otherwise).
         let mut covered = base_cut + tail.len();
@@ -698,7 +734,7 @@ impl ModelTokens {
             Some((end, n)) => {
                 hasher.update(&tail.as_bytes()[..end]);
                 let mut segments = base_ids.clone();
-                segments.push(Arc::from(&enc.get_ids()[..n]));
+                segments.push(Arc::from(&tail_ids[..n]));
                 Some(cache::Entry {
                     cut: base_cut + end,
                     prefix_hash: hasher.digest128(),
@@ -782,6 +818,9 @@ fn pieces<'a>(text: &'a str, contents: &'a [Option<Value>]) -> Option<Vec<&'a st
     out.push(rest);
     Some(out)
 }
+
+/// Where a text's last cut token ends, and the number of its ids up to there.
+type Cut = Option<(usize, usize)>;
 
 /// A text held as the pieces it is made of.
 struct Rope<'a> {

@@ -170,6 +170,31 @@ impl FastPre {
     }
 }
 
+impl FastPre {
+    /// The split regex and the byte mapping, where the pre-tokenizer is one regex split
+    /// (isolated) and then the byte mapping alone (no prefix space): a text's splits are then
+    /// its regex matches and the gaps between them, each mapped and tokenized on its own, so
+    /// that a split's ids can be kept ([`crate::words`]).
+    pub fn words(&self) -> Option<(&FastRegex, &ByteLevel)> {
+        match self.steps.as_slice() {
+            [Step::ByteLevel {
+                add_prefix_space: false,
+                split,
+                bytes,
+            }] => Some((split, bytes)),
+            [Step::Split(split, SplitDelimiterBehavior::Isolated), Step::Keep(bytes)] => {
+                match bytes.as_ref() {
+                    PreTokenizerWrapper::ByteLevel(b) if !b.add_prefix_space && !b.use_regex => {
+                        Some((split, b))
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
+    }
+}
+
 impl PreTokenizer for FastPre {
     fn pre_tokenize(&self, pretokenized: &mut PreTokenizedString) -> tokenizers::Result<()> {
         for step in &self.steps {

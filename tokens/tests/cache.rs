@@ -112,10 +112,11 @@ proptest! {
 
     /// The pre-tokenizer run by `regex` (GPT-2's pattern in `ByteLevel`, with and without the
     /// prefix space, and Llama 3's and Qwen2's in a `Split`) gives the ids the `tokenizers`
-    /// crate's own (`fancy-regex`) gives.
+    /// crate's own (`fancy-regex`) gives; so do the kept ids of each split (`text_ids`, twice:
+    /// tokenized, then kept), added tokens and an NFC normalizer among them.
     #[test]
     fn the_fast_pre_tokenizer_gives_the_same_ids(
-        which in 0..4usize,
+        which in 0..5usize,
         parts in prop::collection::vec(prop_oneof![
             text(),
             "[ \t\r\n\u{a0}\u{3000}]{1,5}",
@@ -131,17 +132,27 @@ proptest! {
             "[!-/:-@]{1,3}",
             // Trailing whitespace runs.
             "[a-z]{1,3}[ \t\n\u{3000}]{2,6}",
+            Just("<|im_start|>".to_owned()),
+            Just(" <|im_end|>\n".to_owned()),
+            // Not NFC: composed by the normalizer.
+            Just("e\u{301}a\u{308} \u{212b}".to_owned()),
         ], 0..16),
     ) {
         let (_dir, m) = match which {
             0 => model(fixture::CHATML_TOOLS),
             1 => byte_level_prefix_space_model(),
             2 => split_model(LLAMA3_SPLIT),
-            _ => split_model(QWEN2_SPLIT),
+            3 => split_model(QWEN2_SPLIT),
+            _ => nfc_split_model(QWEN2_SPLIT),
         };
+        prop_assert!(which == 1 || m.keeps_split_ids());
         let t = parts.concat();
         let want = m.tokenizer().encode(t.as_str(), true).unwrap().get_ids().to_vec();
         prop_assert_eq!(m.prompt_ids(&t).unwrap(), want, "{:?}", t);
+        let plain = m.tokenizer().encode(t.as_str(), false).unwrap().get_ids().to_vec();
+        for _ in 0..2 {
+            prop_assert_eq!(m.text_ids(&t).unwrap(), plain.clone(), "{:?}", t);
+        }
     }
 }
 
@@ -166,6 +177,22 @@ fn split_model(pattern: &str) -> (tempfile::TempDir, ModelTokens) {
         {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
         {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
     ]}))
+}
+
+/// Qwen2's: NFC, then the split.
+fn nfc_split_model(pattern: &str) -> (tempfile::TempDir, ModelTokens) {
+    let dir = tempfile::tempdir().unwrap();
+    fixture::write_dir(dir.path(), fixture::CHATML_TOOLS).unwrap();
+    let path = dir.path().join("tokenizer.json");
+    let mut tk: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tk["normalizer"] = json!({"type": "NFC"});
+    tk["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+    ]});
+    std::fs::write(&path, tk.to_string()).unwrap();
+    let m = ModelTokens::from_dir(dir.path()).unwrap();
+    (dir, m)
 }
 
 /// GPT-2's `ByteLevel` with a space put before each split that lacks one.
