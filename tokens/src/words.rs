@@ -9,7 +9,7 @@
 //! per-token strings. The added tokens and the normalizer are still `tokenizers`' own.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{PoisonError, RwLock};
 
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::tokenizer::pattern::Pattern;
@@ -30,8 +30,13 @@ pub const WORDS_KEPT: usize = 1 << 16;
 pub const WORD_BYTES: usize = 64;
 
 /// The kept splits, and how to tokenize one that is not kept.
+///
+/// Texts of one model are tokenized on several threads at once: lookups share a read lock,
+/// which a text holds only between its misses; the splits it tokenized are kept under the
+/// write lock once it is done. The map is a cache: a panic that poisoned the lock leaves it
+/// usable.
 pub struct Words {
-    memo: Mutex<HashMap<Box<str>, Box<[u32]>>>,
+    memo: RwLock<HashMap<Box<str>, Box<[u32]>>>,
     limit: usize,
 }
 
@@ -50,7 +55,7 @@ impl Words {
         t.get_pre_tokenizer()?.words()?;
         match t.get_model() {
             ModelWrapper::BPE(bpe) if bpe.dropout.is_none() => Some(Self {
-                memo: Mutex::new(HashMap::new()),
+                memo: RwLock::new(HashMap::new()),
                 limit: WORDS_KEPT,
             }),
             _ => None,
@@ -72,7 +77,9 @@ impl Words {
             ids: Vec::with_capacity(text.len() / 3),
             added: Vec::new(),
         };
-        let mut memo = self.memo.lock().expect("words lock");
+        // Splits this text tokenized, kept once it is done (a repeat within it is a hit).
+        let mut fresh: HashMap<&str, Vec<u32>> = HashMap::new();
+        let mut memo = self.memo.read().unwrap_or_else(PoisonError::into_inner);
         for (piece, offsets, tokens) in
             pieces.get_splits(OffsetReferential::Original, OffsetType::Byte)
         {
@@ -97,14 +104,24 @@ impl Words {
                     out.ids.extend_from_slice(ids);
                     continue;
                 }
+                if let Some(ids) = fresh.get(word) {
+                    out.ids.extend_from_slice(ids);
+                    continue;
+                }
                 // A split not kept is tokenized without the lock held.
                 drop(memo);
                 let ids = word_ids(t.get_model(), bytes, word)?;
                 out.ids.extend_from_slice(&ids);
-                memo = self.memo.lock().expect("words lock");
-                if word.len() > WORD_BYTES {
-                    continue;
+                if word.len() <= WORD_BYTES {
+                    fresh.insert(word, ids);
                 }
+                memo = self.memo.read().unwrap_or_else(PoisonError::into_inner);
+            }
+        }
+        drop(memo);
+        if !fresh.is_empty() {
+            let mut memo = self.memo.write().unwrap_or_else(PoisonError::into_inner);
+            for (word, ids) in fresh {
                 if memo.len() >= self.limit {
                     memo.clear();
                 }
@@ -144,9 +161,47 @@ mod tests {
         let want = m.tokenizer().encode(text.as_str(), false).unwrap();
         for _ in 0..3 {
             assert_eq!(m.text_ids(&text).unwrap(), want.get_ids());
-            let memo = m.words.as_ref().unwrap().memo.lock().unwrap();
+            let memo = m.words.as_ref().unwrap().memo.read().unwrap();
             assert!(memo.len() <= 3, "{}", memo.len());
             assert!(!memo.keys().any(|k| k.len() > super::WORD_BYTES));
         }
+    }
+
+    #[test]
+    fn texts_tokenized_on_several_threads_at_once_get_their_own_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        fixture::write_dir(dir.path(), fixture::CHATML_TOOLS).unwrap();
+        let mut m = ModelTokens::from_dir(dir.path()).unwrap();
+        // A small map, emptied while other threads read it.
+        m.words.as_mut().expect("a byte-level BPE").limit = 16;
+        let texts: Vec<String> = (0..8)
+            .map(|i| {
+                let words = "cache prefix replica weather ".repeat(i * 20);
+                format!("<|im_start|>user\nturn {i}: {words} Paris {i}{i}<|im_end|>\n")
+            })
+            .collect();
+        let want: Vec<Vec<u32>> = texts
+            .iter()
+            .map(|t| {
+                m.tokenizer()
+                    .encode(t.as_str(), false)
+                    .unwrap()
+                    .get_ids()
+                    .to_vec()
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for k in 0..4 {
+                let (m, texts, want) = (&m, &texts, &want);
+                s.spawn(move || {
+                    for round in 0..10 {
+                        for i in 0..texts.len() {
+                            let i = (i + k + round) % texts.len();
+                            assert_eq!(m.text_ids(&texts[i]).unwrap(), want[i], "text {i}");
+                        }
+                    }
+                });
+            }
+        });
     }
 }
