@@ -105,7 +105,12 @@ fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_re
         sim(dir.path(), "d1", "consumer", &[]),
         sim(dir.path(), "d2", "consumer", &[]),
     );
-    let lb = pd_lb(dir.path(), &[&p1], &[&d1, &d2], "{local_prefill_tokens: 0}");
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1],
+        &[&d1, &d2],
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
+    );
     let history = text_of("history", 3000);
     for stream in [true, false] {
         let a = chat(&lb, &[("user", &format!("{stream} {history}"))], stream);
@@ -189,7 +194,12 @@ fn a_turn_its_decode_replica_mostly_holds_is_served_whole_there() {
     let dir = tempfile::tempdir().expect("dir");
     let p1 = sim(dir.path(), "p1", "producer", &[]);
     let d1 = sim(dir.path(), "d1", "consumer", &[]);
-    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 512}");
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1],
+        &[&d1],
+        "{local_prefill_tokens: 512, local_prefill_idle_tokens: 0}",
+    );
     let first = text_of("local", 4000);
     let a = chat(&lb, &[("user", &first)], false);
     assert_eq!((a.status, a.route.as_str()), (200, "pd"), "{}", a.text);
@@ -214,6 +224,56 @@ fn a_turn_its_decode_replica_mostly_holds_is_served_whole_there() {
     assert!(lb.metric("inferlb_pd_whole_total{reason=\"small_uncached\"}") >= 1.0);
 }
 
+/// A decode replica that runs nothing prefills a turn of up to `local_prefill_idle_tokens`
+/// itself: no stream there to stall. The same turn, while it decodes another stream, goes
+/// through the prefill pool.
+#[test]
+fn an_idle_decode_replica_prefills_a_larger_turn_itself_a_busy_one_hands_it_over() {
+    let dir = tempfile::tempdir().expect("dir");
+    let p1 = sim(dir.path(), "p1", "producer", &[]);
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1],
+        &[&d1],
+        "{local_prefill_tokens: 512, local_prefill_idle_tokens: 8192}",
+    );
+    let prefills = stat(&p1, "handover_prefill_requests");
+    let a = chat(&lb, &[("user", &text_of("idle", 3000))], false);
+    assert_eq!(
+        (a.status, a.route.as_str(), a.replica.as_str()),
+        (200, "pd-local", "d1"),
+        "{}",
+        a.text
+    );
+    assert_eq!(stat(&p1, "handover_prefill_requests"), prefills);
+    assert_eq!(
+        lb.metric("inferlb_pd_whole_total{reason=\"idle_decode\"}"),
+        1.0
+    );
+    // A long stream on d1 (4000 tokens, 4 s at speed 20), its header read: d1 is busy.
+    let long = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(&[("user", "a long answer")], true, 4000))
+        .send()
+        .expect("send");
+    assert_eq!(long.status().as_u16(), 200);
+    let b = chat(&lb, &[("user", &text_of("busy", 3000))], false);
+    assert_eq!(
+        (
+            b.status,
+            b.route.as_str(),
+            b.replica.as_str(),
+            b.prefill.as_str()
+        ),
+        (200, "pd", "d1", "p1"),
+        "{}",
+        b.text
+    );
+    assert_eq!(stat(&p1, "handover_prefill_requests"), prefills + 1);
+    drop(long);
+}
+
 #[test]
 fn a_failing_prefill_fails_over_to_another_prefill_replica() {
     let dir = tempfile::tempdir().expect("dir");
@@ -222,7 +282,12 @@ fn a_failing_prefill_fails_over_to_another_prefill_replica() {
         sim(dir.path(), "p2", "producer", &[]),
     );
     let d1 = sim(dir.path(), "d1", "consumer", &[]);
-    let lb = pd_lb(dir.path(), &[&p1, &p2], &[&d1], "{local_prefill_tokens: 0}");
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1, &p2],
+        &[&d1],
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
+    );
     p1.fault(json!({"fault": "error500"}));
     for i in 0..6 {
         let a = chat(
@@ -266,7 +331,7 @@ fn a_decode_that_cannot_be_reached_gets_the_same_kv_on_another_replica() {
         entry(&d1, "decode"),
         entry(&d2, "decode"),
     ];
-    conf.extra = "  pd: {local_prefill_tokens: 0}\n".into();
+    conf.extra = "  pd: {local_prefill_tokens: 0, local_prefill_idle_tokens: 0}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     let first = text_of("conv", 3000);
     let turn1 = chat(&lb, &[("user", &first)], false);
@@ -322,7 +387,7 @@ fn a_failed_pull_gets_a_fresh_prefill_and_another_decode_before_any_byte() {
         dir.path(),
         &[&p1, &p2],
         &[&d1, &d2],
-        "{local_prefill_tokens: 0}",
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
     );
     let mut served_after_failure = 0;
     for i in 0..6 {
@@ -362,7 +427,12 @@ fn with_no_prefill_replica_live_requests_are_served_whole_on_decode_replicas() {
     let dir = tempfile::tempdir().expect("dir");
     let mut p1 = sim(dir.path(), "p1", "producer", &[]);
     let d1 = sim(dir.path(), "d1", "consumer", &[]);
-    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1],
+        &[&d1],
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
+    );
     p1.stop();
     assert!(
         wait_until(Duration::from_secs(10), || lb.replica_state("p1")["live"]
@@ -401,7 +471,12 @@ fn a_client_that_leaves_during_the_prefill_leaves_no_decode_behind() {
         &["--prefill-tokens-per-s", "2000"],
     );
     let d1 = sim(dir.path(), "d1", "consumer", &[]);
-    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1],
+        &[&d1],
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
+    );
     let body = chat_body(&[("user", &text_of("leave", 20_000))], true, 8);
     let quick = reqwest::blocking::Client::builder()
         .timeout(Duration::from_millis(150))
@@ -446,7 +521,8 @@ fn sglang_handover_sends_both_legs_to_one_bootstrap_room() {
         },
         entry(&d1, "decode"),
     ];
-    conf.extra = "  pd: {protocol: sglang, local_prefill_tokens: 0}\n".into();
+    conf.extra =
+        "  pd: {protocol: sglang, local_prefill_tokens: 0, local_prefill_idle_tokens: 0}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     for stream in [true, false] {
         let a = chat(
@@ -476,7 +552,7 @@ fn roles_come_through_the_admin_api_and_plain_replicas_never_see_handover_fields
     let mut conf = test_conf();
     conf.routing = Some("prefill_cost".into());
     conf.replicas = vec![Replica::of(&plain), entry(&p1, "prefill")];
-    conf.extra = "  pd: {local_prefill_tokens: 0}\n".into();
+    conf.extra = "  pd: {local_prefill_tokens: 0, local_prefill_idle_tokens: 0}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     // No decode replica yet: served whole, on the plain replica.
     let a = chat(&lb, &[("user", &text_of("before", 2000))], false);
@@ -546,7 +622,7 @@ fn responses_and_messages_are_handed_over_and_fail_over_too() {
         dir.path(),
         &[&p1, &p2],
         &[&d1, &d2],
-        "{local_prefill_tokens: 0}",
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
     );
     // Each request twice in a row: ties between the two idle prefill replicas alternate, so
     // one of the two meets p1's expired KV first, whatever the parity.
@@ -607,7 +683,12 @@ fn a_decode_stream_cut_after_its_first_token_reaches_the_client_as_cut() {
     let dir = tempfile::tempdir().expect("dir");
     let p1 = sim(dir.path(), "p1", "producer", &[]);
     let d1 = sim(dir.path(), "d1", "consumer", &[]);
-    let lb = pd_lb(dir.path(), &[&p1], &[&d1], "{local_prefill_tokens: 0}");
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1],
+        &[&d1],
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
+    );
     d1.fault(json!({"fault": "cut_stream", "count": 1}));
     let r = http()
         .post(lb.url("/v1/chat/completions"))

@@ -179,6 +179,9 @@ pub struct Args {
     /// `pd.local_prefill_tokens` of inferlb P/D in the fronts table and the kill scene.
     #[arg(long, default_value_t = 1024)]
     pd_local_prefill_tokens: usize,
+    /// `pd.local_prefill_idle_tokens` of every inferlb P/D run (0: only `local_prefill_tokens`).
+    #[arg(long, default_value_t = 8192)]
+    pd_local_prefill_idle_tokens: usize,
     /// Requests of the trace the P/D scene replays (smoke: 12).
     #[arg(long)]
     pd_trace_requests: Option<usize>,
@@ -604,6 +607,7 @@ async fn main() {
                 .collect();
         }
         pc.local_prefill_tokens = a.pd_local_prefill_tokens;
+        pc.local_prefill_idle_tokens = a.pd_local_prefill_idle_tokens;
         pc.peers_venv = venv.clone();
         if let Some(v) = &a.smg_venv {
             pc.smg_venv = v.clone();

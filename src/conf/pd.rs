@@ -80,6 +80,7 @@ impl Protocol {
 pub struct RawPd {
     protocol: Protocol,
     local_prefill_tokens: u64,
+    local_prefill_idle_tokens: u64,
     prefill_timeout_seconds: f64,
 }
 
@@ -87,11 +88,17 @@ pub struct RawPd {
 /// rather than sent through the prefill pool (see docs/routing.md for the measurement).
 pub const DEFAULT_LOCAL_PREFILL_TOKENS: u64 = 1024;
 
+/// Tokens below which a turn's uncached part is prefilled on a decode replica that runs
+/// nothing: one engine step at vLLM's default budget on a large GPU (`max_num_batched_tokens`
+/// 8192), so a handover arriving meanwhile waits at most a step (docs/pd.md).
+pub const DEFAULT_LOCAL_PREFILL_IDLE_TOKENS: u64 = 8192;
+
 impl Default for RawPd {
     fn default() -> Self {
         RawPd {
             protocol: Protocol::Vllm,
             local_prefill_tokens: DEFAULT_LOCAL_PREFILL_TOKENS,
+            local_prefill_idle_tokens: DEFAULT_LOCAL_PREFILL_IDLE_TOKENS,
             prefill_timeout_seconds: 600.0,
         }
     }
@@ -104,6 +111,9 @@ pub struct PdConf {
     /// A turn whose prompt its decode replica lacks fewer tokens of than this is served whole
     /// there: no prefill hop, no KV moved.
     pub local_prefill_tokens: u64,
+    /// The same where the decode replica runs nothing (no stream there to stall); never
+    /// less than `local_prefill_tokens`.
+    pub local_prefill_idle_tokens: u64,
     /// The prefill leg's whole exchange must end within this.
     pub prefill_timeout: std::time::Duration,
 }
@@ -115,11 +125,15 @@ impl Default for PdConf {
 }
 
 pub fn validate(raw: RawPd) -> Result<PdConf, String> {
-    if raw.local_prefill_tokens > 10_000_000 {
-        return Err(format!(
-            "inferlb.pd.local_prefill_tokens: {} is more than a prompt (at most 10,000,000)",
-            raw.local_prefill_tokens
-        ));
+    for (key, tokens) in [
+        ("local_prefill_tokens", raw.local_prefill_tokens),
+        ("local_prefill_idle_tokens", raw.local_prefill_idle_tokens),
+    ] {
+        if tokens > 10_000_000 {
+            return Err(format!(
+                "inferlb.pd.{key}: {tokens} is more than a prompt (at most 10,000,000)"
+            ));
+        }
     }
     let t = raw.prefill_timeout_seconds;
     if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
@@ -130,6 +144,7 @@ pub fn validate(raw: RawPd) -> Result<PdConf, String> {
     Ok(PdConf {
         protocol: raw.protocol,
         local_prefill_tokens: raw.local_prefill_tokens,
+        local_prefill_idle_tokens: raw.local_prefill_idle_tokens,
         prefill_timeout: std::time::Duration::from_secs_f64(t),
     })
 }
@@ -161,12 +176,20 @@ mod tests {
         let raw = |tokens, secs| RawPd {
             protocol: Protocol::Vllm,
             local_prefill_tokens: tokens,
+            local_prefill_idle_tokens: tokens,
             prefill_timeout_seconds: secs,
         };
         assert!(validate(raw(0, 1.0)).is_ok());
         assert!(validate(raw(20_000_000, 1.0))
             .unwrap_err()
             .contains("local_prefill_tokens"));
+        let idle = RawPd {
+            local_prefill_idle_tokens: 20_000_000,
+            ..RawPd::default()
+        };
+        assert!(validate(idle)
+            .unwrap_err()
+            .contains("local_prefill_idle_tokens"));
         for bad in [0.0, -1.0, f64::NAN, 1e9] {
             assert!(validate(raw(1, bad))
                 .unwrap_err()

@@ -66,10 +66,26 @@ pub enum Path {
     Handover,
 }
 
-/// `uncached`: the prompt tokens the chosen decode replica lacks; below `local_prefill_tokens`
-/// the turn is prefilled there.
-pub fn path(uncached: u64, local_prefill_tokens: u64) -> Path {
-    if uncached < local_prefill_tokens {
+/// When a turn is prefilled on its decode replica instead of going through the prefill pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Local {
+    /// An uncached part below this is prefilled there whatever it runs: a short prefill
+    /// stalls its streams for less than a hop and a pull cost the turn.
+    pub tokens: u64,
+    /// Below this (when more than `tokens`), where the decode replica runs nothing: there is
+    /// no stream there for the prefill to stall, and the turn skips the hop and the pull.
+    pub idle_tokens: u64,
+}
+
+/// `uncached`: the prompt tokens the chosen decode replica lacks; `idle`: it runs no request
+/// (nothing reported running, nothing of inferlb's in flight there).
+pub fn path(uncached: u64, idle: bool, local: Local) -> Path {
+    let limit = if idle {
+        local.tokens.max(local.idle_tokens)
+    } else {
+        local.tokens
+    };
+    if uncached < limit {
         Path::Local
     } else {
         Path::Handover
@@ -173,9 +189,33 @@ mod tests {
     }
 
     #[test]
-    fn a_small_uncached_part_is_prefilled_on_the_decode_replica() {
-        assert_eq!(path(300, 1024), Path::Local);
-        assert_eq!(path(1024, 1024), Path::Handover);
-        assert_eq!(path(0, 0), Path::Handover, "0 turns the local path off");
+    fn a_small_uncached_part_is_prefilled_on_the_decode_replica_a_larger_one_where_it_is_idle() {
+        let local = |tokens, idle_tokens| Local {
+            tokens,
+            idle_tokens,
+        };
+        // (uncached, idle, tokens, idle_tokens) -> path
+        let rows = [
+            (300, false, 1024, 8192, Path::Local),
+            (1024, false, 1024, 8192, Path::Handover),
+            // an agent's +2000-token turn: prefilled where nothing runs, handed over where
+            // its prefill would stall other streams
+            (2032, true, 1024, 8192, Path::Local),
+            (2032, false, 1024, 8192, Path::Handover),
+            (8192, true, 1024, 8192, Path::Handover),
+            // an idle bound below the other one takes nothing away
+            (300, true, 1024, 0, Path::Local),
+            (2032, true, 1024, 0, Path::Handover),
+            // both 0: always through the prefill pool
+            (0, true, 0, 0, Path::Handover),
+            (0, false, 0, 0, Path::Handover),
+        ];
+        for (uncached, idle, tokens, idle_tokens, want) in rows {
+            assert_eq!(
+                path(uncached, idle, local(tokens, idle_tokens)),
+                want,
+                "{uncached} idle={idle} {tokens}/{idle_tokens}"
+            );
+        }
     }
 }

@@ -266,7 +266,8 @@ pub struct Metrics {
     /// Legs of disaggregated requests, by replica, leg (`prefill`, `decode`) and outcome.
     pub pd_legs: ReplicaCounters,
     /// Disaggregated-pool requests served whole (`pd-local`) and why: `small_uncached`,
-    /// `no_prefill_live`, `no_handover` (a body or answer the handover cannot carry).
+    /// `idle_decode`, `no_prefill_live`, `prefill_failed`, `same_replica`, `no_handover` (a
+    /// body or answer the handover cannot carry).
     pub pd_whole: IntCounterVec,
     /// KV tokens a decode replica was expected to pull (the prompt minus what it holds).
     pub pd_pull_tokens: ReplicaCounters,

@@ -103,10 +103,10 @@ impl PdFront {
     }
 
     /// How it was set up, for the report.
-    fn setup(self, local_prefill_tokens: usize) -> String {
+    fn setup(self, local_prefill_tokens: usize, idle_tokens: usize) -> String {
         match self {
             PdFront::InferlbPd(p) => format!(
-                "2 prefill + 2 decode, pd.protocol {}, local_prefill_tokens {local_prefill_tokens}, routing prefill_cost",
+                "2 prefill + 2 decode, pd.protocol {}, local_prefill_tokens {local_prefill_tokens}, local_prefill_idle_tokens {idle_tokens}, routing prefill_cost",
                 p.name()
             ),
             PdFront::InferlbAgg => "4 replicas, no KV connector, routing prefill_cost".into(),
@@ -156,6 +156,8 @@ pub struct PdConf {
     pub fronts: Vec<PdFront>,
     /// `pd.local_prefill_tokens` of the fronts table and the kill scene.
     pub local_prefill_tokens: usize,
+    /// `pd.local_prefill_idle_tokens` of every inferlb P/D run, the sweep's included.
+    pub local_prefill_idle_tokens: usize,
     pub thresholds: Vec<usize>,
     pub peers_venv: PathBuf,
     pub smg_venv: PathBuf,
@@ -195,6 +197,7 @@ impl PdConf {
             smoke,
             fronts: vec![],
             local_prefill_tokens: 1024,
+            local_prefill_idle_tokens: 8192,
             thresholds: vec![0, 256, 1024, 4096],
             peers_venv: venv,
             smg_venv,
@@ -411,8 +414,9 @@ impl Fleet {
                     .collect();
                 let extra = match front.protocol() {
                     Some(p) if front != PdFront::InferlbAgg => format!(
-                        "  pd: {{protocol: {}, local_prefill_tokens: {local_prefill_tokens}}}\n",
-                        p.name()
+                        "  pd: {{protocol: {}, local_prefill_tokens: {local_prefill_tokens}, local_prefill_idle_tokens: {}}}\n",
+                        p.name(),
+                        pc.local_prefill_idle_tokens
                     ),
                     _ => String::new(),
                 };
@@ -1000,7 +1004,7 @@ async fn kill_scene(client: &reqwest::Client, pc: &PdConf) -> KillResult {
     let mut k = KillResult {
         setup: format!(
             "{}; {}; p0 stopped at 1/3 of {:.0} modelled s, d0 at 2/3",
-            front.setup(pc.local_prefill_tokens),
+            front.setup(pc.local_prefill_tokens, pc.local_prefill_idle_tokens),
             pc.kill_agent.describe(),
             pc.kill_seconds
         ),
@@ -1196,8 +1200,10 @@ pub async fn pd(client: &reqwest::Client, pc: &PdConf) -> PdResult {
         }
     };
     for &front in &pc.fronts {
-        res.setups
-            .push((front.name().into(), front.setup(pc.local_prefill_tokens)));
+        res.setups.push((
+            front.name().into(),
+            front.setup(pc.local_prefill_tokens, pc.local_prefill_idle_tokens),
+        ));
     }
     for (i, &front) in pc.fronts.iter().enumerate() {
         eprintln!("[pd] {}: agent loop", front.name());

@@ -292,14 +292,20 @@ impl Balancer {
         let chosen = routing::pd::choose_decode(prompt, home, &available, ask.tick);
         let uncached = prompt.saturating_sub(routing::pd::held(chosen, home));
         let decode = fleet.iter().find(|r| *r.id == *chosen.id)?.clone();
-        if routing::pd::path(uncached, self.conf.pd.local_prefill_tokens)
-            == routing::pd::Path::Local
+        let idle = chosen.running == 0 && chosen.in_flight == 0;
+        let local = routing::pd::Local {
+            tokens: self.conf.pd.local_prefill_tokens,
+            idle_tokens: self.conf.pd.local_prefill_idle_tokens,
+        };
+        if routing::pd::path(uncached, idle, local) == routing::pd::Path::Local
             && decode.role.serves_whole()
         {
-            METRICS
-                .pd_whole
-                .with_label_values(&["small_uncached"])
-                .inc();
+            let reason = if uncached < local.tokens {
+                "small_uncached"
+            } else {
+                "idle_decode"
+            };
+            METRICS.pd_whole.with_label_values(&[reason]).inc();
             ctx.forced = Some((decode, Route::PdLocal));
             return None;
         }
