@@ -17,7 +17,8 @@
 //! `gone`: the publisher cannot be reached.
 //!
 //! The endpoints are the conf's, or (`kv_events: server_info`) those the replica names in its
-//! own `GET /server_info` ([`server_info`]), read again before each (re)connect.
+//! own `GET /server_info` ([`server_info`], which reads it and parses it), read again before
+//! each (re)connect.
 //!
 //! Never on the request path: the sockets are read by background tasks that change a
 //! replica's indexes under their own locks.
@@ -35,7 +36,7 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::conf::{KvEndpoints, KvEvents};
+use crate::conf::KvEvents;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::Replica;
 use crate::telemetry::metrics::METRICS;
@@ -178,10 +179,10 @@ impl BackgroundService for KvEventWatcher {
 async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
     let mut state = None;
     let mut seq = Sequence::default();
-    let mut learnt = Learnt::default();
+    let mut learnt = server_info::Learnt::default();
     while let Some(r) = replica.upgrade() {
         let id = r.id.clone();
-        let ep = endpoints(&r, &source, &mut learnt).await;
+        let ep = server_info::read(&r, &source, &mut learnt, SOCKET_TIMEOUT).await;
         drop(r);
         let Some(ep) = ep else {
             transition(&replica, &id, &mut state, StreamState::Gone);
@@ -266,87 +267,6 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             transition(&replica, &id, &mut state, seq.state());
         }
         tokio::time::sleep(IDLE_CHECK).await;
-    }
-}
-
-/// What the subscriber learnt from a replica's `/server_info`.
-#[derive(Default)]
-struct Learnt {
-    /// The endpoints last read, and logged.
-    good: Option<KvEndpoints>,
-    /// The reasons logged since (each once).
-    logged: std::collections::HashSet<String>,
-    /// Reads that failed in a row: the next is put off longer (1 s doubling to 32 s).
-    failures: u32,
-}
-
-/// The endpoints to (re)connect to: the conf's, or those the replica's `/server_info` names
-/// now. When the replica does not answer it, the endpoints read last stand (their own probe
-/// tells whether they listen); an answer that names none ends them. Logged when they change,
-/// and each reason they cannot be read once until they can.
-async fn endpoints(r: &Replica, source: &KvEvents, learnt: &mut Learnt) -> Option<KvEndpoints> {
-    if let KvEvents::At(ep) = source {
-        return Some(ep.clone());
-    }
-    let rank = r.endpoint.data_parallel_rank;
-    let mut answer = Err("its /server_info did not answer".to_string());
-    for path in server_info::PATHS {
-        match crate::fleet::probe::get(r, path, SOCKET_TIMEOUT).await {
-            Some((200, body)) => {
-                answer = Ok(server_info::endpoints(&body, r.endpoint.socket.ip(), rank));
-                break;
-            }
-            Some((404, _)) => {
-                answer = Err(
-                    "it serves neither /server_info nor /get_server_info (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)"
-                        .to_string(),
-                );
-            }
-            Some((status, _)) => {
-                answer = Err(format!("its /server_info answered {status}"));
-                break;
-            }
-            None => break,
-        }
-    }
-    let now = match answer {
-        Ok(named) => named,
-        // Unanswered: what it named before stands.
-        Err(m) if learnt.good.is_some() => {
-            if learnt.logged.insert(m.clone()) {
-                log::warn!(
-                    "replica {}: {m}; its KV events are read where it named them last",
-                    r.id
-                );
-            }
-            return learnt.good.clone();
-        }
-        Err(m) => Err(m),
-    };
-    match now {
-        Ok(ep) => {
-            if learnt.good.as_ref() != Some(&ep) {
-                log::info!(
-                    "replica {}: KV events on {} (replay: {}), as its /server_info names them",
-                    r.id,
-                    ep.publisher,
-                    ep.replay.as_deref().unwrap_or("none")
-                );
-            }
-            learnt.logged.clear();
-            learnt.failures = 0;
-            learnt.good = Some(ep.clone());
-            Some(ep)
-        }
-        Err(m) => {
-            if learnt.logged.insert(m.clone()) {
-                log::warn!("replica {}: its KV events are not read: {m}", r.id);
-            }
-            learnt.good = None;
-            learnt.failures = learnt.failures.saturating_add(1);
-            tokio::time::sleep(Duration::from_secs(1 << learnt.failures.min(6)) / 2).await;
-            None
-        }
     }
 }
 

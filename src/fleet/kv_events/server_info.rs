@@ -19,16 +19,107 @@
 //! (`parallel_config.data_parallel_rank`, a rank behind its own API server). A host other than
 //! the replica's own is refused: a replica names its own sockets, never where else inferlb
 //! should connect.
+//!
+//! [`read`] asks the replica before each (re)connect and keeps what it named last;
+//! [`endpoints`] parses an answer, pure.
 
 use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::conf::KvEndpoints;
+use crate::conf::{KvEndpoints, KvEvents};
+use crate::fleet::replica::Replica;
 
 /// The paths asked, in turn on a 404: vLLM's JSON form (SGLang ignores the query), then the
 /// older SGLang's.
 pub const PATHS: [&str; 2] = ["/server_info?config_format=json", "/get_server_info"];
+
+/// What the subscriber learnt from a replica's `/server_info`.
+#[derive(Default)]
+pub struct Learnt {
+    /// The endpoints last read, and logged.
+    good: Option<KvEndpoints>,
+    /// The reasons logged since (each once).
+    logged: std::collections::HashSet<String>,
+    /// Reads that failed in a row: the next is put off longer (1 s doubling to 32 s).
+    failures: u32,
+}
+
+/// The endpoints to (re)connect to, each read given `timeout`: the conf's, or those the replica's `/server_info` names
+/// now. When the replica does not answer it, the endpoints read last stand (their own probe
+/// tells whether they listen); an answer that names none ends them. Logged when they change,
+/// and each reason they cannot be read once until they can.
+pub async fn read(
+    r: &Replica,
+    source: &KvEvents,
+    learnt: &mut Learnt,
+    timeout: Duration,
+) -> Option<KvEndpoints> {
+    if let KvEvents::At(ep) = source {
+        return Some(ep.clone());
+    }
+    let rank = r.endpoint.data_parallel_rank;
+    let mut answer = Err("its /server_info did not answer".to_string());
+    for path in PATHS {
+        match crate::fleet::probe::get(r, path, timeout).await {
+            Some((200, body)) => {
+                answer = Ok(endpoints(&body, r.endpoint.socket.ip(), rank));
+                break;
+            }
+            Some((404, _)) => {
+                answer = Err(
+                    "it serves neither /server_info nor /get_server_info (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)"
+                        .to_string(),
+                );
+            }
+            Some((status, _)) => {
+                answer = Err(format!("its /server_info answered {status}"));
+                break;
+            }
+            None => break,
+        }
+    }
+    let now = match answer {
+        Ok(named) => named,
+        // Unanswered: what it named before stands.
+        Err(m) if learnt.good.is_some() => {
+            if learnt.logged.insert(m.clone()) {
+                log::warn!(
+                    "replica {}: {m}; its KV events are read where it named them last",
+                    r.id
+                );
+            }
+            return learnt.good.clone();
+        }
+        Err(m) => Err(m),
+    };
+    match now {
+        Ok(ep) => {
+            if learnt.good.as_ref() != Some(&ep) {
+                log::info!(
+                    "replica {}: KV events on {} (replay: {}), as its /server_info names them",
+                    r.id,
+                    ep.publisher,
+                    ep.replay.as_deref().unwrap_or("none")
+                );
+            }
+            learnt.logged.clear();
+            learnt.failures = 0;
+            learnt.good = Some(ep.clone());
+            Some(ep)
+        }
+        Err(m) => {
+            if learnt.logged.insert(m.clone()) {
+                log::warn!("replica {}: its KV events are not read: {m}", r.id);
+            }
+            learnt.good = None;
+            learnt.failures = learnt.failures.saturating_add(1);
+            tokio::time::sleep(Duration::from_secs(1 << learnt.failures.min(6)) / 2).await;
+            None
+        }
+    }
+}
 
 /// Which engine's form an answer takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
