@@ -91,7 +91,7 @@ const CHATML_TRIM: &str = "{%- for message in messages %}{{- '<|im_start|>' + me
 const DUMPS_MESSAGES: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.content + '<|im_end|>' }}{%- if loop.last %}{{- message | tojson }}{%- endif %}{%- endfor %}";
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
     #[test]
     fn cached_ids_are_exact_where_contents_are_transformed(
         which in 0..2usize,
