@@ -265,7 +265,7 @@ fn discovered_replicas_take_their_entrys_role() {
     std::fs::write(&hosts, "127.0.0.2 decode.test\n127.0.0.3 decode.test\n").expect("hosts");
     let dns_port = free_port();
     let _dns = start_dns(dir, dns_port, &hosts);
-    let conf = discovering(
+    let mut conf = discovering(
         dns_port,
         vec![
             Replica {
@@ -278,6 +278,9 @@ fn discovered_replicas_take_their_entrys_role() {
             },
         ],
     );
+    // Through the prefill pool whatever the decode pods run.
+    conf.extra
+        .push_str("  pd: {local_prefill_tokens: 0, local_prefill_idle_tokens: 0}\n");
     let lb = Lb::start(dir, &[], conf);
     let pods = [
         format!("decode-127.0.0.2-{port}"),
@@ -296,6 +299,10 @@ fn discovered_replicas_take_their_entrys_role() {
     let (replica, route, _) = routed_chat(&lb, &[("user", &text_of("dns", 2000))]);
     assert!(pods.contains(&replica), "{replica}");
     assert_eq!(route, "pd-local");
+    assert_eq!(
+        lb.metric("inferlb_pd_whole_total{reason=\"no_handover\"}"),
+        1.0
+    );
 }
 
 /// A discover entry's event ports: each replica found is subscribed to on its own address

@@ -80,7 +80,9 @@ impl Protocol {
 pub struct RawPd {
     protocol: Protocol,
     local_prefill_tokens: u64,
-    local_prefill_idle_tokens: u64,
+    /// Unset: [`DEFAULT_LOCAL_PREFILL_IDLE_TOKENS`], or 0 where `local_prefill_tokens` is 0
+    /// (which said "always through the prefill pool" before this key existed).
+    local_prefill_idle_tokens: Option<u64>,
     prefill_timeout_seconds: f64,
 }
 
@@ -98,7 +100,7 @@ impl Default for RawPd {
         RawPd {
             protocol: Protocol::Vllm,
             local_prefill_tokens: DEFAULT_LOCAL_PREFILL_TOKENS,
-            local_prefill_idle_tokens: DEFAULT_LOCAL_PREFILL_IDLE_TOKENS,
+            local_prefill_idle_tokens: None,
             prefill_timeout_seconds: 600.0,
         }
     }
@@ -111,8 +113,8 @@ pub struct PdConf {
     /// A turn whose prompt its decode replica lacks fewer tokens of than this is served whole
     /// there: no prefill hop, no KV moved.
     pub local_prefill_tokens: u64,
-    /// The same where the decode replica runs nothing (no stream there to stall); never
-    /// less than `local_prefill_tokens`.
+    /// The same where the decode replica runs nothing (no stream there to stall); a value
+    /// below `local_prefill_tokens` has no effect (`routing::pd::path` takes the larger).
     pub local_prefill_idle_tokens: u64,
     /// The prefill leg's whole exchange must end within this.
     pub prefill_timeout: std::time::Duration,
@@ -125,9 +127,16 @@ impl Default for PdConf {
 }
 
 pub fn validate(raw: RawPd) -> Result<PdConf, String> {
+    let idle_tokens = raw
+        .local_prefill_idle_tokens
+        .unwrap_or(if raw.local_prefill_tokens == 0 {
+            0
+        } else {
+            DEFAULT_LOCAL_PREFILL_IDLE_TOKENS
+        });
     for (key, tokens) in [
         ("local_prefill_tokens", raw.local_prefill_tokens),
-        ("local_prefill_idle_tokens", raw.local_prefill_idle_tokens),
+        ("local_prefill_idle_tokens", idle_tokens),
     ] {
         if tokens > 10_000_000 {
             return Err(format!(
@@ -144,7 +153,7 @@ pub fn validate(raw: RawPd) -> Result<PdConf, String> {
     Ok(PdConf {
         protocol: raw.protocol,
         local_prefill_tokens: raw.local_prefill_tokens,
-        local_prefill_idle_tokens: raw.local_prefill_idle_tokens,
+        local_prefill_idle_tokens: idle_tokens,
         prefill_timeout: std::time::Duration::from_secs_f64(t),
     })
 }
@@ -176,7 +185,7 @@ mod tests {
         let raw = |tokens, secs| RawPd {
             protocol: Protocol::Vllm,
             local_prefill_tokens: tokens,
-            local_prefill_idle_tokens: tokens,
+            local_prefill_idle_tokens: Some(tokens),
             prefill_timeout_seconds: secs,
         };
         assert!(validate(raw(0, 1.0)).is_ok());
@@ -184,7 +193,7 @@ mod tests {
             .unwrap_err()
             .contains("local_prefill_tokens"));
         let idle = RawPd {
-            local_prefill_idle_tokens: 20_000_000,
+            local_prefill_idle_tokens: Some(20_000_000),
             ..RawPd::default()
         };
         assert!(validate(idle)
@@ -195,5 +204,24 @@ mod tests {
                 .unwrap_err()
                 .contains("prefill_timeout_seconds"));
         }
+    }
+
+    /// Unset, the idle bound is 8192, or 0 where `local_prefill_tokens: 0` turned the local
+    /// path off (as it did before the idle bound); set, it is what it says.
+    #[test]
+    fn the_idle_bound_defaults_to_off_where_local_prefill_is() {
+        let with = |tokens, idle| {
+            validate(RawPd {
+                local_prefill_tokens: tokens,
+                local_prefill_idle_tokens: idle,
+                ..RawPd::default()
+            })
+            .unwrap()
+            .local_prefill_idle_tokens
+        };
+        assert_eq!(with(1024, None), 8192);
+        assert_eq!(with(0, None), 0);
+        assert_eq!(with(0, Some(4096)), 4096);
+        assert_eq!(with(512, Some(0)), 0);
     }
 }

@@ -77,7 +77,8 @@ impl Words {
             ids: Vec::with_capacity(text.len() / 3),
             added: Vec::new(),
         };
-        // Splits this text tokenized, kept once it is done (a repeat within it is a hit).
+        // Splits this text tokenized (at most `limit`), kept once it is done (a repeat within
+        // it is a hit).
         let mut fresh: HashMap<&str, Vec<u32>> = HashMap::new();
         let mut memo = self.memo.read().unwrap_or_else(PoisonError::into_inner);
         for (piece, offsets, tokens) in
@@ -112,7 +113,7 @@ impl Words {
                 drop(memo);
                 let ids = word_ids(t.get_model(), bytes, word)?;
                 out.ids.extend_from_slice(&ids);
-                if word.len() <= WORD_BYTES {
+                if word.len() <= WORD_BYTES && fresh.len() < self.limit {
                     fresh.insert(word, ids);
                 }
                 memo = self.memo.read().unwrap_or_else(PoisonError::into_inner);
@@ -120,13 +121,16 @@ impl Words {
         }
         drop(memo);
         if !fresh.is_empty() {
+            // At most `limit` of them (the map's own bound), boxed before the lock is taken.
+            let fresh: Vec<(Box<str>, Box<[u32]>)> = fresh
+                .into_iter()
+                .map(|(w, ids)| (w.into(), ids.into()))
+                .collect();
             let mut memo = self.memo.write().unwrap_or_else(PoisonError::into_inner);
-            for (word, ids) in fresh {
-                if memo.len() >= self.limit {
-                    memo.clear();
-                }
-                memo.insert(word.into(), ids.into());
+            if memo.len() + fresh.len() > self.limit {
+                memo.clear();
             }
+            memo.extend(fresh);
         }
         Ok(out)
     }

@@ -1175,7 +1175,11 @@ pub async fn pd(client: &reqwest::Client, pc: &PdConf) -> PdResult {
             pc.burst, pc.burst_prefix_tokens, pc.burst_reply_tokens
         ),
         trace_cache_tokens: pc.trace_cache_tokens,
-        sweep_agent: pc.sweep_agent.describe(),
+        sweep_agent: format!(
+            "{}, local_prefill_idle_tokens {} in every row",
+            pc.sweep_agent.describe(),
+            pc.local_prefill_idle_tokens
+        ),
         ..PdResult::default()
     };
     let note = |res: &mut PdResult, line: String| {

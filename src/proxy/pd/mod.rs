@@ -37,7 +37,7 @@ use exchange::{read_all, release, LegCtx, LegError};
 use super::attempt::{Attempt, Choice};
 use super::{answers, Balancer, Ctx};
 use crate::cluster::Table;
-use crate::conf::Protocol;
+use crate::conf::{Protocol, Role};
 use crate::fleet::blocks::PromptTokens;
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
@@ -174,6 +174,9 @@ impl Balancer {
         let Some(plan) = self.plan(session, ctx) else {
             return Ok(false);
         };
+        // The decode replica counts this request in flight from its choice on, through the
+        // prefill leg: no other turn takes it for idle meanwhile.
+        let chosen = plan.decode.start();
         // Its prefill is counted on the replicas it goes to from here, not as in transit.
         ctx.overload.routed();
         let tail_pending = ctx.body.tail_pending(session);
@@ -196,6 +199,7 @@ impl Balancer {
                 _ = gone => None,
             }
         };
+        drop(chosen);
         ctx.failovers += tries.failovers;
         if tries.last.is_some() {
             ctx.last_failure = tries.last.take();
@@ -292,14 +296,18 @@ impl Balancer {
         let chosen = routing::pd::choose_decode(prompt, home, &available, ask.tick);
         let uncached = prompt.saturating_sub(routing::pd::held(chosen, home));
         let decode = fleet.iter().find(|r| *r.id == *chosen.id)?.clone();
-        let idle = chosen.running == 0 && chosen.in_flight == 0;
+        let idle = chosen.running == 0 && chosen.in_flight == 0 && chosen.queued_tokens == 0;
         let local = routing::pd::Local {
             tokens: self.conf.pd.local_prefill_tokens,
             idle_tokens: self.conf.pd.local_prefill_idle_tokens,
         };
-        if routing::pd::path(uncached, idle, local) == routing::pd::Path::Local
-            && decode.role.serves_whole()
-        {
+        // An SGLang decode server refuses a request without a bootstrap room: only a `both`
+        // replica serves one whole under that protocol.
+        let whole = match protocol {
+            Protocol::Vllm => decode.role.serves_whole(),
+            Protocol::Sglang => decode.role == Role::Both,
+        };
+        if whole && routing::pd::path(uncached, idle, local) == routing::pd::Path::Local {
             let reason = if uncached < local.tokens {
                 "small_uncached"
             } else {
