@@ -501,6 +501,63 @@ fn a_client_that_leaves_during_the_prefill_leaves_no_decode_behind() {
     assert_eq!(stat(&d1, "handover_decode_requests"), 0);
 }
 
+/// An SGLang server in a disaggregation mode refuses a request with no bootstrap room, as
+/// SGLang does; so with no prefill replica live, an SGLang pool answers 503 in the caller's
+/// format instead of sending its decode server a request it refuses.
+#[test]
+fn sglang_with_no_prefill_replica_live_answers_503_not_a_request_its_decode_server_refuses() {
+    let dir = tempfile::tempdir().expect("dir");
+    let boot = free_port().to_string();
+    let mut p1 = sim(
+        dir.path(),
+        "p1",
+        "producer",
+        &["--pd-protocol", "sglang", "--bootstrap-port", &boot],
+    );
+    let d1 = sim(dir.path(), "d1", "consumer", &["--pd-protocol", "sglang"]);
+    let direct = http()
+        .post(d1.url("/v1/chat/completions"))
+        .json(&chat_body(&[("user", "whole")], false, 4))
+        .send()
+        .expect("send");
+    assert_eq!(direct.status().as_u16(), 400);
+    assert!(direct
+        .text()
+        .unwrap_or_default()
+        .contains("without bootstrap room"));
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = vec![
+        Replica {
+            extra: format!("role: prefill, bootstrap_port: {boot}"),
+            ..Replica::of(&p1)
+        },
+        entry(&d1, "decode"),
+    ];
+    conf.extra = "  pd: {protocol: sglang}\n".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    // Small and idle: still through the pools, which an SGLang decode server needs.
+    let a = chat(&lb, &[("user", &text_of("sgsmall", 300))], false);
+    assert_eq!((a.status, a.route.as_str()), (200, "pd"), "{}", a.text);
+    p1.stop();
+    assert!(
+        wait_until(Duration::from_secs(10), || lb.replica_state("p1")["live"]
+            == false),
+        "p1 is taken out by its health checks"
+    );
+    let b = chat(&lb, &[("user", &text_of("sgdown", 2000))], false);
+    assert_eq!(b.status, 503, "{}", b.text);
+    let v: Value = serde_json::from_str(&b.text).expect("an OpenAI error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("SGLang decode server")),
+        "{}",
+        b.text
+    );
+    assert_eq!(stat(&d1, "requests"), 1, "d1 saw only the handed-over request");
+}
+
 #[test]
 fn sglang_handover_sends_both_legs_to_one_bootstrap_room() {
     let dir = tempfile::tempdir().expect("dir");

@@ -526,6 +526,12 @@ async fn complete(sim: App, headers: axum::http::HeaderMap, body: Bytes, chat: b
         Ok(j) => j,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
     };
+    if sim.pd.refuses_whole(&obj) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "Invalid request: Disaggregated request received without bootstrap room id.",
+        );
+    }
     let leg = Leg::of(&sim, &headers, &obj, false);
     leg.shape(&mut job);
     if !job.model.is_empty() && !sim.models().contains(&job.model) {

@@ -34,7 +34,10 @@
 //!   and marks the room ready on its bootstrap server (`--bootstrap-port`, the same
 //!   `POST /sim/kv/pull`); the consumer waits there for the room (bounded by the lease), pulls
 //!   what its own cache lacks and decodes. A `both` replica takes the prefill leg when
-//!   `bootstrap_port` is its own bootstrap port, else the decode leg.
+//!   `bootstrap_port` is its own bootstrap port, else the decode leg. A producer or consumer
+//!   refuses a chat or completions request with no `bootstrap_room` (400, SGLang's "Invalid
+//!   request: Disaggregated request received without bootstrap room id."): an SGLang server in
+//!   a disaggregation mode serves nothing whole.
 //!
 //! Every duration (transfer time, lease) is modelled time, divided by `--speed`.
 
@@ -318,6 +321,14 @@ impl Pd {
             }
             h => h,
         }
+    }
+
+    /// An SGLang server in a disaggregation mode (prefill or decode) refuses a request that
+    /// names no bootstrap room, as SGLang's scheduler does (it cannot serve one whole).
+    pub fn refuses_whole(&self, obj: &Map<String, Value>) -> bool {
+        self.conf.protocol == PdProtocol::Sglang
+            && matches!(self.conf.role, KvRole::Producer | KvRole::Consumer)
+            && obj.get("bootstrap_room").is_none_or(Value::is_null)
     }
 
     /// Counts a request taking part in a handover, per leg.

@@ -389,17 +389,34 @@ impl Balancer {
             };
             if params.is_none() || plan.protocol == Protocol::Sglang {
                 let Some((p, held)) = self.pick(Leg::Prefill, plan, &tries.prefill) else {
-                    if !tries.prefill.is_empty() {
-                        // Every prefill replica failed this request: served whole, not lost.
-                        return Begun::Whole(d, "prefill_failed");
-                    }
-                    if !NO_PREFILL.swap(true, Ordering::Relaxed) {
+                    let failed = !tries.prefill.is_empty();
+                    if !failed && !NO_PREFILL.swap(true, Ordering::Relaxed) {
                         log::warn!(
-                            "pd: no prefill replica live for {}: serving whole on decode replicas",
+                            "pd: no prefill replica live for {}: serving whole on decode replicas (an SGLang pool answers 503: its decode servers serve nothing whole)",
                             plan.model.as_deref().unwrap_or("the model")
                         );
                     }
-                    return Begun::Whole(d, "no_prefill_live");
+                    // An SGLang decode server refuses a request without a bootstrap room:
+                    // only a `both` replica serves one whole under that protocol.
+                    if plan.protocol == Protocol::Sglang && d.role != Role::Both {
+                        return if failed {
+                            Begun::Failed(502, no_replica_left("prefill", tries.last.as_ref()))
+                        } else {
+                            Begun::Failed(
+                                503,
+                                "no prefill replica is live, and an SGLang decode server serves no request whole"
+                                    .into(),
+                            )
+                        };
+                    }
+                    // Every prefill replica failed this request, or none is live: served
+                    // whole, not lost.
+                    let reason = if failed {
+                        "prefill_failed"
+                    } else {
+                        "no_prefill_live"
+                    };
+                    return Begun::Whole(d, reason);
                 };
                 if NO_PREFILL.load(Ordering::Relaxed) && NO_PREFILL.swap(false, Ordering::Relaxed) {
                     log::info!("pd: a prefill replica is live again");
