@@ -347,6 +347,19 @@ fn each_replica_dns_finds_is_subscribed_to_on_its_own_address() {
         state("127.0.0.3"),
         lb.proc.log_text()
     );
+    // A stream can be live before its replica's health check passes: both are routable first.
+    let pods = [
+        format!("vllm-127.0.0.2-{port}"),
+        format!("vllm-127.0.0.3-{port}"),
+    ];
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let ids = live_ids(&lb);
+            pods.iter().all(|p| ids.contains(p))
+        }),
+        "{}",
+        lb.admin("GET", "/admin/replicas")
+    );
     // What a found replica stores reaches inferlb from its own publisher.
     let prompt = text_of("found by dns", 2000);
     let (home, _, _) = routed_chat(&lb, &[("user", prompt.as_str())]);

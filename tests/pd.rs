@@ -555,7 +555,11 @@ fn sglang_with_no_prefill_replica_live_answers_503_not_a_request_its_decode_serv
         "{}",
         b.text
     );
-    assert_eq!(stat(&d1, "requests"), 1, "d1 saw only the handed-over request");
+    assert_eq!(
+        stat(&d1, "requests"),
+        1,
+        "d1 saw only the handed-over request"
+    );
 }
 
 #[test]
