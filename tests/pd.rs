@@ -562,6 +562,49 @@ fn sglang_with_no_prefill_replica_live_answers_503_not_a_request_its_decode_serv
     );
 }
 
+/// Under SGLang's protocol a request served whole (Responses is not handed over there) goes
+/// to a replica without a connector, never to a decode server, which would refuse it.
+#[test]
+fn sglang_requests_served_whole_go_to_plain_replicas_not_decode_servers() {
+    let dir = tempfile::tempdir().expect("dir");
+    let boot = free_port().to_string();
+    let p1 = sim(
+        dir.path(),
+        "p1",
+        "producer",
+        &["--pd-protocol", "sglang", "--bootstrap-port", &boot],
+    );
+    let d1 = sim(dir.path(), "d1", "consumer", &["--pd-protocol", "sglang"]);
+    let r1 = sim(dir.path(), "r1", "none", &[]);
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = vec![
+        Replica {
+            extra: format!("role: prefill, bootstrap_port: {boot}"),
+            ..Replica::of(&p1)
+        },
+        entry(&d1, "decode"),
+        Replica::of(&r1),
+    ];
+    conf.extra = "  pd: {protocol: sglang}\n".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    for i in 0..6 {
+        let r = http()
+            .post(lb.url("/v1/responses"))
+            .json(&json!({"model": "sim-model", "input": format!("whole {i}"), "max_output_tokens": 4, "store": false}))
+            .send()
+            .expect("send");
+        let replica = r
+            .headers()
+            .get("x-inferlb-replica")
+            .map(|v| v.to_str().unwrap_or("").to_string());
+        let status = r.status().as_u16();
+        let text = r.text().unwrap_or_default();
+        assert_eq!((status, replica.as_deref()), (200, Some("r1")), "{text}");
+    }
+    assert_eq!(stat(&d1, "requests"), 0);
+}
+
 #[test]
 fn sglang_handover_sends_both_legs_to_one_bootstrap_room() {
     let dir = tempfile::tempdir().expect("dir");

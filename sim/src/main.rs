@@ -527,10 +527,7 @@ async fn complete(sim: App, headers: axum::http::HeaderMap, body: Bytes, chat: b
         Err(e) => return error(StatusCode::BAD_REQUEST, &e),
     };
     if sim.pd.refuses_whole(&obj) {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "Invalid request: Disaggregated request received without bootstrap room id.",
-        );
+        return error(StatusCode::BAD_REQUEST, pd::NO_ROOM);
     }
     let leg = Leg::of(&sim, &headers, &obj, false);
     leg.shape(&mut job);

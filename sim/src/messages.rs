@@ -141,6 +141,9 @@ pub async fn create(
         Ok(r) => r,
         Err((status, message)) => return error(status, &message),
     };
+    if sim.pd.refuses_whole(&req.body) {
+        return error(StatusCode::BAD_REQUEST, crate::pd::NO_ROOM);
+    }
     let leg = Leg::of(&sim, &headers, &req.body, true);
     let cut_after = match gate(&sim).await {
         Ok(c) => c,

@@ -35,9 +35,9 @@
 //!   `POST /sim/kv/pull`); the consumer waits there for the room (bounded by the lease), pulls
 //!   what its own cache lacks and decodes. A `both` replica takes the prefill leg when
 //!   `bootstrap_port` is its own bootstrap port, else the decode leg. A producer or consumer
-//!   refuses a chat or completions request with no `bootstrap_room` (400, SGLang's "Invalid
-//!   request: Disaggregated request received without bootstrap room id."): an SGLang server in
-//!   a disaggregation mode serves nothing whole.
+//!   refuses a request with no `bootstrap_room` (400, SGLang's "Invalid request: Disaggregated
+//!   request received without bootstrap room id."), on every API: an SGLang server in a
+//!   disaggregation mode serves nothing whole.
 //!
 //! Every duration (transfer time, lease) is modelled time, divided by `--speed`.
 
@@ -51,6 +51,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::engine::{Engine, Pinned};
+
+/// SGLang's refusal of a request with no bootstrap room, on a server in a disaggregation mode.
+pub const NO_ROOM: &str = "Invalid request: Disaggregated request received without bootstrap room id.";
 
 /// Which side of a KV handover this replica's connector serves (vLLM's `kv_role`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -324,7 +327,8 @@ impl Pd {
     }
 
     /// An SGLang server in a disaggregation mode (prefill or decode) refuses a request that
-    /// names no bootstrap room, as SGLang's scheduler does (it cannot serve one whole).
+    /// names no bootstrap room, as SGLang's scheduler does (it cannot serve one whole): chat,
+    /// completions, Responses and Messages alike, all of which reach its scheduler.
     pub fn refuses_whole(&self, obj: &Map<String, Value>) -> bool {
         self.conf.protocol == PdProtocol::Sglang
             && matches!(self.conf.role, KvRole::Producer | KvRole::Consumer)

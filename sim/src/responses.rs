@@ -707,6 +707,9 @@ pub async fn create(
         });
     }
     prompt.push_str(GENERATION_PROMPT);
+    if sim.pd.refuses_whole(&req.body) {
+        return oai_error(StatusCode::BAD_REQUEST, crate::pd::NO_ROOM, None, None);
+    }
     let leg = Leg::of(&sim, &headers, &req.body, true);
     let cut_after = match gate(&sim).await {
         Ok(c) => c,

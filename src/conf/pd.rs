@@ -41,6 +41,17 @@ impl Role {
         !matches!(self, Role::Prefill)
     }
 
+    /// Whether it may serve a request whole under `protocol`: under SGLang's, only a replica
+    /// with no connector or a `both` one; an SGLang server in a disaggregation mode refuses a
+    /// request without a bootstrap room ("Disaggregated request received without bootstrap
+    /// room id").
+    pub fn serves_whole_by(self, protocol: Protocol) -> bool {
+        match protocol {
+            Protocol::Vllm => self.serves_whole(),
+            Protocol::Sglang => matches!(self, Role::Plain | Role::Both),
+        }
+    }
+
     /// Whether it takes a handover's first leg.
     pub fn prefills(self) -> bool {
         matches!(self, Role::Prefill | Role::Both)

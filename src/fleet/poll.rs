@@ -410,7 +410,13 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
             );
             let info = classify(Family::Chat, body.as_bytes());
             let links = info.shape.links();
-            let candidates = Registry::candidates(&fleet, &[], None, Prompt::of_links(links));
+            let candidates = Registry::candidates(
+                &fleet,
+                &[],
+                None,
+                Prompt::of_links(links),
+                crate::conf::Protocol::Vllm,
+            );
             let d = policy
                 .decide(&info.shape, None, &candidates, &|_| None, i)
                 .expect("a replica");

@@ -2,12 +2,13 @@
 //! prefill and hand the KV to others that decode (the roles are the conf's,
 //! [`crate::conf::Role`]).
 
-pub use crate::conf::Role;
+pub use crate::conf::{Protocol, Role};
 
 /// A part of a request: served whole, or one leg of a handover.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Leg {
-    Whole,
+    /// Served whole, by a pool whose handovers speak this protocol.
+    Whole(Protocol),
     Prefill,
     Decode,
 }
@@ -16,7 +17,7 @@ impl Leg {
     /// Whether a replica of `role` takes this part.
     pub fn takes(self, role: Role) -> bool {
         match self {
-            Leg::Whole => role.serves_whole(),
+            Leg::Whole(protocol) => role.serves_whole_by(protocol),
             Leg::Prefill => role.prefills(),
             Leg::Decode => role.decodes(),
         }

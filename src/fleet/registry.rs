@@ -13,7 +13,7 @@ use arc_swap::ArcSwap;
 
 use crate::conf::{ReplicaConf, UpstreamConf};
 use crate::fleet::events::Listener;
-use crate::fleet::pool::Leg;
+use crate::fleet::pool::{Leg, Protocol};
 use crate::fleet::replica::{CacheSource, Prompt, Replica};
 use crate::routing::Candidate;
 use crate::telemetry::metrics;
@@ -114,8 +114,9 @@ impl Registry {
         tried: &[Arc<Replica>],
         model: Option<&str>,
         prompt: Prompt<'_>,
+        protocol: Protocol,
     ) -> Vec<Candidate<'a>> {
-        Registry::candidates_for(Leg::Whole, fleet, tried, model, prompt)
+        Registry::candidates_for(Leg::Whole(protocol), fleet, tried, model, prompt)
     }
 
     /// Like [`Registry::candidates`], of the replicas that take `leg`.

@@ -50,7 +50,8 @@ impl Balancer {
             tokens: ctx.tokens.as_deref(),
         };
         let fleet = self.registry.all();
-        let candidates = Registry::candidates(&fleet, &ctx.tried, model, prompt);
+        let candidates =
+            Registry::candidates(&fleet, &ctx.tried, model, prompt, self.conf.pd.protocol);
         let served_by = |h| self.affinity.served_by(h);
         let tick = self.registry.tick();
         // A disaggregated pool's request served whole goes where the pool's plan put it,

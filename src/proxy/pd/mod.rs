@@ -37,7 +37,7 @@ use exchange::{read_all, release, LegCtx, LegError};
 use super::attempt::{Attempt, Choice};
 use super::{answers, Balancer, Ctx};
 use crate::cluster::Table;
-use crate::conf::{Protocol, Role};
+use crate::conf::Protocol;
 use crate::fleet::blocks::PromptTokens;
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
@@ -303,10 +303,7 @@ impl Balancer {
         };
         // An SGLang decode server refuses a request without a bootstrap room: only a `both`
         // replica serves one whole under that protocol.
-        let whole = match protocol {
-            Protocol::Vllm => decode.role.serves_whole(),
-            Protocol::Sglang => decode.role == Role::Both,
-        };
+        let whole = decode.role.serves_whole_by(protocol);
         if whole && routing::pd::path(uncached, idle, local) == routing::pd::Path::Local {
             let reason = if uncached < local.tokens {
                 "small_uncached"
@@ -398,7 +395,7 @@ impl Balancer {
                     }
                     // An SGLang decode server refuses a request without a bootstrap room:
                     // only a `both` replica serves one whole under that protocol.
-                    if plan.protocol == Protocol::Sglang && d.role != Role::Both {
+                    if !d.role.serves_whole_by(plan.protocol) {
                         return if failed {
                             Begun::Failed(502, no_replica_left("prefill", tries.last.as_ref()))
                         } else {
