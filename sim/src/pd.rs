@@ -53,7 +53,8 @@ use tokio::time::Instant;
 use crate::engine::{Engine, Pinned};
 
 /// SGLang's refusal of a request with no bootstrap room, on a server in a disaggregation mode.
-pub const NO_ROOM: &str = "Invalid request: Disaggregated request received without bootstrap room id.";
+pub const NO_ROOM: &str =
+    "Invalid request: Disaggregated request received without bootstrap room id.";
 
 /// Which side of a KV handover this replica's connector serves (vLLM's `kv_role`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
