@@ -36,6 +36,29 @@ fn pd_lb(dir: &std::path::Path, prefill: &[&Sim], decode: &[&Sim], pd: &str) -> 
     Lb::start(dir, &[], conf)
 }
 
+/// A prefill and a decode sim speaking SGLang's protocol (the prefill's bootstrap server on
+/// a port of its own), and a conf naming them, routing by prefill cost; `pd:` is the caller's.
+fn sglang_pool(dir: &std::path::Path) -> (Sim, Sim, LbConf) {
+    let boot = free_port().to_string();
+    let p1 = sim(
+        dir,
+        "p1",
+        "producer",
+        &["--pd-protocol", "sglang", "--bootstrap-port", &boot],
+    );
+    let d1 = sim(dir, "d1", "consumer", &["--pd-protocol", "sglang"]);
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = vec![
+        Replica {
+            extra: format!("role: prefill, bootstrap_port: {boot}"),
+            ..Replica::of(&p1)
+        },
+        entry(&d1, "decode"),
+    ];
+    (p1, d1, conf)
+}
+
 fn stat(s: &Sim, key: &str) -> u64 {
     s.stats()[key]
         .as_u64()
@@ -507,14 +530,7 @@ fn a_client_that_leaves_during_the_prefill_leaves_no_decode_behind() {
 #[test]
 fn sglang_with_no_prefill_replica_live_answers_503_not_a_request_its_decode_server_refuses() {
     let dir = tempfile::tempdir().expect("dir");
-    let boot = free_port().to_string();
-    let mut p1 = sim(
-        dir.path(),
-        "p1",
-        "producer",
-        &["--pd-protocol", "sglang", "--bootstrap-port", &boot],
-    );
-    let d1 = sim(dir.path(), "d1", "consumer", &["--pd-protocol", "sglang"]);
+    let (mut p1, d1, mut conf) = sglang_pool(dir.path());
     let direct = http()
         .post(d1.url("/v1/chat/completions"))
         .json(&chat_body(&[("user", "whole")], false, 4))
@@ -525,15 +541,6 @@ fn sglang_with_no_prefill_replica_live_answers_503_not_a_request_its_decode_serv
         .text()
         .unwrap_or_default()
         .contains("without bootstrap room"));
-    let mut conf = test_conf();
-    conf.routing = Some("prefill_cost".into());
-    conf.replicas = vec![
-        Replica {
-            extra: format!("role: prefill, bootstrap_port: {boot}"),
-            ..Replica::of(&p1)
-        },
-        entry(&d1, "decode"),
-    ];
     conf.extra = "  pd: {protocol: sglang}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     // Small and idle: still through the pools, which an SGLang decode server needs.
@@ -567,25 +574,9 @@ fn sglang_with_no_prefill_replica_live_answers_503_not_a_request_its_decode_serv
 #[test]
 fn sglang_requests_served_whole_go_to_plain_replicas_not_decode_servers() {
     let dir = tempfile::tempdir().expect("dir");
-    let boot = free_port().to_string();
-    let p1 = sim(
-        dir.path(),
-        "p1",
-        "producer",
-        &["--pd-protocol", "sglang", "--bootstrap-port", &boot],
-    );
-    let d1 = sim(dir.path(), "d1", "consumer", &["--pd-protocol", "sglang"]);
+    let (_p1, d1, mut conf) = sglang_pool(dir.path());
     let r1 = sim(dir.path(), "r1", "none", &[]);
-    let mut conf = test_conf();
-    conf.routing = Some("prefill_cost".into());
-    conf.replicas = vec![
-        Replica {
-            extra: format!("role: prefill, bootstrap_port: {boot}"),
-            ..Replica::of(&p1)
-        },
-        entry(&d1, "decode"),
-        Replica::of(&r1),
-    ];
+    conf.replicas.push(Replica::of(&r1));
     conf.extra = "  pd: {protocol: sglang}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
     for i in 0..6 {
@@ -608,23 +599,7 @@ fn sglang_requests_served_whole_go_to_plain_replicas_not_decode_servers() {
 #[test]
 fn sglang_handover_sends_both_legs_to_one_bootstrap_room() {
     let dir = tempfile::tempdir().expect("dir");
-    let boot = free_port().to_string();
-    let p1 = sim(
-        dir.path(),
-        "p1",
-        "producer",
-        &["--pd-protocol", "sglang", "--bootstrap-port", &boot],
-    );
-    let d1 = sim(dir.path(), "d1", "consumer", &["--pd-protocol", "sglang"]);
-    let mut conf = test_conf();
-    conf.routing = Some("prefill_cost".into());
-    conf.replicas = vec![
-        Replica {
-            extra: format!("role: prefill, bootstrap_port: {boot}"),
-            ..Replica::of(&p1)
-        },
-        entry(&d1, "decode"),
-    ];
+    let (p1, d1, mut conf) = sglang_pool(dir.path());
     conf.extra =
         "  pd: {protocol: sglang, local_prefill_tokens: 0, local_prefill_idle_tokens: 0}\n".into();
     let lb = Lb::start(dir.path(), &[], conf);
