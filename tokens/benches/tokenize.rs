@@ -106,8 +106,11 @@ fn bench(c: &mut Criterion) {
                     body(&m)
                 },
                 |body| {
+                    let resumed = model.resumed_bodies();
                     let t = model.chat_ids(&body).unwrap();
                     assert!(t.reused > 0);
+                    // The history is not read again (a body this small may be).
+                    assert!(bytes < 100_000 || model.resumed_bodies() > resumed);
                     t
                 },
                 BatchSize::LargeInput,

@@ -11,25 +11,41 @@ use serde_json::value::RawValue;
 use crate::template::ContentFormat;
 use crate::Error;
 
-/// The parts of a chat body that reach the template, each message still as its raw JSON (the
-/// message cache keys on those bytes).
-#[derive(Deserialize)]
+/// The parts of a chat body that reach the template, each as its raw JSON text (the message
+/// cache keys on a message's bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatBody<'a> {
-    #[serde(borrow)]
-    pub messages: Vec<&'a RawValue>,
-    #[serde(borrow, default)]
-    pub tools: Option<&'a RawValue>,
+    pub messages: Vec<&'a str>,
+    pub tools: Option<&'a str>,
     /// vLLM's default is true.
-    #[serde(default)]
     pub add_generation_prompt: Option<bool>,
     /// Extra template variables (`enable_thinking`, …), passed as vLLM passes them.
+    pub chat_template_kwargs: Option<&'a str>,
+}
+
+#[derive(Deserialize)]
+struct Raw<'a> {
+    #[serde(borrow)]
+    messages: Vec<&'a RawValue>,
     #[serde(borrow, default)]
-    pub chat_template_kwargs: Option<&'a RawValue>,
+    tools: Option<&'a RawValue>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(borrow, default)]
+    chat_template_kwargs: Option<&'a RawValue>,
 }
 
 impl<'a> ChatBody<'a> {
+    /// The whole body read by serde_json (the reference for [`crate::body::Shapes`], which
+    /// reads a resent history only once).
     pub fn parse(body: &'a [u8]) -> Result<Self, Error> {
-        serde_json::from_slice(body).map_err(|e| Error::Body(e.to_string()))
+        let r: Raw<'a> = serde_json::from_slice(body).map_err(|e| Error::Body(e.to_string()))?;
+        Ok(ChatBody {
+            messages: r.messages.into_iter().map(RawValue::get).collect(),
+            tools: r.tools.map(RawValue::get),
+            add_generation_prompt: r.add_generation_prompt,
+            chat_template_kwargs: r.chat_template_kwargs.map(RawValue::get),
+        })
     }
 }
 
@@ -115,17 +131,13 @@ fn text_parts(texts: Vec<String>) -> Value {
 }
 
 /// One message as vLLM's conversation holds it.
-pub fn message(raw: &RawValue, format: ContentFormat) -> Result<Value, Error> {
+pub fn message(raw: &str, format: ContentFormat) -> Result<Value, Error> {
     fields(raw, format).map(obj)
 }
 
 /// One message's fields, in the order vLLM's conversation holds them.
-pub fn fields(
-    raw: &RawValue,
-    format: ContentFormat,
-) -> Result<IndexMap<&'static str, Value>, Error> {
-    let m: Message =
-        serde_json::from_str(raw.get()).map_err(|e| Error::Body(format!("message: {e}")))?;
+pub fn fields(raw: &str, format: ContentFormat) -> Result<IndexMap<&'static str, Value>, Error> {
+    let m: Message = serde_json::from_str(raw).map_err(|e| Error::Body(format!("message: {e}")))?;
     let texts = texts(m.content)?;
     let mut out: IndexMap<&str, Value> = IndexMap::new();
     out.insert("role", Value::from(m.role.as_str()));
@@ -208,12 +220,12 @@ fn empty_object() -> Value {
 /// The tools as vLLM's `ChatCompletionToolsParam.model_dump()` gives them: `type`, then
 /// `function` with `name`, `description` and `parameters` (null when absent), then any extra
 /// fields the client sent, in its order.
-pub fn tools(raw: Option<&RawValue>) -> Result<Value, Error> {
-    let Some(raw) = raw.filter(|r| r.get() != "null") else {
+pub fn tools(raw: Option<&str>) -> Result<Value, Error> {
+    let Some(raw) = raw.filter(|r| *r != "null") else {
         return Ok(Value::from(()));
     };
     let list: Vec<IndexMap<String, Value>> =
-        serde_json::from_str(raw.get()).map_err(|e| Error::Body(format!("tools: {e}")))?;
+        serde_json::from_str(raw).map_err(|e| Error::Body(format!("tools: {e}")))?;
     let mut out = Vec::with_capacity(list.len());
     for mut tool in list {
         let f = tool
@@ -252,7 +264,7 @@ mod tests {
 
     fn msg(json: &str, format: ContentFormat) -> String {
         let raw: Box<RawValue> = serde_json::from_str(json).unwrap();
-        let v = message(&raw, format).unwrap();
+        let v = message(raw.get(), format).unwrap();
         serde_json::to_string(&v).unwrap()
     }
 
@@ -317,7 +329,7 @@ mod tests {
             r#"[{"function":{"parameters":{"type":"object"},"name":"f","strict":true},"type":"function"}]"#,
         )
         .unwrap();
-        let v = tools(Some(&raw)).unwrap();
+        let v = tools(Some(raw.get())).unwrap();
         assert_eq!(
             serde_json::to_string(&v).unwrap(),
             r#"[{"type":"function","function":{"name":"f","description":null,"parameters":{"type":"object"},"strict":true}}]"#
@@ -331,7 +343,7 @@ mod tests {
             r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}"#,
         )
         .unwrap();
-        let e = message(&raw, ContentFormat::String)
+        let e = message(raw.get(), ContentFormat::String)
             .unwrap_err()
             .to_string();
         assert!(e.contains("image_url"), "{e}");

@@ -4,6 +4,7 @@
 //! last character when a non-space follows. Any other pre-tokenizer is run as it is.
 
 use regex::Regex;
+use regex_automata::{meta, Anchored, Input};
 use serde_json::Value as Json;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::tokenizer::pattern::Pattern;
@@ -17,8 +18,10 @@ const TAIL: &str = r"|\s+(?!\S)|\s+";
 /// A split pattern the `regex` crate runs with the splits `fancy-regex` gives.
 #[derive(Debug)]
 pub struct FastRegex {
-    /// The pattern with `\s+(?!\S)|\s+` as `\s+`.
-    whole: Regex,
+    /// The pattern with `\s+(?!\S)|\s+` as `\s+`. A meta regex, for anchored searches: the
+    /// splits of a text mostly follow each other, and a match known to start where the last one
+    /// ended needs no reverse scan for its start.
+    whole: meta::Regex,
     /// The branches before the tail, anchored: a whitespace match they give is kept whole.
     head: Option<Regex>,
 }
@@ -43,7 +46,7 @@ impl FastRegex {
             return None;
         }
         Some(Self {
-            whole: Regex::new(&whole).ok()?,
+            whole: meta::Regex::new(&whole).ok()?,
             head,
         })
     }
@@ -52,7 +55,12 @@ impl FastRegex {
     pub fn find_iter<'t>(&'t self, text: &'t str) -> impl Iterator<Item = (usize, usize)> + 't {
         let mut at = 0;
         std::iter::from_fn(move || {
-            let m = self.whole.find_at(text, at)?;
+            // Leftmost-first: a match that starts at `at` is the one an unanchored search finds.
+            let from = Input::new(text).span(at..text.len());
+            let m = match self.whole.search(&from.clone().anchored(Anchored::Yes)) {
+                Some(m) => m,
+                None => self.whole.search(&from)?,
+            };
             let (start, mut end) = (m.start(), m.end());
             if let Some(head) = &self.head {
                 let s = &text[start..end];
