@@ -434,7 +434,10 @@ fn tokenized(
     chat: bool,
 ) -> Result<Vec<u32>, String> {
     if chat {
-        return t.chat_ids(body).map(|c| c.ids).map_err(|e| e.to_string());
+        return t
+            .chat_ids(body)
+            .map(|c| c.ids.to_vec())
+            .map_err(|e| e.to_string());
     }
     if let Some(Value::Array(a)) = obj.get("prompt") {
         let ids: Option<Vec<u32>> = a

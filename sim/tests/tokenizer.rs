@@ -85,7 +85,8 @@ async fn the_render_endpoints_answer_the_tokenizers_ids() {
     let want = t
         .chat_ids(body.to_string().as_bytes())
         .expect("the body renders")
-        .ids;
+        .ids
+        .to_vec();
     assert!(!want.is_empty());
     assert_eq!(
         ids(&rendered["token_ids"]),
@@ -218,7 +219,8 @@ async fn the_stored_blocks_carry_the_ids() {
     let prompt = t
         .chat_ids(body.to_string().as_bytes())
         .expect("the body renders")
-        .ids;
+        .ids
+        .to_vec();
     let answer = post(&http, sim.url("/v1/chat/completions"), &body).await;
     let reply = answer["choices"][0]["message"]["content"]
         .as_str()

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use inferlb_kvevents::{BlockHash, BlockRemoved, BlockStored, Medium};
+use inferlb_tokens::TokenIds;
 use lru::LruCache;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -37,19 +38,21 @@ pub const MIN_BLOCKS: usize = 65_536;
 /// enough when no replica holds all of that part.
 #[derive(Debug)]
 pub struct PromptTokens {
-    ids: Vec<u32>,
+    /// In the tokenizer's segments (shared with its message cache), not copied.
+    ids: TokenIds,
     /// The whole prompt's tokens: `ids.len()`, or more for a leading part.
     total: usize,
     chains: Mutex<Vec<(u32, std::sync::Arc<Vec<u64>>)>>,
 }
 
 impl PromptTokens {
-    pub fn new(ids: Vec<u32>) -> PromptTokens {
+    pub fn new(ids: impl Into<TokenIds>) -> PromptTokens {
         PromptTokens::partial(ids, 0)
     }
 
     /// The first ids of a prompt of `total` tokens.
-    pub fn partial(ids: Vec<u32>, total: usize) -> PromptTokens {
+    pub fn partial(ids: impl Into<TokenIds>, total: usize) -> PromptTokens {
+        let ids = ids.into();
         PromptTokens {
             total: total.max(ids.len()),
             ids,
@@ -89,7 +92,7 @@ impl PromptTokens {
         if let Some((_, c)) = memo.iter().find(|(b, _)| *b == block_size) {
             return c.clone();
         }
-        let usable = &self.ids[..self.coverable(1) as usize];
+        let usable = self.ids.iter().take(self.coverable(1) as usize);
         let chain = std::sync::Arc::new(chain_hashes(ROOT, usable, block_size));
         memo.push((block_size, chain.clone()));
         chain
@@ -97,17 +100,21 @@ impl PromptTokens {
 }
 
 /// The chain hashes of `tokens`' whole blocks of `block_size`, from `parent`.
-fn chain_hashes(parent: u64, tokens: &[u32], block_size: u32) -> Vec<u64> {
+fn chain_hashes(parent: u64, tokens: impl Iterator<Item = u32>, block_size: u32) -> Vec<u64> {
     let size = block_size.max(1) as usize;
     let mut prev = parent;
     let mut buf = Vec::with_capacity(size * 4);
-    tokens
-        .chunks_exact(size)
-        .map(|block| {
-            prev = block_hash(&mut buf, prev, block, 0);
-            prev
-        })
-        .collect()
+    let mut block = Vec::with_capacity(size);
+    let mut out = Vec::new();
+    for t in tokens {
+        block.push(t);
+        if block.len() == size {
+            prev = block_hash(&mut buf, prev, &block, 0);
+            out.push(prev);
+            block.clear();
+        }
+    }
+    out
 }
 
 /// One block's chain hash: its tokens, its parent's hash, and what else the replica's hash
@@ -452,7 +459,7 @@ mod tests {
     }
 
     fn prompt(n: u32) -> PromptTokens {
-        PromptTokens::new((0..n).collect())
+        PromptTokens::new((0..n).collect::<Vec<u32>>())
     }
 
     /// A leading part of a prompt (its first 12 of about 400 tokens): its blocks are all
@@ -460,7 +467,7 @@ mod tests {
     /// replica holding all of its blocks is told apart from one holding fewer.
     #[test]
     fn a_leading_part_is_held_all_or_in_part() {
-        let part = PromptTokens::partial((0..12).collect(), 400);
+        let part = PromptTokens::partial((0..12).collect::<Vec<u32>>(), 400);
         assert!(!part.is_whole());
         assert_eq!((part.len(), part.coverable(4)), (400, 12));
         assert_eq!(
@@ -468,7 +475,10 @@ mod tests {
             12,
             "the whole prompt's last token never is"
         );
-        assert_eq!(PromptTokens::partial((0..8).collect(), 3).len(), 8);
+        assert_eq!(
+            PromptTokens::partial((0..8).collect::<Vec<u32>>(), 3).len(),
+            8
+        );
         let idx = BlockIndex::new(MIN_BLOCKS);
         assert!(
             !idx.holds_all(&part),
@@ -482,7 +492,7 @@ mod tests {
         assert!(idx.holds_all(&part));
         assert!(idx.holds_all(&prompt(13)));
         assert!(!idx.holds_all(&prompt(17)));
-        assert!(!idx.holds_all(&PromptTokens::new(vec![])));
+        assert!(!idx.holds_all(&PromptTokens::new(Vec::new())));
     }
 
     /// (events, in order) → the tokens of a 17-token prompt (0..17) held, by tier. Blocks of

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
-use inferlb_tokens::ModelTokens;
+use inferlb_tokens::{ModelTokens, TokenIds};
 use serde::Deserialize;
 
 use crate::protocol::api::Family;
@@ -104,7 +104,8 @@ impl Tokenizers {
 /// A prompt's ids, or a leading part of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ids {
-    pub ids: Vec<u32>,
+    /// In the tokenizer's shared segments.
+    pub ids: TokenIds,
     /// `ids` are the whole prompt's.
     pub whole: bool,
     /// The whole prompt's length in tokens: `ids.len()` when whole, else estimated from the
@@ -117,7 +118,7 @@ impl Ids {
         Ids {
             total: ids.len(),
             whole: true,
-            ids,
+            ids: ids.into(),
         }
     }
 }
@@ -173,7 +174,7 @@ mod tests {
         let ids_of = |family, path, model, body| {
             t.ids(family, path, model, body, usize::MAX).map(|i| {
                 assert!(i.whole && i.total == i.ids.len());
-                i.ids
+                i.ids.to_vec()
             })
         };
         assert_eq!(
@@ -255,7 +256,11 @@ mod tests {
             "{}",
             part.ids.len()
         );
-        assert_eq!(part.ids[..], want[..part.ids.len()], "a leading part");
+        assert_eq!(
+            part.ids.to_vec()[..],
+            want[..part.ids.len()],
+            "a leading part"
+        );
         let off = part.total.abs_diff(want.len());
         assert!(off < want.len() / 10, "{} for {}", part.total, want.len());
         let all = t

@@ -40,6 +40,7 @@ mod cache;
 pub mod chat;
 pub mod config;
 pub mod fixture;
+mod ids;
 pub mod pretok;
 pub mod template;
 mod words;
@@ -55,6 +56,7 @@ use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 pub use config::TokenizerConfig;
+pub use ids::TokenIds;
 pub use template::ContentFormat;
 
 /// What went wrong, naming the file and key where there is one.
@@ -121,7 +123,8 @@ pub const DEFAULT_CACHE_BYTES: usize = 256 << 20;
 /// A chat request's ids, and how many of them came from the message cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatTokens {
-    pub ids: Vec<u32>,
+    /// In the segments the message cache shares with the conversation's other turns.
+    pub ids: TokenIds,
     pub reused: usize,
     /// Bytes of the rendered text the ids cover: all of it ([`ChatTokens::text_bytes`]) but
     /// where [`ModelTokens::chat_ids_within`] stopped early.
@@ -680,7 +683,7 @@ impl ModelTokens {
         if !self.reuse || b.messages.is_empty() {
             let ids = self.ids_with_cut(&text.string_from(0))?.0;
             return Ok(ChatTokens {
-                ids,
+                ids: ids.into(),
                 reused: 0,
                 covered_bytes: text.len,
                 text_bytes: text.len,
@@ -710,11 +713,10 @@ impl ModelTokens {
             None => whole_tail.as_str(),
         };
         let (tail_ids, cut) = self.ids_with_cut(tail)?;
-        let mut ids = Vec::with_capacity(base_len + tail_ids.len());
-        for s in &base_ids {
-            ids.extend_from_slice(s);
-        }
-        ids.extend_from_slice(&tail_ids);
+        let tail_ids: Arc<[u32]> = tail_ids.into();
+        let mut segments = base_ids.clone();
+        segments.push(tail_ids.clone());
+        let mut ids = TokenIds::from_segments(segments);
         // Stopped within a budget: the ids stand only up to a cut the encoding confirms (an
         // added token the text search took for one may have been read otherwise).
         let mut covered = base_cut + tail.len();
@@ -731,7 +733,10 @@ impl ModelTokens {
         let entry = match cut {
             Some((end, n)) => {
                 let mut segments = base_ids.clone();
-                segments.push(Arc::from(&tail_ids[..n]));
+                segments.push(match n == tail_ids.len() {
+                    true => tail_ids.clone(),
+                    false => Arc::from(&tail_ids[..n]),
+                });
                 Some(cache::Entry {
                     cut: base_cut + end,
                     prefix_hash: text.digest_to(base_cut + end),

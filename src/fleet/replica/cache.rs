@@ -386,7 +386,7 @@ mod tests {
         let links = prompt_of("abcd", 4);
         let all = links.last().expect("links").bytes / BYTES_PER_TOKEN;
         // 65 token ids, of which the events hold the first 32 (two blocks of 16).
-        let tokens = PromptTokens::new((0..65).collect());
+        let tokens = PromptTokens::new((0..65).collect::<Vec<u32>>());
         m.blocks.as_ref().expect("events").stored(&BlockStored {
             block_hashes: vec![BlockHash::Int(1), BlockHash::Int(2)],
             token_ids: (0..32).collect(),

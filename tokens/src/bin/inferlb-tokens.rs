@@ -35,7 +35,7 @@ fn main() {
                 .map(|ids| serde_json::json!({ "ids": ids })),
             None => model
                 .chat_ids(line.as_bytes())
-                .map(|t| serde_json::json!({ "ids": t.ids, "reused": t.reused })),
+                .map(|t| serde_json::json!({ "ids": t.ids.to_vec(), "reused": t.reused })),
         };
         let answer = answer.unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }));
         writeln!(out, "{answer}").expect("stdout");
