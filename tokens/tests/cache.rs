@@ -64,13 +64,21 @@ proptest! {
     fn cached_ids_equal_a_full_tokenize(
         which in 0..3usize,
         system in prop::option::of(text()),
+        long in any::<bool>(),
         tools in any::<bool>(),
         turns in prop::collection::vec((turn(), any::<bool>()), 1..8),
     ) {
         let template = [fixture::CHATML_TOOLS, fixture::LLAMA3_LIKE, fixture::QWEN3_LIKE][which];
         let (_dir, m) = model(template);
+        // A long system prompt makes the bodies long enough to be read from where the
+        // previous one's history ends.
+        let system = match long {
+            true => Some(format!("{} {}", "You are a careful agent. ".repeat(60), system.unwrap_or_default())),
+            false => system,
+        };
         let mut messages: Vec<Value> = system.into_iter().map(|s| json!({"role": "system", "content": s})).collect();
         let mut reused = 0;
+        let n_turns = turns.len();
         for (t, agp) in turns {
             messages.extend(t);
             let b = body(&messages, tools, agp);
@@ -80,6 +88,7 @@ proptest! {
             reused += cached.reused;
         }
         let _ = reused;
+        prop_assert!(!long || n_turns < 2 || m.resumed_bodies() > 0, "the history was read again");
     }
 }
 
