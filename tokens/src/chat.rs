@@ -36,7 +36,7 @@ struct Raw<'a> {
 }
 
 impl<'a> ChatBody<'a> {
-    /// The whole body read by serde_json (the reference for [`crate::body::Shapes`], which
+    /// The whole body read by serde_json (the reference for `body.rs`, which
     /// reads a resent history only once).
     pub fn parse(body: &'a [u8]) -> Result<Self, Error> {
         let r: Raw<'a> = serde_json::from_slice(body).map_err(|e| Error::Body(e.to_string()))?;

@@ -182,7 +182,7 @@ impl FastPre {
     /// The split regex and the byte mapping, where the pre-tokenizer is one regex split
     /// (isolated) and then the byte mapping alone (no prefix space): a text's splits are then
     /// its regex matches and the gaps between them, each mapped and tokenized on its own, so
-    /// that a split's ids can be kept ([`crate::words`]).
+    /// that a split's ids can be kept (`words.rs`).
     pub fn words(&self) -> Option<(&FastRegex, &ByteLevel)> {
         match self.steps.as_slice() {
             [Step::ByteLevel {
