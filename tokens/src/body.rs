@@ -10,8 +10,14 @@
 //! message's end hash the same, the walk was in the same state there (the same bytes, read the
 //! same way), so it goes on from that message's end.
 //!
-//! The reference is [`ChatBody::parse`] (serde_json's derive): bodies it reads, this reads the
-//! same; bodies it refuses, this refuses (`tests/body.rs`).
+//! A message that does not end in a delimiter of its own (a bare number, `true`) is not resumed
+//! after: where it ends depends on the byte after it, which its hash does not cover.
+//!
+//! The reference is [`ChatBody::parse`] (serde_json's derive, on an object): bodies it reads,
+//! this reads the same (but for the bound below); bodies it refuses, this refuses (the tests
+//! below). Unknown fields are
+//! skipped as the derive skips them (`IgnoredAny`: their strings are not checked as UTF-8).
+//! A body of more than [`MAX_MESSAGES`] messages is refused: its ids are not worth the memory.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,6 +37,9 @@ struct Msg {
     span: Range<usize>,
     hash: u64,
     upto: u128,
+    /// Its JSON ends in its own delimiter (`}`, `]`, `"`): a later body's walk may resume after
+    /// it.
+    closed: bool,
 }
 
 /// The fields [`ChatBody`] keeps besides `messages`, as the spans of their raw values.
@@ -63,15 +72,18 @@ struct Bucket(Vec<Arc<Shape>>);
 
 impl cache::Weigh for Bucket {
     fn weight(&self) -> usize {
-        self.0
-            .iter()
-            .map(|s| s.messages.len() * std::mem::size_of::<Msg>() + 128)
-            .sum()
+        self.0.iter().map(|s| shape_weight(s)).sum()
     }
+}
+
+fn shape_weight(s: &Shape) -> usize {
+    s.messages.capacity() * std::mem::size_of::<Msg>() + 128
 }
 
 /// Shapes kept per key.
 const BUCKET: usize = 4;
+/// The most messages a body may have to be read here.
+pub const MAX_MESSAGES: usize = 1 << 16;
 /// The smallest shared prefix worth a lookup: a shorter body costs little to read.
 const MIN_PREFIX: usize = 1024;
 /// Bytes of the body's start and of the prefix's end that make a key.
@@ -96,6 +108,7 @@ fn chain(prev: u128, bytes: &[u8]) -> u128 {
 /// The shapes of bodies read so far, bounded in bytes (least recently used out first).
 pub(crate) struct Shapes {
     map: Mutex<cache::Sized<Bucket>>,
+    limit: usize,
     /// Bodies read from an earlier body's message rather than from the start.
     resumed: AtomicU64,
 }
@@ -104,6 +117,7 @@ impl Shapes {
     pub fn new(limit: usize) -> Self {
         Self {
             map: Mutex::new(cache::Sized::new(limit)),
+            limit,
             resumed: AtomicU64::new(0),
         }
     }
@@ -116,12 +130,21 @@ impl Shapes {
         }
         let (parts, shape) = walk(body, from)?;
         let hashes = shape.messages.iter().map(|m| m.hash).collect();
-        if let Some(k) = shape.key(body) {
+        // A shape that would take more than an eighth of the bound is not kept: one body does
+        // not push out every conversation's.
+        let heavy = cache::Weigh::weight(&Bucket(vec![])) + shape_weight(&shape) > self.limit / 8;
+        if let (Some(k), false) = (shape.key(body), heavy) {
             let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
             let mut shapes = match map.get(&k) {
                 Some(b) => b.0.clone(),
                 None => Vec::new(),
             };
+            // A shape this one extends (the same chain at its last message) is dropped: a
+            // request read twice, or a conversation's earlier turn.
+            shapes.retain(|old| {
+                let n = old.messages.len();
+                n > shape.messages.len() || old.messages[n - 1].upto != shape.messages[n - 1].upto
+            });
             shapes.insert(0, Arc::new(shape));
             shapes.truncate(BUCKET);
             map.put(k, Bucket(shapes));
@@ -135,18 +158,19 @@ impl Shapes {
         self.resumed.load(Ordering::Relaxed)
     }
 
-    /// The shape that shares the most leading messages with `body`, and how many.
+    /// The shape that shares the most leading messages with `body`, and how many, among those
+    /// kept under the longest prefix's key that has any.
     fn resume(&self, body: &[u8]) -> Option<(Arc<Shape>, usize)> {
         let mut len = prefix_len(body.len())?;
+        // Shapes of one conversation share their leading messages: the body's hashes at their
+        // ends are taken once.
+        let mut chained = Vec::new();
         while len >= MIN_PREFIX {
             let k = key(body, len);
             let found = {
                 let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
                 map.get(&k).map(|b| b.0.clone())
             };
-            // Shapes of one conversation share their leading messages: their hashes over the
-            // body are taken once.
-            let mut chained = Vec::new();
             let best = found
                 .into_iter()
                 .flatten()
@@ -174,6 +198,9 @@ fn shared(shape: &Shape, body: &[u8], chained: &mut Vec<(usize, u128)>) -> usize
     let mut aligned = true;
     for (i, m) in shape.messages.iter().enumerate() {
         let end = m.span.end;
+        if !m.closed {
+            return i;
+        }
         match chained.get(i) {
             Some(&(e, known)) if aligned && e == end => h = known,
             _ => {
@@ -243,6 +270,22 @@ impl<'a> Walk<'a> {
         Ok((raw.get(), start..self.at))
     }
 
+    /// A value skipped as serde's derive skips an unknown field's (not kept, strings not checked
+    /// as UTF-8).
+    fn skip(&mut self) -> Result<(), Error> {
+        self.ws();
+        let start = self.at;
+        let mut values = serde_json::Deserializer::from_slice(&self.b[start..])
+            .into_iter::<serde::de::IgnoredAny>();
+        match values.next() {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(err(e)),
+            None => return Err(err("EOF while parsing a value")),
+        }
+        self.at = start + values.byte_offset();
+        Ok(())
+    }
+
     /// An object key, unescaped.
     fn key(&mut self) -> Result<String, Error> {
         self.ws();
@@ -261,6 +304,29 @@ impl<'a> Walk<'a> {
     }
 }
 
+/// Adds the message read at `span`, or refuses a body of more than [`MAX_MESSAGES`].
+fn push<'a>(
+    messages: &mut Vec<(&'a str, Msg)>,
+    raw: &'a str,
+    span: Range<usize>,
+    upto: u128,
+) -> Result<(), Error> {
+    if messages.len() >= MAX_MESSAGES {
+        return Err(err(format!(
+            "more than {MAX_MESSAGES} messages: not tokenized"
+        )));
+    }
+    let closed = matches!(raw.as_bytes().last(), Some(b'}' | b']' | b'"'));
+    let msg = Msg {
+        span,
+        hash: xxh3_64(raw.as_bytes()),
+        upto,
+        closed,
+    };
+    messages.push((raw, msg));
+    Ok(())
+}
+
 /// Reads the body, from a shape's `n` leading messages where given (their bytes are the
 /// body's), else from the start.
 fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>, Shape), Error> {
@@ -274,13 +340,10 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
     let mut in_messages = false;
     if let Some((shape, n)) = from.filter(|(_, n)| *n > 0) {
         let end = shape.messages[n - 1].span.end;
-        // The bytes are a body's that was read (up to a 128-bit hash): checked as UTF-8 again
-        // rather than trusted, and read from the start if they are not.
-        let Ok(text) = std::str::from_utf8(&body[..end]) else {
-            return walk(body, None);
-        };
+        // The bytes are a body's that was read (up to a 128-bit hash): each message checked as
+        // UTF-8 again rather than trusted, and the body read from the start if one is not.
         for m in &shape.messages[..n] {
-            let Some(raw) = text.get(m.span.clone()) else {
+            let Ok(raw) = std::str::from_utf8(&body[m.span.clone()]) else {
                 return walk(body, None);
             };
             messages.push((raw, m.clone()));
@@ -305,8 +368,7 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
                     let (raw, span) = w.value()?;
                     upto = chain(upto, &body[hashed..span.end]);
                     hashed = span.end;
-                    let hash = xxh3_64(raw.as_bytes());
-                    messages.push((raw, Msg { span, hash, upto }));
+                    push(&mut messages, raw, span, upto)?;
                     continue;
                 }
                 Some(b']') => in_messages = false,
@@ -329,8 +391,7 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
                         let (raw, span) = w.value()?;
                         upto = chain(upto, &body[hashed..span.end]);
                         hashed = span.end;
-                        let hash = xxh3_64(raw.as_bytes());
-                        messages.push((raw, Msg { span, hash, upto }));
+                        push(&mut messages, raw, span, upto)?;
                         in_messages = true;
                         continue;
                     }
@@ -340,7 +401,7 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
                 "add_generation_prompt" => Some(&mut fields.add_generation_prompt),
                 "chat_template_kwargs" => Some(&mut fields.chat_template_kwargs),
                 _ => {
-                    w.value()?;
+                    w.skip()?;
                     None
                 }
             };
@@ -383,9 +444,11 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
         add_generation_prompt,
         chat_template_kwargs: text(&fields.chat_template_kwargs)?,
     };
+    let mut kept: Vec<Msg> = messages.into_iter().map(|(_, m)| m).collect();
+    kept.shrink_to_fit();
     let shape = Shape {
         before,
-        messages: messages.into_iter().map(|(_, m)| m).collect(),
+        messages: kept,
     };
     Ok((parts, shape))
 }
@@ -457,11 +520,22 @@ mod tests {
             "".to_string(),
             format!(r#"{{messages:[{m}]}}"#),
             r#"{"messages":[{"role":"user","content":"\ud800"}]}"#.to_string(),
+            format!(r#"[[{m}]]"#),
+            "[[],null,true]".to_string(),
+            format!(r#"{{"messages":[{m},5]}}"#),
         ];
         for c in &cases {
             same(&s, c.as_bytes());
         }
         same(&s, b"{\"messages\":[\"\xff\"]}");
+        // An unknown field's string is skipped unchecked, as serde's derive skips it.
+        same(
+            &s,
+            b"{\"messages\":[{\"role\":\"user\"}],\"user\":\"\xff\",\"x\":{\"\xff\":1}}",
+        );
+        let many = format!(r#"{{"messages":[{}{{}}]}}"#, "{},".repeat(MAX_MESSAGES));
+        assert!(s.read(many.as_bytes()).is_err(), "past the bound");
+        assert!(ChatBody::parse(many.as_bytes()).is_ok());
     }
 
     #[test]
@@ -485,6 +559,33 @@ mod tests {
             serde_json::to_string(&json!({"messages": messages, "model": "m", "tools": tools}));
         same(&s, body.unwrap().as_bytes());
         assert_eq!(s.resumed(), before + 1);
+    }
+
+    #[test]
+    fn a_message_without_its_own_delimiter_is_not_resumed_after() {
+        let s = Shapes::new(1 << 20);
+        let head = format!(
+            r#"{{"messages":[{{"role":"user","content":"{}"}},"#,
+            "a".repeat(1100)
+        );
+        same(&s, format!("{head}5]}}").as_bytes());
+        for tail in ["55]}", "5.5]}", "5e3]}", "5,{}]}"] {
+            same(&s, format!("{head}{tail}").as_bytes());
+        }
+    }
+
+    #[test]
+    fn a_body_read_twice_is_kept_once() {
+        let s = Shapes::new(1 << 20);
+        let messages: Vec<_> = (0..8).map(turn).collect();
+        let body = serde_json::to_vec(&json!({"messages": messages})).unwrap();
+        for _ in 0..3 {
+            same(&s, &body);
+        }
+        let (shape, n) = s.resume(&body).expect("a shape");
+        assert_eq!((shape.messages.len(), n), (8, 8));
+        let k = shape.key(&body).expect("a key");
+        assert_eq!(s.map.lock().unwrap().get(&k).expect("kept").0.len(), 1);
     }
 
     proptest! {

@@ -108,7 +108,12 @@ impl<V: Weigh> Sized<V> {
         self.map.get(key)
     }
 
+    /// Keeps `value`, unless it alone weighs more than the bound (it would push out the rest
+    /// and then itself).
     pub fn put(&mut self, key: u64, value: V) {
+        if value.weight() > self.limit {
+            return;
+        }
         self.bytes += value.weight();
         if let Some(old) = self.map.put(key, value) {
             self.bytes -= old.weight();

@@ -39,6 +39,13 @@ impl<'a> ChatBody<'a> {
     /// The whole body read by serde_json (the reference for `body.rs`, which
     /// reads a resent history only once).
     pub fn parse(body: &'a [u8]) -> Result<Self, Error> {
+        // An object, as vLLM reads a request (serde would take a struct from an array too).
+        let first = body
+            .iter()
+            .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+        if first != Some(&b'{') {
+            return Err(Error::Body("a request body is a JSON object".into()));
+        }
         let r: Raw<'a> = serde_json::from_slice(body).map_err(|e| Error::Body(e.to_string()))?;
         Ok(ChatBody {
             messages: r.messages.into_iter().map(RawValue::get).collect(),

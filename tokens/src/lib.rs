@@ -901,9 +901,10 @@ impl<'a> Rope<'a> {
 
     /// A 128-bit digest of the first `cut` bytes that costs their pieces, not their bytes: a
     /// content wholly before the cut counts as its message's hash and its length, other text
-    /// as its bytes, each piece framed by its kind and length. Equal digests are the same text
-    /// (a content is a function of its message's raw JSON, as the skeleton cache holds too);
-    /// the same text in other pieces (a whole render) digests otherwise, which is a miss.
+    /// as its bytes, each piece framed by its kind and length. Equal digests are the same text,
+    /// up to a collision of two messages' 64-bit hashes (a content is a function of its
+    /// message's raw JSON; the skeleton and message caches trust the same hash); the same text
+    /// in other pieces (a whole render) digests otherwise, which is a miss.
     fn digest_to(&self, cut: usize) -> u128 {
         let mut h = Xxh3::new();
         let pieces = self.pieces.iter().zip(&self.starts).zip(&self.of);
