@@ -596,6 +596,46 @@ fn sglang_requests_served_whole_go_to_plain_replicas_not_decode_servers() {
     assert_eq!(stat(&d1, "requests"), 0);
 }
 
+/// With no replica that serves a request whole, a Responses or Messages request to an SGLang
+/// pool gets a 503 in its own format that says why, and the decode server sees nothing.
+#[test]
+fn sglang_without_a_plain_replica_says_why_responses_and_messages_are_not_served() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (_p1, d1, mut conf) = sglang_pool(dir.path());
+    conf.extra = "  pd: {protocol: sglang}\n".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    let responses = http()
+        .post(lb.url("/v1/responses"))
+        .json(&json!({"model": "sim-model", "input": "whole", "max_output_tokens": 4, "store": false}))
+        .send()
+        .expect("send");
+    assert_eq!(responses.status().as_u16(), 503);
+    let v: Value = serde_json::from_str(&responses.text().unwrap_or_default()).expect("json");
+    let m = v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        m.contains("bootstrap room") && m.contains("`plain` or `both`"),
+        "{v}"
+    );
+    let messages = http()
+        .post(lb.url("/v1/messages"))
+        .json(&json!({"model": "sim-model", "max_tokens": 4, "messages": [{"role": "user", "content": "whole"}]}))
+        .send()
+        .expect("send");
+    assert_eq!(messages.status().as_u16(), 503);
+    let v: Value = serde_json::from_str(&messages.text().unwrap_or_default()).expect("json");
+    assert_eq!(v["type"], "error", "the Anthropic format: {v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("bootstrap room")),
+        "{v}"
+    );
+    assert_eq!(stat(&d1, "requests"), 0);
+}
+
 #[test]
 fn sglang_handover_sends_both_legs_to_one_bootstrap_room() {
     let dir = tempfile::tempdir().expect("dir");

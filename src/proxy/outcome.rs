@@ -101,6 +101,27 @@ impl Balancer {
         })
     }
 
+    /// Why no replica could take a request none was tried for. Under SGLang's handover a
+    /// disaggregated model's decode servers refuse a request without a bootstrap room, so a
+    /// request served whole (only chat and completions are handed over) needs a `plain` or
+    /// `both` replica: where the model has none, say so.
+    fn none_serves(&self, ctx: &Ctx) -> String {
+        let protocol = self.conf.pd.protocol;
+        let model = ctx.info.as_ref().and_then(|i| i.model.as_deref());
+        let fleet = self.registry.all();
+        let serving = || fleet.iter().filter(|r| model.is_none_or(|m| r.serves(m)));
+        if protocol == crate::conf::pd::Protocol::Sglang
+            && Registry::disaggregated(&fleet, model)
+            && !serving().any(|r| r.role.serves_whole_by(protocol))
+        {
+            return "this model is served disaggregated over SGLang's protocol, whose decode \
+                servers refuse a request without a bootstrap room; only chat and completions \
+                are handed over, and no `plain` or `both` replica serves this model"
+                .into();
+        }
+        "no live replica can serve this request".into()
+    }
+
     /// The status and message a request that failed before any byte ends with; `None` when
     /// the client is gone. Messages name the replica and the reason, never its address.
     pub(super) fn final_answer(&self, e: &Error, ctx: &Ctx) -> Option<(u16, String)> {
@@ -130,7 +151,7 @@ impl Balancer {
                         "no replica could serve this request: the last tried, {id}, failed ({why})"
                     ),
                 ),
-                None => (503, "no live replica can serve this request".into()),
+                None => (503, self.none_serves(ctx)),
             },
             (503, _) => {
                 let message = format!(
