@@ -721,41 +721,40 @@ impl ModelTokens {
         };
         let (tail_ids, cut) = self.ids_with_cut(tail)?;
         let tail_ids: Arc<[u32]> = tail_ids.into();
-        let mut segments = base_ids.clone();
-        segments.push(tail_ids.clone());
-        let mut ids = TokenIds::from_segments(segments);
+        // The tail's ids up to its last cut, which the new entry keeps (shared with the answer
+        // where that is all of them).
+        let to_cut: Option<Arc<[u32]>> = cut.map(|(_, n)| match n == tail_ids.len() {
+            true => tail_ids.clone(),
+            false => Arc::from(&tail_ids[..n]),
+        });
         // Stopped within a budget: the ids stand only up to a cut the encoding confirms (an
         // added token the text search took for one may have been read otherwise).
-        let mut covered = base_cut + tail.len();
-        if tail.len() < whole_tail.len() {
-            match cut {
-                Some((end, n)) => {
-                    ids.truncate(base_len + n);
-                    covered = base_cut + end;
-                }
-                None => return self.chat_ids_within(body, usize::MAX),
-            }
-        }
+        let stopped = tail.len() < whole_tail.len();
+        let (kept, covered) = match (stopped, &to_cut, cut) {
+            (false, _, _) => (tail_ids, base_cut + tail.len()),
+            (true, Some(part), Some((end, _))) => (part.clone(), base_cut + end),
+            (true, _, _) => return self.chat_ids_within(body, usize::MAX),
+        };
+        let mut segments = base_ids.clone();
+        segments.push(kept);
+        let ids = TokenIds::from_segments(segments);
         // The new entry shares the earlier one's ids and adds the tail's up to the cut.
-        let entry = match cut {
-            Some((end, n)) => {
-                let mut segments = base_ids.clone();
-                segments.push(match n == tail_ids.len() {
-                    true => tail_ids.clone(),
-                    false => Arc::from(&tail_ids[..n]),
-                });
+        let entry = match (to_cut, cut) {
+            (Some(part), Some((end, _))) => {
+                let mut segments = base_ids;
+                segments.push(part);
                 Some(cache::Entry {
                     cut: base_cut + end,
                     prefix_hash: text.digest_to(base_cut + end),
                     ids: segments,
                 })
             }
-            None if base_cut > 0 => Some(cache::Entry {
+            _ if base_cut > 0 => Some(cache::Entry {
                 cut: base_cut,
                 prefix_hash: text.digest_to(base_cut),
-                ids: base_ids.clone(),
+                ids: base_ids,
             }),
-            None => None,
+            _ => None,
         };
         if let (Some(e), Some(key)) = (entry, keys.last()) {
             self.cache.lock().expect("cache lock").insert(*key, e);

@@ -301,8 +301,7 @@ impl Balancer {
             tokens: self.conf.pd.local_prefill_tokens,
             idle_tokens: self.conf.pd.local_prefill_idle_tokens,
         };
-        // An SGLang decode server refuses a request without a bootstrap room: only a `both`
-        // replica serves one whole under that protocol.
+        // Not an SGLang decode server, which refuses it (`Role::serves_whole_by`).
         let whole = decode.role.serves_whole_by(protocol);
         if whole && routing::pd::path(uncached, idle, local) == routing::pd::Path::Local {
             let reason = if uncached < local.tokens {
@@ -393,8 +392,7 @@ impl Balancer {
                             plan.model.as_deref().unwrap_or("the model")
                         );
                     }
-                    // An SGLang decode server refuses a request without a bootstrap room:
-                    // only a `both` replica serves one whole under that protocol.
+                    // Not on an SGLang decode server, which refuses it.
                     if !d.role.serves_whole_by(plan.protocol) {
                         return if failed {
                             Begun::Failed(502, no_replica_left("prefill", tries.last.as_ref()))
