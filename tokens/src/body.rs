@@ -15,9 +15,9 @@
 //!
 //! The reference is [`ChatBody::parse`] (serde_json's derive, on an object): bodies it reads,
 //! this reads the same (but for the bound below); bodies it refuses, this refuses (the tests
-//! below). Unknown fields are
-//! skipped as the derive skips them (`IgnoredAny`: their strings are not checked as UTF-8).
-//! A body of more than [`MAX_MESSAGES`] messages is refused: its ids are not worth the memory.
+//! below). Unknown fields are skipped as the derive skips them (`IgnoredAny`: their strings
+//! are not checked as UTF-8). A body of more than [`MAX_MESSAGES`] messages is refused: its
+//! ids are not worth the memory.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
