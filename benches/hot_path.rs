@@ -1,16 +1,19 @@
 //! Micro-benchmarks of the request path's own work (`cargo bench --bench hot_path`): reading a
-//! body into its prompt chain, for every API family and three sizes, and one routing decision
-//! over 2, 16 and 128 replicas with a prefix index of 1M chunks, with its p50/p99 printed.
+//! body into its prompt chain, for every API family and three sizes; classify plus tokenize of
+//! a chat body, cold and as a conversation's next turn (the tokenizer's message cache warm);
+//! and one routing decision over 2, 16 and 128 replicas with a prefix index of 1M chunks, with
+//! its p50/p99 printed.
 
 use std::cell::OnceCell;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use inferlb::conf::Mode;
 use inferlb::fleet::index::PrefixIndex;
 use inferlb::protocol::api::prompt::Link;
 use inferlb::protocol::api::{classify, Family};
+use inferlb::protocol::tokens::Tokenizers;
 use inferlb::routing::{Candidate, Router};
 use serde_json::{json, Value};
 
@@ -108,6 +111,57 @@ fn classification(c: &mut Criterion) {
     g.finish();
 }
 
+/// Classify plus tokenize a chat body with a model's tokenizer (`inferlb_tokens`' trained
+/// fixture, a ChatML template with tools), as admission does for KV-event routing: cold (a
+/// conversation never seen), and warm (its previous request seen; each body adds the answer
+/// and a new user turn).
+fn classify_and_tokenize(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("dir");
+    inferlb_tokens::fixture::write_dir(dir.path(), inferlb_tokens::fixture::CHATML_TOOLS)
+        .expect("fixture");
+    let dirs = std::collections::BTreeMap::from([("m".to_string(), dir.path().to_path_buf())]);
+    let path = "/v1/chat/completions";
+    let mut g = c.benchmark_group("classify_tokenize");
+    for size in [4_000, 400_000, 4_000_000] {
+        let label = format!("{}KB", size / 1000);
+        if size >= 400_000 {
+            g.sample_size(10);
+        }
+        let prev: Value = serde_json::from_slice(&body(Family::Chat, size)).expect("json");
+        let prev_body = serde_json::to_vec(&prev).expect("json");
+        let both = |t: &Tokenizers, b: &[u8]| {
+            let info = classify(Family::Chat, black_box(b));
+            let ids = t.ids(Family::Chat, path, "m", b, usize::MAX).expect("ids");
+            (info, ids)
+        };
+        g.bench_function(BenchmarkId::new("cold", &label), |bench| {
+            bench.iter_batched(
+                || Tokenizers::load(&dirs).expect("load"),
+                |t| both(&t, &prev_body),
+                BatchSize::PerIteration,
+            )
+        });
+        let t = Tokenizers::load(&dirs).expect("load");
+        both(&t, &prev_body);
+        let mut n = 0usize;
+        g.bench_function(BenchmarkId::new("warm_one_new_turn", &label), |bench| {
+            bench.iter_batched(
+                || {
+                    n += 1;
+                    let mut next = prev.clone();
+                    let messages = next["messages"].as_array_mut().expect("messages");
+                    messages.push(json!({"role": "assistant", "content": pieces(1_400, 1)[0]}));
+                    messages.push(json!({"role": "user", "content": format!("turn {n}: {}", pieces(600, 1)[0])}));
+                    serde_json::to_vec(&next).expect("json")
+                },
+                |b| both(&t, &b),
+                BatchSize::LargeInput,
+            )
+        });
+    }
+    g.finish();
+}
+
 /// Per replica, 1M indexed chunks over the fleet, and `links` held by the middle replica.
 fn fleet(replicas: usize, links: &[Link]) -> Vec<PrefixIndex> {
     let per = 1_000_000 / replicas;
@@ -201,5 +255,5 @@ fn decision(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, classification, decision);
+criterion_group!(benches, classification, classify_and_tokenize, decision);
 criterion_main!(benches);
