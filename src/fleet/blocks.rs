@@ -92,26 +92,43 @@ impl PromptTokens {
         if let Some((_, c)) = memo.iter().find(|(b, _)| *b == block_size) {
             return c.clone();
         }
-        let usable = self.ids.iter().take(self.coverable(1) as usize);
-        let chain = std::sync::Arc::new(chain_hashes(ROOT, usable, block_size));
+        let usable = self.coverable(1) as usize;
+        let chain = std::sync::Arc::new(chain_hashes(ROOT, &self.ids, usable, block_size));
         memo.push((block_size, chain.clone()));
         chain
     }
 }
 
-/// The chain hashes of `tokens`' whole blocks of `block_size`, from `parent`.
-fn chain_hashes(parent: u64, tokens: impl Iterator<Item = u32>, block_size: u32) -> Vec<u64> {
+/// The chain hashes of the whole blocks of `block_size` among the first `usable` of `ids`,
+/// from `parent`, read segment by segment (a block across two segments is put together).
+fn chain_hashes(parent: u64, ids: &TokenIds, usable: usize, block_size: u32) -> Vec<u64> {
     let size = block_size.max(1) as usize;
     let mut prev = parent;
     let mut buf = Vec::with_capacity(size * 4);
-    let mut block = Vec::with_capacity(size);
-    let mut out = Vec::new();
-    for t in tokens {
-        block.push(t);
-        if block.len() == size {
-            prev = block_hash(&mut buf, prev, &block, 0);
+    let mut carry: Vec<u32> = Vec::with_capacity(size);
+    let mut out = Vec::with_capacity(usable / size);
+    let mut left = usable;
+    for segment in ids.segments() {
+        let mut s = &segment[..segment.len().min(left)];
+        left -= s.len();
+        if !carry.is_empty() {
+            let take = (size - carry.len()).min(s.len());
+            carry.extend_from_slice(&s[..take]);
+            s = &s[take..];
+            if carry.len() == size {
+                prev = block_hash(&mut buf, prev, &carry, 0);
+                out.push(prev);
+                carry.clear();
+            }
+        }
+        let mut blocks = s.chunks_exact(size);
+        for block in &mut blocks {
+            prev = block_hash(&mut buf, prev, block, 0);
             out.push(prev);
-            block.clear();
+        }
+        carry.extend_from_slice(blocks.remainder());
+        if left == 0 {
+            break;
         }
     }
     out
@@ -455,6 +472,30 @@ mod tests {
             block_size,
             medium: Some(Medium::Cpu),
             ..Default::default()
+        }
+    }
+
+    /// A prompt's chain is the same however its ids are segmented.
+    #[test]
+    fn the_chain_is_the_same_over_any_segments() {
+        let flat: Vec<u32> = (0..103).collect();
+        let whole = chain_hashes(ROOT, &TokenIds::from(flat.clone()), 100, 16);
+        assert_eq!(whole.len(), 6);
+        for cuts in [
+            vec![1],
+            vec![15, 16, 17],
+            vec![7, 30, 31, 32, 99],
+            vec![0, 0, 50],
+        ] {
+            let mut segments = Vec::new();
+            let mut at = 0;
+            for c in cuts.into_iter().chain([flat.len()]) {
+                segments.push(std::sync::Arc::from(&flat[at..c]));
+                at = c;
+            }
+            let ids = TokenIds::from_segments(segments);
+            assert_eq!(chain_hashes(ROOT, &ids, 100, 16), whole);
+            assert_eq!(chain_hashes(ROOT, &ids, 103, 4).len(), 25);
         }
     }
 
