@@ -43,24 +43,6 @@ impl TokenIds {
         }
         out
     }
-
-    /// Keeps the first `n` ids.
-    pub fn truncate(&mut self, n: usize) {
-        let mut kept = 0;
-        let mut keep = 0;
-        while keep < self.segments.len() && kept + self.segments[keep].len() <= n {
-            kept += self.segments[keep].len();
-            keep += 1;
-        }
-        if keep < self.segments.len() && kept < n {
-            let part: Arc<[u32]> = Arc::from(&self.segments[keep][..n - kept]);
-            self.segments[keep] = part;
-            keep += 1;
-            kept = n;
-        }
-        self.segments.truncate(keep);
-        self.len = kept;
-    }
 }
 
 impl From<Vec<u32>> for TokenIds {
@@ -109,12 +91,5 @@ mod tests {
         assert_eq!(ids.len(), 5);
         assert_eq!(ids.to_vec(), vec![1, 2, 3, 4, 5]);
         assert_eq!(ids, TokenIds::from(vec![1, 2, 3, 4, 5]));
-        for n in 0..=6 {
-            let mut t = ids.clone();
-            t.truncate(n);
-            let want: Vec<u32> = (1..=5).take(n).collect();
-            assert_eq!(t.to_vec(), want, "{n}");
-            assert_eq!(t.len(), want.len());
-        }
     }
 }
