@@ -100,6 +100,18 @@ fn chat(lb: &Lb, messages: &[(&str, &str)], stream: bool) -> Answer {
     }
 }
 
+/// A stream of 4000 tokens (4 s at speed 20), its header read: its decode replica is busy
+/// until it is dropped.
+fn long_stream(lb: &Lb) -> reqwest::blocking::Response {
+    let long = http()
+        .post(lb.url("/v1/chat/completions"))
+        .json(&chat_body(&[("user", "a long answer")], true, 4000))
+        .send()
+        .expect("send");
+    assert_eq!(long.status().as_u16(), 200);
+    long
+}
+
 /// The generated text of a chat answer, streamed or not.
 fn content(a: &Answer) -> String {
     if let Ok(v) = serde_json::from_str::<Value>(&a.text) {
@@ -274,13 +286,8 @@ fn an_idle_decode_replica_prefills_a_larger_turn_itself_a_busy_one_hands_it_over
         lb.metric("inferlb_pd_whole_total{reason=\"idle_decode\"}"),
         1.0
     );
-    // A long stream on d1 (4000 tokens, 4 s at speed 20), its header read: d1 is busy.
-    let long = http()
-        .post(lb.url("/v1/chat/completions"))
-        .json(&chat_body(&[("user", "a long answer")], true, 4000))
-        .send()
-        .expect("send");
-    assert_eq!(long.status().as_u16(), 200);
+    // d1 busy with a long stream.
+    let long = long_stream(&lb);
     let b = chat(&lb, &[("user", &text_of("busy", 3000))], false);
     assert_eq!(
         (
@@ -295,6 +302,83 @@ fn an_idle_decode_replica_prefills_a_larger_turn_itself_a_busy_one_hands_it_over
     );
     assert_eq!(stat(&p1, "handover_prefill_requests"), prefills + 1);
     drop(long);
+}
+
+/// A turn prefilled on its idle decode replica is prefilled again on the idle prefill replica,
+/// off the client's path, with no `kv_transfer_params` (so no blocks held there for a
+/// decode): the conversation's next turn handed over finds its history in the prefill pool,
+/// instead of prefilling both turns. Off with `warm_prefill: false`.
+#[test]
+fn a_turn_prefilled_on_its_decode_replica_is_copied_to_an_idle_prefill_replica() {
+    let dir = tempfile::tempdir().expect("dir");
+    for warm in [true, false] {
+        let p1 = sim(dir.path(), "p1", "producer", &[]);
+        let d1 = sim(dir.path(), "d1", "consumer", &[]);
+        let lb = pd_lb(
+            dir.path(),
+            &[&p1],
+            &[&d1],
+            &format!("{{local_prefill_tokens: 512, local_prefill_idle_tokens: 8192, warm_prefill: {warm}}}"),
+        );
+        let first = text_of(&format!("warm {warm} history"), 3000);
+        let a = chat(&lb, &[("user", &first)], false);
+        assert_eq!(
+            (a.status, a.route.as_str(), a.replica.as_str()),
+            (200, "pd-local", "d1"),
+            "{}",
+            a.text
+        );
+        let copies = || {
+            lb.samples("inferlb_pd_legs_total")
+                .iter()
+                .filter(|(l, _)| l.contains(r#"leg="warm""#) && l.contains(r#"outcome="ok""#))
+                .map(|(_, v)| *v)
+                .sum::<f64>()
+        };
+        if warm {
+            assert!(
+                wait_until(Duration::from_secs(10), || copies() == 1.0),
+                "{:?}",
+                lb.samples("inferlb_pd_legs_total")
+            );
+        } else {
+            // Given the time a copy takes, there is none.
+            std::thread::sleep(Duration::from_millis(500));
+            assert_eq!(copies(), 0.0);
+        }
+        assert_eq!(
+            stat(&p1, "handover_prefill_requests"),
+            0,
+            "a copy is no handover"
+        );
+        assert_eq!(stat(&p1, "kv_leases_held"), 0, "a copy holds no blocks");
+        // d1 busy with a long stream: the next turn goes through the prefill pool.
+        let long = long_stream(&lb);
+        let cached = stat(&p1, "cached_tokens");
+        let reply = content(&a);
+        let next = text_of(&format!("warm {warm} next turn"), 3000);
+        let b = chat(
+            &lb,
+            &[("user", &first), ("assistant", &reply), ("user", &next)],
+            false,
+        );
+        assert_eq!(
+            (b.status, b.route.as_str(), b.prefill.as_str()),
+            (200, "pd", "p1"),
+            "{}",
+            b.text
+        );
+        let found = stat(&p1, "cached_tokens") - cached;
+        if warm {
+            assert!(
+                found >= 2900,
+                "the history was in the prefill pool: {found}"
+            );
+        } else {
+            assert!(found < 100, "the prefill pool lacked the history: {found}");
+        }
+        drop(long);
+    }
 }
 
 #[test]

@@ -182,6 +182,10 @@ pub struct Args {
     /// `pd.local_prefill_idle_tokens` of every inferlb P/D run (0: only `local_prefill_tokens`).
     #[arg(long, default_value_t = 8192)]
     pd_local_prefill_idle_tokens: usize,
+    /// `pd.warm_prefill: true` in every inferlb P/D run (a local turn is prefilled again on an
+    /// idle prefill replica once it was answered).
+    #[arg(long)]
+    pd_warm_prefill: bool,
     /// Requests of the trace the P/D scene replays (smoke: 12).
     #[arg(long)]
     pd_trace_requests: Option<usize>,
@@ -608,6 +612,7 @@ async fn main() {
         }
         pc.local_prefill_tokens = a.pd_local_prefill_tokens;
         pc.local_prefill_idle_tokens = a.pd_local_prefill_idle_tokens;
+        pc.warm_prefill = a.pd_warm_prefill;
         pc.peers_venv = venv.clone();
         if let Some(v) = &a.smg_venv {
             pc.smg_venv = v.clone();

@@ -22,15 +22,28 @@ pub struct NotHandedOver(pub &'static str);
 /// asking the replica to keep the prompt's KV for a remote decode. A Responses prefill is not
 /// stored (the decode leg's answer is the one the client gets).
 pub fn vllm_prefill(family: Family, body: &[u8]) -> Result<Bytes, NotHandedOver> {
+    let mut m = one_token(family, body)?;
+    m.set(
+        "kv_transfer_params",
+        r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#,
+    );
+    Ok(m.bytes())
+}
+
+/// A prefill replica's copy of a turn served whole on its decode replica: the same one
+/// token, with no `kv_transfer_params`, so the replica caches the prompt and holds no blocks
+/// for a decode that will not come.
+pub fn vllm_warm(family: Family, body: &[u8]) -> Result<Bytes, NotHandedOver> {
+    Ok(one_token(family, body)?.bytes())
+}
+
+/// `body` asking for one token, not streamed, one choice, not stored.
+fn one_token(family: Family, body: &[u8]) -> Result<Members<'_>, NotHandedOver> {
     let mut m = Members::parse(body).map_err(|_| NotHandedOver("the body is not a JSON object"))?;
     if m.has("kv_transfer_params") {
         // Stripped at the edge; never trusted from a client.
         return Err(NotHandedOver("the client sent kv_transfer_params"));
     }
-    m.set(
-        "kv_transfer_params",
-        r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#,
-    );
     m.set("stream", "false");
     // vLLM refuses stream_options without stream; min_tokens above 1 would contradict max 1.
     m.remove("stream_options");
@@ -54,7 +67,7 @@ pub fn vllm_prefill(family: Family, body: &[u8]) -> Result<Bytes, NotHandedOver>
             m.set("max_tokens", "1");
         }
     }
-    Ok(m.bytes())
+    Ok(m)
 }
 
 /// The `kv_transfer_params` of a prefill answer, as they came; `None` when there are none (a
@@ -237,6 +250,25 @@ mod tests {
 
     fn json(b: &[u8]) -> Value {
         serde_json::from_slice(b).expect("json")
+    }
+
+    #[test]
+    fn a_warm_prefill_is_the_prefill_leg_without_kv_transfer_params() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":500,"n":2}"#;
+        for family in [
+            Family::Chat,
+            Family::Completions,
+            Family::Responses,
+            Family::Messages,
+        ] {
+            let mut leg = json(&vllm_prefill(family, body).expect("prefill"));
+            let warm = json(&vllm_warm(family, body).expect("warm"));
+            assert!(warm.get("kv_transfer_params").is_none(), "{family:?}");
+            leg.as_object_mut().unwrap().remove("kv_transfer_params");
+            assert_eq!(warm, leg, "{family:?}");
+        }
+        let sent = br#"{"kv_transfer_params":{"do_remote_prefill":true}}"#;
+        assert!(vllm_warm(Family::Chat, sent).is_err());
     }
 
     #[test]

@@ -514,5 +514,6 @@ impl ProxyHttp for Balancer {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         self.finish(session, e, ctx);
         self.release_load(ctx);
+        self.warm_prefill(&mut ctx.pd, e.is_none());
     }
 }

@@ -92,6 +92,16 @@ pub fn path(uncached: u64, idle: bool, local: Local) -> Path {
     }
 }
 
+/// Whether a turn served whole on its decode replica is prefilled again, off the client's
+/// path, on the prefill replica a handover would take. Without it that replica falls a turn
+/// behind the conversation, and the next turn handed over prefills both (the agent loop's
+/// slowest turns, docs/pd.md). `lacking`: the prompt tokens that replica lacks; `idle`: it
+/// runs and queues nothing, so no handover waits behind the copy. A lag below
+/// `local.tokens` is left: a handover prefills that much more at most.
+pub fn warm_prefill(lacking: u64, idle: bool, local: Local) -> bool {
+    idle && lacking > 0 && lacking >= local.tokens
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,5 +227,37 @@ mod tests {
                 "{uncached} idle={idle} {tokens}/{idle_tokens}"
             );
         }
+    }
+
+    #[test]
+    fn a_local_turn_is_copied_to_an_idle_prefill_replica_that_lags_by_a_bound() {
+        let local = Local {
+            tokens: 1024,
+            idle_tokens: 8192,
+        };
+        // (lacking, idle) -> copied
+        let rows = [
+            // an agent's +2000-token turn served on its idle decode replica
+            (2032, true, true),
+            // a handover arriving would wait behind the copy
+            (2032, false, false),
+            // a short lag: the next handover prefills it with its own turn
+            (1023, true, false),
+            (1024, true, true),
+            (0, true, false),
+        ];
+        for (lacking, idle, want) in rows {
+            assert_eq!(
+                warm_prefill(lacking, idle, local),
+                want,
+                "{lacking} idle={idle}"
+            );
+        }
+        let always_pooled = Local {
+            tokens: 0,
+            idle_tokens: 0,
+        };
+        assert!(warm_prefill(1, true, always_pooled));
+        assert!(!warm_prefill(0, true, always_pooled));
     }
 }

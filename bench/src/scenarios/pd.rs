@@ -103,10 +103,10 @@ impl PdFront {
     }
 
     /// How it was set up, for the report.
-    fn setup(self, local_prefill_tokens: usize, idle_tokens: usize) -> String {
+    fn setup(self, local_prefill_tokens: usize, idle_tokens: usize, warm: bool) -> String {
         match self {
             PdFront::InferlbPd(p) => format!(
-                "2 prefill + 2 decode, pd.protocol {}, local_prefill_tokens {local_prefill_tokens}, local_prefill_idle_tokens {idle_tokens}, routing prefill_cost",
+                "2 prefill + 2 decode, pd.protocol {}, local_prefill_tokens {local_prefill_tokens}, local_prefill_idle_tokens {idle_tokens}, warm_prefill {warm}, routing prefill_cost",
                 p.name()
             ),
             PdFront::InferlbAgg => "4 replicas, no KV connector, routing prefill_cost".into(),
@@ -158,6 +158,8 @@ pub struct PdConf {
     pub local_prefill_tokens: usize,
     /// `pd.local_prefill_idle_tokens` of every inferlb P/D run, the sweep's included.
     pub local_prefill_idle_tokens: usize,
+    /// `pd.warm_prefill` of every inferlb P/D run.
+    pub warm_prefill: bool,
     pub thresholds: Vec<usize>,
     pub peers_venv: PathBuf,
     pub smg_venv: PathBuf,
@@ -198,6 +200,7 @@ impl PdConf {
             fronts: vec![],
             local_prefill_tokens: 1024,
             local_prefill_idle_tokens: 8192,
+            warm_prefill: false,
             thresholds: vec![0, 256, 1024, 4096],
             peers_venv: venv,
             smg_venv,
@@ -414,9 +417,10 @@ impl Fleet {
                     .collect();
                 let extra = match front.protocol() {
                     Some(p) if front != PdFront::InferlbAgg => format!(
-                        "  pd: {{protocol: {}, local_prefill_tokens: {local_prefill_tokens}, local_prefill_idle_tokens: {}}}\n",
+                        "  pd: {{protocol: {}, local_prefill_tokens: {local_prefill_tokens}, local_prefill_idle_tokens: {}, warm_prefill: {}}}\n",
                         p.name(),
-                        pc.local_prefill_idle_tokens
+                        pc.local_prefill_idle_tokens,
+                        pc.warm_prefill
                     ),
                     _ => String::new(),
                 };
@@ -822,6 +826,23 @@ async fn agent_loop(
     (first, warm, mid.since(&before), after.since(&mid))
 }
 
+/// inferlb's warm prefills (a local turn prefilled again on an idle prefill replica), in the
+/// routes column as `warm N`: they are legs, not requests.
+fn warm_copies(cell: &mut Cell, metrics: &BTreeMap<String, f64>) {
+    let n: f64 = metrics
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with("inferlb_pd_legs_total{")
+                && k.contains(r#"leg="warm""#)
+                && k.contains(r#"outcome="ok""#)
+        })
+        .map(|(_, v)| v)
+        .sum();
+    if n > 0.0 {
+        cell.routes.insert("warm".into(), n as usize);
+    }
+}
+
 async fn agent_cell(
     client: &reqwest::Client,
     pc: &PdConf,
@@ -851,6 +872,7 @@ async fn agent_cell(
         agent_loop(client, &fleet, shape, pc.speed, workload).await;
     cell.wall_seconds = started.elapsed().as_secs_f64();
     summarize(&mut cell, &warm, pc.speed);
+    warm_copies(&mut cell, &fleet.pd_metrics(client).await);
     cell.errors += first.iter().filter(|r| !r.ok).count();
     cell.kv_per_request = kv_warm.transferred as f64 / warm.len().max(1) as f64;
     cell.kv_per_first_turn = Some(kv_first.transferred as f64 / first.len().max(1) as f64);
@@ -905,6 +927,7 @@ async fn burst_cell(client: &reqwest::Client, pc: &PdConf, front: PdFront) -> Ce
     cell.wall_seconds = started.elapsed().as_secs_f64();
     let kv = fleet.kv(client).await.since(&before);
     summarize(&mut cell, &recs, pc.speed);
+    warm_copies(&mut cell, &fleet.pd_metrics(client).await);
     cell.errors += pc.burst - recs.len();
     cell.kv_per_request = kv.transferred as f64 / recs.len().max(1) as f64;
     cell.kv_pull_failures = kv.pull_failures;
@@ -963,6 +986,7 @@ async fn trace_cell(
     cell.wall_seconds = started.elapsed().as_secs_f64();
     let kv = fleet.kv(client).await.since(&before);
     summarize(&mut cell, &recs, pc.speed);
+    warm_copies(&mut cell, &fleet.pd_metrics(client).await);
     cell.errors += reqs.len() - recs.len();
     cell.kv_per_request = kv.transferred as f64 / recs.len().max(1) as f64;
     cell.kv_pull_failures = kv.pull_failures;
@@ -1004,7 +1028,11 @@ async fn kill_scene(client: &reqwest::Client, pc: &PdConf) -> KillResult {
     let mut k = KillResult {
         setup: format!(
             "{}; {}; p0 stopped at 1/3 of {:.0} modelled s, d0 at 2/3",
-            front.setup(pc.local_prefill_tokens, pc.local_prefill_idle_tokens),
+            front.setup(
+                pc.local_prefill_tokens,
+                pc.local_prefill_idle_tokens,
+                pc.warm_prefill
+            ),
             pc.kill_agent.describe(),
             pc.kill_seconds
         ),
@@ -1176,9 +1204,10 @@ pub async fn pd(client: &reqwest::Client, pc: &PdConf) -> PdResult {
         ),
         trace_cache_tokens: pc.trace_cache_tokens,
         sweep_agent: format!(
-            "{}, local_prefill_idle_tokens {} in every row",
+            "{}, local_prefill_idle_tokens {} and warm_prefill {} in every row",
             pc.sweep_agent.describe(),
-            pc.local_prefill_idle_tokens
+            pc.local_prefill_idle_tokens,
+            pc.warm_prefill
         ),
         ..PdResult::default()
     };
@@ -1206,7 +1235,11 @@ pub async fn pd(client: &reqwest::Client, pc: &PdConf) -> PdResult {
     for &front in &pc.fronts {
         res.setups.push((
             front.name().into(),
-            front.setup(pc.local_prefill_tokens, pc.local_prefill_idle_tokens),
+            front.setup(
+                pc.local_prefill_tokens,
+                pc.local_prefill_idle_tokens,
+                pc.warm_prefill,
+            ),
         ));
     }
     for (i, &front) in pc.fronts.iter().enumerate() {
