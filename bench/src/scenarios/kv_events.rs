@@ -187,6 +187,8 @@ pub struct KvRow {
     pub direct_errors: f64,
     /// The ideal router's hit rate at this cache size (see [`reference`]).
     pub reference_hit_rate: f64,
+    /// The TTFT p90 no front can beat at this cache size (see [`Reference`]).
+    pub ttft_p90_floor_ms: f64,
     pub skipped: Option<String>,
 }
 
@@ -204,11 +206,22 @@ pub struct KvResult {
     pub direct_pct: f64,
     pub max_tokens_cap: usize,
     pub restart_at_s: f64,
-    /// Per cache size a replica: the reference's hit rate.
-    pub references: BTreeMap<usize, f64>,
+    /// Per cache size a replica: the reference's hit rate and TTFT floor.
+    pub references: BTreeMap<usize, Reference>,
     pub runs: Vec<KvRun>,
     pub rows: Vec<KvRow>,
     pub notes: Vec<String>,
+}
+
+/// What no front can beat: the reference's hit rate at one cache size, and the TTFT p90 floor,
+/// the p90 of every request's uncached tokens at a replica's prefill rate
+/// ([`trace::PREFILL_TOKENS_PER_S`]) with no queue anywhere and a cache that never evicts (each
+/// request finds every block any earlier request computed). Where a target asks for a p90
+/// below the floor, no router can meet it on this workload.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub struct Reference {
+    pub hit_rate: f64,
+    pub ttft_p90_floor_ms: f64,
 }
 
 /// Words the tokenizer makes one token each after a space, in a fixed order.
@@ -365,6 +378,8 @@ fn start(
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let tk = tokenizer.to_string_lossy().to_string();
     let (speed, cache_s) = (kc.speed.to_string(), cache.to_string());
+    // The rate the TTFT floor assumes (`Reference`).
+    let rate = trace::PREFILL_TOKENS_PER_S.to_string();
     let mut sims = vec![];
     let mut endpoints = vec![];
     for i in 0..REPLICAS {
@@ -375,6 +390,8 @@ fn start(
             &speed,
             "--cache-tokens",
             &cache_s,
+            "--prefill-tokens-per-s",
+            &rate,
             "--tokenizer",
             &tk,
             "--kv-events",
@@ -527,7 +544,11 @@ fn add(a: TokenCounts, b: TokenCounts) -> TokenCounts {
 }
 
 /// One request as the client saw it.
+#[derive(Serialize)]
 struct Sent {
+    index: usize,
+    /// When it was sent, modelled ms after the first request.
+    at_ms: f64,
     direct: bool,
     failed: bool,
     status: u16,
@@ -587,10 +608,13 @@ async fn run(
             };
             let b = body(words, r, r.output_length.clamp(1, kc.max_tokens));
             let (client, speed) = (client.clone(), kc.speed);
+            let at_ms = (r.timestamp - t0) as f64 * scale * 1e3 * speed;
             tokio::spawn(async move {
                 tokio::time::sleep_until(at.into()).await;
                 let o = stream_api(&client, &base, Api::Chat, &b, false).await;
                 Sent {
+                    index: i,
+                    at_ms,
                     direct: direct.is_some(),
                     failed: o.failed,
                     status: o.status,
@@ -647,6 +671,15 @@ async fn run(
             + 0.0;
     }
     drop(fleet);
+    // Each request as the client saw it, beside the run's log: where every hit went.
+    let lines: Vec<String> = sent
+        .iter()
+        .filter_map(|s| serde_json::to_string(s).ok())
+        .collect();
+    let _ = std::fs::write(
+        log.with_extension("requests.jsonl"),
+        lines.join("\n") + "\n",
+    );
     let (mut ttft, mut prompt, mut cached) = (vec![], 0u64, 0u64);
     for s in &sent {
         if s.direct {
@@ -678,21 +711,21 @@ async fn run(
     Ok(r)
 }
 
-/// The reference: every request, none straight and no restart, to one replica caching the
-/// fleet's whole capacity whose prefill never queues: what a router that always found the
-/// longest cached prefix, with the fleet's memory as one cache, could reach (as in the trace
-/// replay).
+/// The reference: every request, none straight and no restart, to one replica caching
+/// `cache_tokens` whose prefill never queues. With the fleet's whole capacity, what a router
+/// that always found the longest cached prefix, with the fleet's memory as one cache, could
+/// reach (as in the trace replay); with a cache that never evicts, the TTFT floor.
 async fn reference(
     client: &reqwest::Client,
     kc: &KvConf,
-    cache: usize,
+    cache_tokens: usize,
     reqs: &[TraceRequest],
     words: &[&'static str],
     tokenizer: &Path,
-) -> f64 {
+) -> Reference {
     let dir = tempfile::tempdir().expect("tempdir");
     let tk = tokenizer.to_string_lossy().to_string();
-    let (speed, big) = (kc.speed.to_string(), (cache * REPLICAS).to_string());
+    let (speed, big) = (kc.speed.to_string(), cache_tokens.to_string());
     let flags = [
         "--speed",
         &speed,
@@ -721,11 +754,18 @@ async fn reference(
             })
         })
         .collect();
+    let mut floors = vec![];
     for t in tasks {
-        let _ = t.await;
+        if let Ok(Some((prompt, cached))) = t.await.map(|o| o.usage) {
+            let uncached = prompt.saturating_sub(cached) as f64;
+            floors.push(uncached / trace::PREFILL_TOKENS_PER_S * 1e3);
+        }
     }
     let c = one_count(client, &sim).await;
-    c.hit_rate_since(&TokenCounts::default())
+    Reference {
+        hit_rate: c.hit_rate_since(&TokenCounts::default()),
+        ttft_p90_floor_ms: pct(&floors, 0.9),
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -797,10 +837,23 @@ pub async fn kv_events(client: &reqwest::Client, kc: &KvConf) -> Option<KvResult
         scale * trace::span_ms(&reqs) as f64
     );
     let mut skipped: BTreeMap<&'static str, String> = BTreeMap::new();
+    // A cache that holds every prompt twice over never evicts.
+    let unbounded = 2 * result.trace_input_tokens as usize;
+    let floor = reference(client, kc, unbounded, &reqs, &words, &tokenizer).await;
+    eprintln!(
+        "[kv-events] TTFT p90 floor {:.0} ms",
+        floor.ttft_p90_floor_ms
+    );
     for &cache in &kc.caches {
         eprintln!("[kv-events] cache {cache}: the reference");
-        let h = reference(client, kc, cache, &reqs, &words, &tokenizer).await;
-        eprintln!("[kv-events]   reference hit rate {:.1}%", h * 100.0);
+        let h = Reference {
+            ttft_p90_floor_ms: floor.ttft_p90_floor_ms,
+            ..reference(client, kc, cache * REPLICAS, &reqs, &words, &tokenizer).await
+        };
+        eprintln!(
+            "[kv-events]   reference hit rate {:.1}%",
+            h.hit_rate * 100.0
+        );
         result.references.insert(cache, h);
         for &workload in &kc.workloads {
             for run_no in 1..=kc.runs.max(1) {
@@ -880,7 +933,14 @@ fn row(
         ttft_p90_ms: m(|r| r.ttft_p90_ms),
         front_errors: m(|r| r.front_errors as f64),
         direct_errors: m(|r| r.direct_errors as f64),
-        reference_hit_rate: result.references.get(&cache).copied().unwrap_or(f64::NAN),
+        reference_hit_rate: result
+            .references
+            .get(&cache)
+            .map_or(f64::NAN, |r| r.hit_rate),
+        ttft_p90_floor_ms: result
+            .references
+            .get(&cache)
+            .map_or(f64::NAN, |r| r.ttft_p90_floor_ms),
         skipped: skipped.get(front.short()).cloned(),
     }
 }
@@ -907,7 +967,7 @@ fn best_peer(rows: &[KvRow], row: &KvRow) -> Option<(f64, f64)> {
 /// The markdown table, also written with the JSON into `out`.
 pub fn write(r: &KvResult, out: &Path) -> String {
     let mut md = format!(
-        "KV events bench: the first {} requests of `{}` ({:.0} s of trace, {} input tokens), chat shape, one `user` message per 512-token block; 4 replicas with a real tokenizer (the test tokenizer of inferlb-tokens, each block 512 one-token words: the first prompt is {} tokens for the trace's {}), KV events on; speed x{}, arrivals scaled to {}% of the fleet's cold prefill, max_tokens capped at {}. Workloads: `replay` sends every request through the front; `restart` restarts gpu1 (its cache gone) when the request a third of the way in is due ({:.1} s in); `direct` sends {}% of the requests straight to a replica (the same pseudo-random draw for every front). Hit rate through the front: cached over prompt tokens in those answers' usage; over all: the replicas' counters; reference: every request (none straight, no restart) to one replica caching the fleet's whole capacity whose prefill never queues. TTFT in ms of the modelled engine, requests through the front. Medians of the runs shown; against the best peer: the hit rate over the higher of the peers', the TTFT p90 over the lower of theirs. The machine has 2 cores shared with other work (a full test run): absolute times are noisy.\n\n",
+        "KV events bench: the first {} requests of `{}` ({:.0} s of trace, {} input tokens), chat shape, one `user` message per 512-token block; 4 replicas with a real tokenizer (the test tokenizer of inferlb-tokens, each block 512 one-token words: the first prompt is {} tokens for the trace's {}), KV events on; speed x{}, arrivals scaled to {}% of the fleet's cold prefill, max_tokens capped at {}. Workloads: `replay` sends every request through the front; `restart` restarts gpu1 (its cache gone) when the request a third of the way in is due ({:.1} s in); `direct` sends {}% of the requests straight to a replica (the same pseudo-random draw for every front). Hit rate through the front: cached over prompt tokens in those answers' usage; over all: the replicas' counters; reference: every request (none straight, no restart) to one replica caching the fleet's whole capacity whose prefill never queues; p90 floor: the TTFT p90 with no queue anywhere and a cache that never evicts (each request's uncached tokens at one replica's prefill rate), which no front can beat. TTFT in ms of the modelled engine, requests through the front. Medians of the runs shown; against the best peer: the hit rate over the higher of the peers', the TTFT p90 over the lower of theirs. The machine has 2 cores shared with other work (a full test run): absolute times are noisy.\n\n",
         r.requests,
         r.trace,
         r.span_s,
@@ -920,11 +980,11 @@ pub fn write(r: &KvResult, out: &Path) -> String {
         r.restart_at_s,
         r.direct_pct
     );
-    md.push_str("| workload | cache a replica | front | runs | hit rate (front) | hit rate (all) | reference | TTFT p50 (ms) | p90 (ms) | errors (front) | errors (direct) | hit / best peer | p90 / best peer |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| workload | cache a replica | front | runs | hit rate (front) | hit rate (all) | reference | TTFT p50 (ms) | p90 (ms) | p90 floor (ms) | errors (front) | errors (direct) | hit / best peer | p90 / best peer |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for row in &r.rows {
         if let Some(why) = &row.skipped {
             md.push_str(&format!(
-                "| {} | {} | {} | 0 | skipped: {} | | | | | | | | |\n",
+                "| {} | {} | {} | 0 | skipped: {} | | | | | | | | | |\n",
                 row.workload,
                 row.cache_tokens,
                 row.front,
@@ -940,7 +1000,7 @@ pub fn write(r: &KvResult, out: &Path) -> String {
             _ => (String::new(), String::new()),
         };
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {:.2}% | {:.2}% | {:.2}% | {:.0} | {:.0} | {} | {} | {hit_vs} | {p90_vs} |\n",
+            "| {} | {} | {} | {} | {:.2}% | {:.2}% | {:.2}% | {:.0} | {:.0} | {:.0} | {} | {} | {hit_vs} | {p90_vs} |\n",
             row.workload,
             row.cache_tokens,
             row.front,
@@ -950,6 +1010,7 @@ pub fn write(r: &KvResult, out: &Path) -> String {
             row.reference_hit_rate * 100.0,
             row.ttft_p50_ms,
             row.ttft_p90_ms,
+            row.ttft_p90_floor_ms,
             row.front_errors,
             row.direct_errors
         ));
