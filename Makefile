@@ -81,8 +81,12 @@ bench: build peers
 # The replicas' KV events against the estimate and the peers' event/cache routing: the trace on
 # 4 sims with a tokenizer, as it is, with one replica restarted, and with 30% of requests
 # straight to a replica (bench/README.md). Apart from `bench`: CPU-bound on 2 cores, ~50 min.
+# At 50% load every front's TTFT p90 sits near the floor no router can beat; under load
+# (`make bench-kv-events KV_SPEED=1 KV_LOAD=90`, ~55 min) placement decides the tail.
+KV_SPEED ?= 2
+KV_LOAD ?= 50
 bench-kv-events: build peers
-	$(BIN)/inferlb-bench --kv-events-bench --peers-venv $(PEERS_VENV) --kv-requests 300 --kv-runs 3 --kv-speed 2 --kv-load 50 --out bench/results/kv-events
+	$(BIN)/inferlb-bench --kv-events-bench --peers-venv $(PEERS_VENV) --kv-requests 300 --kv-runs 3 --kv-speed $(KV_SPEED) --kv-load $(KV_LOAD) --out bench/results/kv-events
 
 bench-smoke: build
 	$(BIN)/inferlb-bench --smoke --out target/bench-smoke
