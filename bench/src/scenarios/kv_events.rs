@@ -159,6 +159,8 @@ pub struct KvRun {
     /// Modelled engine ms (wall x speed), requests through the front.
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
+    /// The p90 floor over the same requests (see [`Reference`]).
+    pub ttft_p90_floor_ms: f64,
     pub front_errors: usize,
     pub direct_errors: usize,
     /// Answers through the front that carried a usage (the hit rate's denominator).
@@ -213,15 +215,32 @@ pub struct KvResult {
     pub notes: Vec<String>,
 }
 
-/// What no front can beat: the reference's hit rate at one cache size, and the TTFT p90 floor,
-/// the p90 of every request's uncached tokens at a replica's prefill rate
-/// ([`trace::PREFILL_TOKENS_PER_S`]) with no queue anywhere and a cache that never evicts (each
-/// request finds every block any earlier request computed). Where a target asks for a p90
+/// What no front can beat: the reference's hit rate at one cache size, and the TTFT floor of
+/// each request, its uncached tokens at a replica's prefill rate
+/// ([`trace::PREFILL_TOKENS_PER_S`]) with no queue anywhere and a cache that never evicts (it
+/// finds every block any earlier request computed). A run's p90 floor is the p90 of the floors
+/// of the requests its own p90 is taken over ([`floor_p90`]). Where a target asks for a p90
 /// below the floor, no router can meet it on this workload.
-#[derive(Debug, Default, Clone, Copy, Serialize)]
+#[derive(Debug, Default, Clone, Serialize)]
 pub struct Reference {
     pub hit_rate: f64,
+    /// Over every request of the trace.
     pub ttft_p90_floor_ms: f64,
+    /// Each request's floor by its index, NaN where the reference got no usage.
+    #[serde(skip)]
+    pub floors_ms: Vec<f64>,
+}
+
+/// The p90 of the floors of the requests a run's TTFT p90 is taken over: those through the
+/// front that did not fail.
+fn floor_p90(sent: &[Sent], floors_ms: &[f64]) -> f64 {
+    let floors: Vec<f64> = sent
+        .iter()
+        .filter(|s| !s.direct && !s.failed)
+        .filter_map(|s| floors_ms.get(s.index).copied())
+        .filter(|f| f.is_finite())
+        .collect();
+    pct(&floors, 0.9)
 }
 
 /// Words the tokenizer makes one token each after a space, in a fixed order.
@@ -569,6 +588,7 @@ async fn run(
     reqs: &[TraceRequest],
     words: &[&'static str],
     tokenizer: &Path,
+    floors_ms: &[f64],
 ) -> Result<KvRun, String> {
     let log = kc.out.join("logs").join(format!(
         "kv-events-{}-{}-{cache}-{run_no}.log",
@@ -708,6 +728,7 @@ async fn run(
     r.front_hit_rate = cached as f64 / prompt.max(1) as f64;
     r.ttft_p50_ms = pct(&ttft, 0.5);
     r.ttft_p90_ms = pct(&ttft, 0.9);
+    r.ttft_p90_floor_ms = floor_p90(&sent, floors_ms);
     Ok(r)
 }
 
@@ -754,17 +775,25 @@ async fn reference(
             })
         })
         .collect();
-    let mut floors = vec![];
+    let mut floors_ms = vec![];
     for t in tasks {
-        if let Ok(Some((prompt, cached))) = t.await.map(|o| o.usage) {
-            let uncached = prompt.saturating_sub(cached) as f64;
-            floors.push(uncached / trace::PREFILL_TOKENS_PER_S * 1e3);
-        }
+        floors_ms.push(match t.await.map(|o| o.usage) {
+            Ok(Some((prompt, cached))) => {
+                prompt.saturating_sub(cached) as f64 / trace::PREFILL_TOKENS_PER_S * 1e3
+            }
+            _ => f64::NAN,
+        });
     }
     let c = one_count(client, &sim).await;
+    let known: Vec<f64> = floors_ms
+        .iter()
+        .copied()
+        .filter(|f| f.is_finite())
+        .collect();
     Reference {
         hit_rate: c.hit_rate_since(&TokenCounts::default()),
-        ttft_p90_floor_ms: pct(&floors, 0.9),
+        ttft_p90_floor_ms: pct(&known, 0.9),
+        floors_ms,
     }
 }
 
@@ -848,6 +877,7 @@ pub async fn kv_events(client: &reqwest::Client, kc: &KvConf) -> Option<KvResult
         eprintln!("[kv-events] cache {cache}: the reference");
         let h = Reference {
             ttft_p90_floor_ms: floor.ttft_p90_floor_ms,
+            floors_ms: vec![],
             ..reference(client, kc, cache * REPLICAS, &reqs, &words, &tokenizer).await
         };
         eprintln!(
@@ -867,7 +897,16 @@ pub async fn kv_events(client: &reqwest::Client, kc: &KvConf) -> Option<KvResult
                         front.name()
                     );
                     let r = run(
-                        client, kc, workload, front, cache, run_no, &reqs, &words, &tokenizer,
+                        client,
+                        kc,
+                        workload,
+                        front,
+                        cache,
+                        run_no,
+                        &reqs,
+                        &words,
+                        &tokenizer,
+                        &floor.floors_ms,
                     );
                     match r.await {
                         Ok(r) => {
@@ -937,10 +976,7 @@ fn row(
             .references
             .get(&cache)
             .map_or(f64::NAN, |r| r.hit_rate),
-        ttft_p90_floor_ms: result
-            .references
-            .get(&cache)
-            .map_or(f64::NAN, |r| r.ttft_p90_floor_ms),
+        ttft_p90_floor_ms: m(|r| r.ttft_p90_floor_ms),
         skipped: skipped.get(front.short()).cloned(),
     }
 }
@@ -967,7 +1003,7 @@ fn best_peer(rows: &[KvRow], row: &KvRow) -> Option<(f64, f64)> {
 /// The markdown table, also written with the JSON into `out`.
 pub fn write(r: &KvResult, out: &Path) -> String {
     let mut md = format!(
-        "KV events bench: the first {} requests of `{}` ({:.0} s of trace, {} input tokens), chat shape, one `user` message per 512-token block; 4 replicas with a real tokenizer (the test tokenizer of inferlb-tokens, each block 512 one-token words: the first prompt is {} tokens for the trace's {}), KV events on; speed x{}, arrivals scaled to {}% of the fleet's cold prefill, max_tokens capped at {}. Workloads: `replay` sends every request through the front; `restart` restarts gpu1 (its cache gone) when the request a third of the way in is due ({:.1} s in); `direct` sends {}% of the requests straight to a replica (the same pseudo-random draw for every front). Hit rate through the front: cached over prompt tokens in those answers' usage; over all: the replicas' counters; reference: every request (none straight, no restart) to one replica caching the fleet's whole capacity whose prefill never queues; p90 floor: the TTFT p90 with no queue anywhere and a cache that never evicts (each request's uncached tokens at one replica's prefill rate), which no front can beat. TTFT in ms of the modelled engine, requests through the front. Medians of the runs shown; against the best peer: the hit rate over the higher of the peers', the TTFT p90 over the lower of theirs. The machine has 2 cores shared with other work (a full test run): absolute times are noisy.\n\n",
+        "KV events bench: the first {} requests of `{}` ({:.0} s of trace, {} input tokens), chat shape, one `user` message per 512-token block; 4 replicas with a real tokenizer (the test tokenizer of inferlb-tokens, each block 512 one-token words: the first prompt is {} tokens for the trace's {}), KV events on; speed x{}, arrivals scaled to {}% of the fleet's cold prefill, max_tokens capped at {}. Workloads: `replay` sends every request through the front; `restart` restarts gpu1 (its cache gone) when the request a third of the way in is due ({:.1} s in); `direct` sends {}% of the requests straight to a replica (the same pseudo-random draw for every front). Hit rate through the front: cached over prompt tokens in those answers' usage; over all: the replicas' counters; reference: every request (none straight, no restart) to one replica caching the fleet's whole capacity whose prefill never queues; p90 floor: the TTFT p90, over the same requests as the front's p90 (through the front, not failed), with no queue anywhere and a cache that never evicts (each request's uncached tokens at one replica's prefill rate), which no front can beat. TTFT in ms of the modelled engine, requests through the front. Medians of the runs shown; against the best peer: the hit rate over the higher of the peers', the TTFT p90 over the lower of theirs. The machine has 2 cores shared with other work (a full test run): absolute times are noisy.\n\n",
         r.requests,
         r.trace,
         r.span_s,
@@ -1075,6 +1111,33 @@ mod tests {
             ttft_p90_ms: p90,
             ..KvRow::default()
         }
+    }
+
+    /// A run's floor is taken over the requests its p90 is: a request sent straight to a
+    /// replica, one that failed and one the reference got no usage for are not among them.
+    #[test]
+    fn the_floor_is_taken_over_the_requests_the_p90_is() {
+        let sent = |index, direct, failed| Sent {
+            index,
+            at_ms: 0.0,
+            direct,
+            failed,
+            status: 200,
+            ttft_ms: 0.0,
+            usage: None,
+            replica: None,
+        };
+        let floors = [5000.0, 100.0, 3000.0, f64::NAN];
+        let all = [
+            sent(0, true, false),
+            sent(1, false, false),
+            sent(2, false, true),
+            sent(3, false, false),
+        ];
+        assert_eq!(super::floor_p90(&all, &floors), 100.0);
+        let through = [sent(0, false, false), sent(1, false, false)];
+        assert_eq!(super::floor_p90(&through, &floors), 5000.0);
+        assert!(super::floor_p90(&[], &floors).is_nan());
     }
 
     #[test]
