@@ -194,14 +194,13 @@ fn a_publisher_that_restarted_clears_the_estimate() {
 /// Prompts that reached the replicas some other way (sent to them straight, not through
 /// inferlb): the estimate knows nothing of them, but with the model's tokenizer the replicas'
 /// events say which holds each, and each goes there, warm.
-#[test]
-fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let tk = a_tokenizer(dir.path());
+/// gpu0 and gpu1 with `tk`'s tokenizer, publishing their events, and inferlb routing by
+/// prefill cost with the same tokenizer, both streams live.
+fn two_publishing(dir: &std::path::Path, tk: &str) -> (Vec<Sim>, Lb) {
     let mut sims = Vec::new();
     let mut replicas = Vec::new();
     for id in ["gpu0", "gpu1"] {
-        let (sim, ev, rp) = with_events(dir.path(), id, &tk, 1, &[]);
+        let (sim, ev, rp) = with_events(dir, id, tk, 1, &[]);
         replicas.push(Replica {
             extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
             ..Replica::of(&sim)
@@ -214,9 +213,17 @@ fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
         extra: format!("  tokenizers: {{sim-model: \"{tk}\"}}\n"),
         ..test_conf()
     };
-    let lb = Lb::start(dir.path(), &[], conf);
-    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
+    let lb = Lb::start(dir, &[], conf);
     all_live(&lb, &["gpu0", "gpu1"]);
+    (sims, lb)
+}
+
+#[test]
+fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tk = a_tokenizer(dir.path());
+    let (sims, lb) = two_publishing(dir.path(), &tk);
+    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
     // Three prompts held by gpu0, then three by gpu1: no alternation a spread could match.
     for (i, home) in [0usize, 0, 0, 1, 1, 1].into_iter().enumerate() {
         let history = text_of(&format!("held elsewhere {i}"), 3000);
@@ -246,6 +253,80 @@ fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
     }
     assert!(
         sample("inferlb_cache_lookups_total{source=\"events\"}") >= 6.0,
+        "{}",
+        lb.metrics()
+    );
+}
+
+/// Anthropic Messages and Responses prompts are tokenized as the chat bodies vLLM makes of
+/// them (the simulator makes the same), so the replicas' events find them too: each prompt,
+/// sent straight to one replica first, then goes there through inferlb, its route `prefix`
+/// and most of it read from the cache.
+#[test]
+fn messages_and_responses_prompts_go_where_the_events_say_they_are_held() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tk = a_tokenizer(dir.path());
+    let (sims, lb) = two_publishing(dir.path(), &tk);
+    let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
+    let lookups = "inferlb_cache_lookups_total{source=\"events\"}";
+    let first_lookups = sample(lookups);
+    let homes = [0usize, 0, 1, 1];
+    for (i, home) in homes.into_iter().enumerate() {
+        let history = text_of(&format!("agent turn {i}"), 3000);
+        let (path, body) = match i % 2 {
+            0 => (
+                "/v1/messages",
+                serde_json::json!({"model": "sim-model", "max_tokens": 2, "system": "Be brief.",
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": history}]}]}),
+            ),
+            _ => (
+                "/v1/responses",
+                serde_json::json!({"model": "sim-model", "max_output_tokens": 2, "store": false,
+                    "instructions": "Be brief.",
+                    "input": [{"role": "user", "content": [{"type": "input_text", "text": history}]}]}),
+            ),
+        };
+        let id = ["gpu0", "gpu1"][home];
+        let blocks = format!("inferlb_kv_blocks{{replica=\"{id}\"}}");
+        let before = sample(&blocks);
+        let r = http()
+            .post(sims[home].url(path))
+            .json(&body)
+            .send()
+            .expect("straight to the replica");
+        assert_eq!(r.status(), 200, "{path}");
+        let heard = wait_until(Duration::from_secs(10), || sample(&blocks) > before);
+        assert!(heard, "{}", lb.metrics());
+        let r = http().post(lb.url(path)).json(&body).send().expect("send");
+        assert_eq!(r.status(), 200, "{path}");
+        let h = |n: &str| r.headers()[n].to_str().expect("header").to_string();
+        let (replica, route) = (h("x-inferlb-replica"), h("x-inferlb-route"));
+        assert_eq!(
+            (replica.as_str(), route.as_str()),
+            (id, "prefix"),
+            "{path} {i}"
+        );
+        let resp: serde_json::Value = r.json().expect("json");
+        let u = &resp["usage"];
+        let (uncached, cached) = match i % 2 {
+            0 => (
+                u["input_tokens"].as_u64(),
+                u["cache_read_input_tokens"].as_u64(),
+            ),
+            _ => {
+                let all = u["input_tokens"].as_u64().expect("input tokens");
+                let cached = u["input_tokens_details"]["cached_tokens"].as_u64();
+                (cached.map(|c| all - c), cached)
+            }
+        };
+        let (uncached, cached) = (uncached.expect("usage"), cached.expect("cached"));
+        assert!(
+            cached >= uncached * 9,
+            "{cached} cached, {uncached} not: {resp}"
+        );
+    }
+    assert!(
+        sample(lookups) - first_lookups >= homes.len() as f64,
         "{}",
         lb.metrics()
     );

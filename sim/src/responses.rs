@@ -760,8 +760,13 @@ pub async fn create(
         stream: req.stream,
         include_usage: false,
         script,
-        // Responses keep the simulator's rendering, with or without --tokenizer.
-        ids: None,
+        // With --tokenizer, the ids of the chat body vLLM makes of the request; else (or for a
+        // continued response, whose history this store holds as text) the simulator's rendering.
+        ids: sim
+            .tokens
+            .as_ref()
+            .and_then(|t| t.responses_ids_within(&body, usize::MAX).ok())
+            .map(|c| crate::engine::token_bytes(&c.ids.to_vec())),
     };
     leg.shape(&mut job);
     let run = Run {

@@ -1,5 +1,6 @@
 //! A request's prompt as token ids, for the models whose tokenizer the conf names
-//! (`tokenizers:`): chat bodies rendered with the model's template as vLLM renders them,
+//! (`tokenizers:`): chat bodies rendered with the model's template as vLLM renders them (and
+//! Anthropic Messages and Responses bodies as the chat bodies vLLM makes of them),
 //! completions prompts tokenized directly, token-id prompts as they are (`inferlb_tokens`).
 //! What they are for: the replicas' KV events name blocks of token ids.
 
@@ -48,8 +49,10 @@ impl Tokenizers {
         self.0.contains_key(model)
     }
 
-    /// The prompt's ids, when `model` has a tokenizer and the body is a chat or completions
-    /// request it can read (`None` otherwise: the estimate serves it).
+    /// The prompt's ids, when `model` has a tokenizer and the body is a request it can read
+    /// (`None` otherwise: the estimate serves it): chat and completions, and Anthropic Messages
+    /// and Responses bodies converted to the chat body vLLM renders for them
+    /// (`inferlb_tokens::convert`; not a continued response, whose history is on the replica).
     ///
     /// A body that may name a `cache_salt` or hold images, audio or video is not tokenized:
     /// the replica's block hashes then cover more than the token ids, and ids alone would
@@ -72,30 +75,33 @@ impl Tokenizers {
         if BEYOND.is_match(body) {
             return None;
         }
-        match family {
+        let c = match family {
             Family::Chat if path.trim_end_matches('/') == "/v1/chat/completions" => {
-                let c = t.chat_ids_within(body, budget).ok()?;
-                // The whole prompt's length, from the part tokenized: its bytes a token.
-                let total = match c.is_whole() {
-                    true => c.ids.len(),
-                    false => {
-                        let scaled = c.ids.len() as u128 * c.text_bytes as u128
-                            / c.covered_bytes.max(1) as u128;
-                        // More than the part, so that it is never taken for the whole.
-                        usize::try_from(scaled)
-                            .unwrap_or(usize::MAX)
-                            .max(c.ids.len() + 1)
-                    }
-                };
-                Some(Ids {
-                    whole: c.is_whole(),
-                    ids: c.ids,
-                    total,
-                })
+                t.chat_ids_within(body, budget)
             }
-            Family::Completions => completion_ids(t, body).map(Ids::whole),
-            _ => None,
+            Family::Messages => t.messages_ids_within(body, budget),
+            Family::Responses => t.responses_ids_within(body, budget),
+            Family::Completions => return completion_ids(t, body).map(Ids::whole),
+            _ => return None,
         }
+        .ok()?;
+        // The whole prompt's length, from the part tokenized: its bytes a token.
+        let total = match c.is_whole() {
+            true => c.ids.len(),
+            false => {
+                let scaled =
+                    c.ids.len() as u128 * c.text_bytes as u128 / c.covered_bytes.max(1) as u128;
+                // More than the part, so that it is never taken for the whole.
+                usize::try_from(scaled)
+                    .unwrap_or(usize::MAX)
+                    .max(c.ids.len() + 1)
+            }
+        };
+        Some(Ids {
+            whole: c.is_whole(),
+            ids: c.ids,
+            total,
+        })
     }
 }
 
@@ -169,7 +175,7 @@ mod tests {
     }
 
     #[test]
-    fn chat_and_completions_prompts_are_tokenized_others_are_not() {
+    fn chat_completions_messages_and_responses_prompts_are_tokenized_others_are_not() {
         let (dir, t) = tokenizers();
         let direct = ModelTokens::from_dir(dir.path()).expect("load");
         let chat = br#"{"model":"m","messages":[{"role":"user","content":"The quick brown fox"}]}"#;
@@ -233,6 +239,25 @@ mod tests {
         }
         let plain = br#"{"messages":[{"role":"user","content":"hi"}]}"#;
         assert!(ids_of(Family::Chat, "/v1/chat/completions", "m", plain).is_some());
+        // Anthropic and Responses bodies: the ids of the chat body vLLM makes of them.
+        let anthropic = br#"{"model":"m","max_tokens":5,"system":"Be brief.","messages":[{"role":"user","content":"The quick brown fox"}]}"#;
+        let responses =
+            br#"{"model":"m","instructions":"Be brief.","input":"The quick brown fox"}"#;
+        let as_chat = br#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"The quick brown fox"}]}"#;
+        let want = direct.chat_ids_uncached(as_chat).expect("ids");
+        assert_eq!(
+            ids_of(Family::Messages, "/v1/messages", "m", anthropic),
+            Some(want.clone())
+        );
+        assert_eq!(
+            ids_of(Family::Responses, "/v1/responses", "m", responses),
+            Some(want)
+        );
+        let continued = br#"{"model":"m","previous_response_id":"resp_1","input":"more"}"#;
+        assert_eq!(
+            ids_of(Family::Responses, "/v1/responses", "m", continued),
+            None
+        );
         for key in BEYOND_TOKENS {
             let body = format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],{key}:1}}"#);
             let ids = t.ids(

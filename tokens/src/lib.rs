@@ -8,7 +8,9 @@
 //! - Chat bodies are rendered with the model's chat template the way vLLM renders them (vLLM's
 //!   conversation, transformers' Jinja setup), then tokenized without added special tokens (the
 //!   template carries the BOS). Completions prompts are tokenized with them; token-id prompts
-//!   pass through ([`token_prompt`]).
+//!   pass through ([`token_prompt`]). Anthropic Messages and Responses bodies are first written
+//!   as the chat body vLLM makes of them ([`convert`]); what that conversion does not know is
+//!   refused, and the caller keeps its estimate.
 //! - A per-conversation cache makes a resent history cost only its new turn: the ids of the
 //!   longest earlier rendering that is still a byte prefix are reused up to their last added
 //!   token (where tokenization splits), and only the rest is tokenized.
@@ -46,6 +48,7 @@ mod body;
 mod cache;
 pub mod chat;
 pub mod config;
+pub mod convert;
 pub mod fixture;
 mod ids;
 pub mod pretok;
@@ -195,6 +198,8 @@ pub struct ModelTokens {
     skeletons: Mutex<cache::Sized<Skeleton>>,
     /// Where the parts of bodies read lie, so that a resent history is not read again.
     shapes: body::Shapes,
+    /// What vLLM probes this model's template for to convert Anthropic bodies, once.
+    anthropic: std::sync::OnceLock<convert::AnthropicRules>,
 }
 
 /// Placeholder `i` is `MARK i END`: private-use characters, refused in bodies and templates.
@@ -422,6 +427,7 @@ impl ModelTokens {
                 .map_err(|e| Error::Template(e.to_string()))?,
             skeletons: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
             shapes: body::Shapes::new(DEFAULT_CACHE_BYTES / 16),
+            anthropic: std::sync::OnceLock::new(),
         })
     }
 
@@ -798,6 +804,70 @@ impl ModelTokens {
         let hi = (cut + self.max_added.saturating_sub(1)).min(text.len);
         ac.find_overlapping_iter(&text.bytes(lo, hi))
             .any(|m| lo + m.start() < cut && lo + m.end() > cut)
+    }
+
+    /// The ids of an Anthropic Messages body, rendered as vLLM renders it: converted to the chat
+    /// body vLLM makes of it ([`convert::anthropic_chat`]), then as [`ModelTokens::chat_ids_within`].
+    pub fn messages_ids_within(&self, body: &[u8], budget: usize) -> Result<ChatTokens, Error> {
+        let chat = convert::anthropic_chat(body, &self.anthropic_rules())?;
+        self.chat_ids_within(&chat, budget)
+    }
+
+    /// The ids of an OpenAI Responses body, as [`ModelTokens::messages_ids_within`] with
+    /// [`convert::responses_chat`]. A Harmony model (gpt-oss: its template speaks in channels)
+    /// renders Responses otherwise, and is refused.
+    pub fn responses_ids_within(&self, body: &[u8], budget: usize) -> Result<ChatTokens, Error> {
+        let harmony = self
+            .config
+            .chat_template
+            .as_deref()
+            .is_some_and(|t| t.contains("<|channel|>"));
+        if harmony {
+            return Err(Error::Body(
+                "a Harmony model renders Responses its own way".into(),
+            ));
+        }
+        let chat = convert::responses_chat(body)?;
+        self.chat_ids_within(&chat, budget)
+    }
+
+    /// What vLLM learns of the template before converting Anthropic bodies: whether it refuses
+    /// a system message after the first (rendering `[system, user, system, user]` fails), and
+    /// which effort thinking turned off becomes (`none`, unless `none` fails to render or
+    /// renders as one of the efforts: `low`).
+    pub fn anthropic_rules(&self) -> convert::AnthropicRules {
+        *self.anthropic.get_or_init(|| {
+            let m = |role: &str| format!(r#"{{"role":"{role}","content":"t"}}"#);
+            let probe = format!(
+                r#"{{"messages":[{},{},{},{}],"add_generation_prompt":false}}"#,
+                m("system"),
+                m("user"),
+                m("system"),
+                m("user")
+            );
+            let merge_inline_system = self.render_chat(probe.as_bytes()).is_err();
+            let with_effort = |effort: &str| {
+                let body = format!(
+                    r#"{{"messages":[{{"role":"user","content":"Hi"}}],"chat_template_kwargs":{{"reasoning_effort":"{effort}","enable_thinking":{}}}}}"#,
+                    effort != "none"
+                );
+                self.render_chat(body.as_bytes()).ok()
+            };
+            let disabled_thinking_effort = match with_effort("none") {
+                None => "low",
+                Some(none) => match convert::ANTHROPIC_EFFORTS
+                    .iter()
+                    .any(|e| with_effort(e).as_ref() == Some(&none))
+                {
+                    true => "low",
+                    false => "none",
+                },
+            };
+            convert::AnthropicRules {
+                merge_inline_system,
+                disabled_thinking_effort,
+            }
+        })
     }
 
     /// A completions prompt's ids (with the tokenizer's own special tokens, as vLLM adds them).
