@@ -57,7 +57,46 @@ def make_dir(path, template):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
-def vllm_conversation(messages, fmt):
+BILLING = "x-anthropic-billing-header"
+
+
+def without_billing_header(texts):
+    """A system message's texts: Claude Code's attribution line taken off, as vLLM does."""
+    out = []
+    for t in texts:
+        if not t.startswith(BILLING):
+            out.append(t)
+        elif t.partition("\n")[2]:
+            out.append(t.partition("\n")[2])
+    return out
+
+
+def developer_as_system(conversation, template):
+    """vLLM's renderer for a template that names no developer role: developer messages become
+    system ones, and system messages not first (or several) merge into one first."""
+    if not any(m["role"] == "developer" for m in conversation):
+        return conversation
+    if '"developer"' in template or "'developer'" in template:
+        return conversation
+    conversation = [{**m, "role": "system"} if m["role"] == "developer" else m
+                    for m in conversation]
+    contents, others, needed = [], [], False
+    for i, m in enumerate(conversation):
+        if m["role"] != "system":
+            others.append(m)
+            continue
+        needed = needed or i > 0 or bool(contents)
+        c = m.get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(p["text"] if isinstance(p, dict) else p for p in c)
+        if c:
+            contents.append(c)
+    if not needed:
+        return conversation
+    return [{"role": "system", "content": "\n\n".join(contents)}, *others]
+
+
+def vllm_conversation(messages, fmt, template=""):
     """The conversation vLLM's parse_chat_messages hands the template (text content only)."""
     out = []
     for m in messages:
@@ -69,6 +108,8 @@ def vllm_conversation(messages, fmt):
         else:
             texts = [p if isinstance(p, str) else p.get("text") for p in content]
             texts = [t for t in texts if t is not None]
+        if role == "system":
+            texts = without_billing_header(texts)
         if fmt == "openai" and role != "tool":
             c = [{"type": "text", "text": t} for t in texts]
         else:
@@ -76,11 +117,15 @@ def vllm_conversation(messages, fmt):
         msg = {"role": role, "content": c}
         if role == "assistant":
             if m.get("tool_calls"):
-                calls = copy.deepcopy(m["tool_calls"])
-                for call in calls:
+                # As the request model validates them: id, function (arguments, name), type.
+                calls = []
+                for call in copy.deepcopy(m["tool_calls"]):
                     args = call["function"].get("arguments")
                     parsed = json.loads(args) if isinstance(args, str) and args else args
-                    call["function"]["arguments"] = parsed if isinstance(parsed, dict) else {}
+                    calls.append({"id": call["id"],
+                                  "function": {"arguments": parsed if isinstance(parsed, dict)
+                                               else {}, "name": call["function"]["name"]},
+                                  "type": call["type"]})
                 msg["tool_calls"] = calls
             r = m.get("reasoning", m.get("reasoning_content"))
             if r is not None:
@@ -91,7 +136,7 @@ def vllm_conversation(messages, fmt):
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         out.append(msg)
-    return out
+    return developer_as_system(out, template)
 
 
 def vllm_tools(tools):
@@ -153,9 +198,26 @@ def conversations():
         {"role": "assistant", "content": "<think>\nchecked\n</think>\n\n12"},
         {"role": "user", "content": "ok"},
     ]
+    # A coding agent's: Claude Code's attribution line on the system prompt, developer
+    # messages (none of the templates names that role).
+    codex = [
+        {"role": "system", "content": BILLING + ": cc_version=1; cch=4f2a\nYou write code."},
+        {"role": "developer", "content": "Follow the repository's style."},
+        {"role": "user", "content": "Fix the bug."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                          {"type": "text", "text": "No emoji."}]},
+        {"role": "user", "content": "Thanks"},
+    ]
+    header_only = [
+        {"role": "system", "content": BILLING + ": cch=77"},
+        {"role": "user", "content": "hi"},
+    ]
     out = []
     for convo, tools in ((agent, [WEATHER, SEARCH]), (agent, None), (plain, None),
-                         (plain, [WEATHER]), (reasoning, None), (reasoning, [SEARCH])):
+                         (plain, [WEATHER]), (reasoning, None), (reasoning, [SEARCH]),
+                         (codex, [WEATHER]), (header_only, None)):
         for n in range(1, len(convo) + 1):
             for agp in (True, False):
                 out.append((convo[:n], tools, {"add_generation_prompt": agp}))
@@ -179,7 +241,7 @@ def test_chat_ids_equal_transformers(tmp_path, name):
         lines.append(json.dumps(body, ensure_ascii=False))
         try:
             text = hf.apply_chat_template(
-                vllm_conversation(messages, FORMATS[name]), tools=vllm_tools(tools),
+                vllm_conversation(messages, FORMATS[name], template), tools=vllm_tools(tools),
                 add_generation_prompt=extra["add_generation_prompt"], tokenize=False,
                 **extra.get("chat_template_kwargs", {}))
             want.append(hf.encode(text, add_special_tokens=False))

@@ -443,6 +443,7 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
         tools: text(&fields.tools)?,
         add_generation_prompt,
         chat_template_kwargs: text(&fields.chat_template_kwargs)?,
+        calls: crate::chat::Calls::Validated,
     };
     let mut kept: Vec<Msg> = messages.into_iter().map(|(_, m)| m).collect();
     kept.shrink_to_fit();

@@ -21,6 +21,19 @@ pub struct ChatBody<'a> {
     pub add_generation_prompt: Option<bool>,
     /// Extra template variables (`enable_thinking`, …), passed as vLLM passes them.
     pub chat_template_kwargs: Option<&'a str>,
+    /// How its tool calls reach the template (not read from the body: the caller's to say).
+    pub calls: Calls,
+}
+
+/// How vLLM hands an assistant message's tool calls to the template.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Calls {
+    /// As a chat request's model validates them: `id`, `function` (`arguments`, `name`),
+    /// `type`, and nothing else; only function calls.
+    #[default]
+    Validated,
+    /// As built, in their own order (the messages vLLM builds from a Responses body).
+    AsBuilt,
 }
 
 #[derive(Deserialize)]
@@ -52,6 +65,7 @@ impl<'a> ChatBody<'a> {
             tools: r.tools.map(RawValue::get),
             add_generation_prompt: r.add_generation_prompt,
             chat_template_kwargs: r.chat_template_kwargs.map(RawValue::get),
+            calls: Calls::Validated,
         })
     }
 }
@@ -138,14 +152,21 @@ fn text_parts(texts: Vec<String>) -> Value {
 }
 
 /// One message as vLLM's conversation holds it.
-pub fn message(raw: &str, format: ContentFormat) -> Result<Value, Error> {
-    fields(raw, format).map(obj)
+pub fn message(raw: &str, format: ContentFormat, calls: Calls) -> Result<Value, Error> {
+    fields(raw, format, calls).map(obj)
 }
 
 /// One message's fields, in the order vLLM's conversation holds them.
-pub fn fields(raw: &str, format: ContentFormat) -> Result<IndexMap<&'static str, Value>, Error> {
+pub fn fields(
+    raw: &str,
+    format: ContentFormat,
+    calls: Calls,
+) -> Result<IndexMap<&'static str, Value>, Error> {
     let m: Message = serde_json::from_str(raw).map_err(|e| Error::Body(format!("message: {e}")))?;
-    let texts = texts(m.content)?;
+    let mut texts = texts(m.content)?;
+    if m.role == "system" {
+        texts = without_billing_header(texts);
+    }
     let mut out: IndexMap<&str, Value> = IndexMap::new();
     out.insert("role", Value::from(m.role.as_str()));
     // Tool results are strings for most templates, so vLLM joins their text parts in both formats.
@@ -156,9 +177,12 @@ pub fn fields(raw: &str, format: ContentFormat) -> Result<IndexMap<&'static str,
     };
     out.insert("content", content);
     if m.role == "assistant" {
-        if let Some(calls) = m.tool_calls {
-            if !calls.is_empty() {
-                let calls: Result<Vec<Value>, Error> = calls.into_iter().map(tool_call).collect();
+        if let Some(tool_calls) = m.tool_calls {
+            if !tool_calls.is_empty() {
+                let calls: Result<Vec<Value>, Error> = tool_calls
+                    .into_iter()
+                    .map(|c| tool_call(c, calls))
+                    .collect();
                 out.insert("tool_calls", Value::from(calls?));
             }
         }
@@ -177,9 +201,136 @@ pub fn fields(raw: &str, format: ContentFormat) -> Result<IndexMap<&'static str,
     Ok(out)
 }
 
+/// The line Claude Code starts a system text with: a hash that changes with every request.
+pub const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// A system message's texts as vLLM keeps them: a text that begins with Claude Code's
+/// attribution header loses that first line, and goes if nothing is left.
+fn without_billing_header(texts: Vec<String>) -> Vec<String> {
+    texts
+        .into_iter()
+        .filter_map(|t| match t.strip_prefix(BILLING_HEADER) {
+            None => Some(t),
+            Some(rest) => rest
+                .split_once('\n')
+                .map(|(_, rest)| rest.to_owned())
+                .filter(|r| !r.is_empty()),
+        })
+        .collect()
+}
+
+/// Whether vLLM would keep `developer` messages for this template: it converts them to system
+/// messages for a template whose source names no `developer` role.
+pub fn template_knows_developer(source: &str) -> bool {
+    source.contains("\"developer\"") || source.contains("'developer'")
+}
+
+/// The conversation vLLM renders for a template that knows no `developer` role: where there is
+/// a developer message, each becomes a system message (without `tools`), and then, if a system
+/// message is not first or there are several, they are merged into one first message, their
+/// non-empty contents joined by a blank line (a content of parts by its texts' lines).
+pub fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
+    let role = |m: &Value| {
+        m.get_attr("role")
+            .ok()
+            .and_then(|r| r.as_str().map(str::to_owned))
+    };
+    if !messages
+        .iter()
+        .any(|m| role(m).as_deref() == Some("developer"))
+    {
+        return messages;
+    }
+    let mut merged: Vec<String> = Vec::new();
+    let mut others = Vec::with_capacity(messages.len());
+    let mut consolidate = false;
+    let mut converted = Vec::with_capacity(messages.len());
+    for m in messages {
+        if role(&m).as_deref() != Some("developer") {
+            converted.push(m);
+            continue;
+        }
+        let mut fields: IndexMap<Value, Value> = IndexMap::new();
+        if let Ok(keys) = m.try_iter() {
+            for k in keys {
+                if k.as_str() == Some("tools") {
+                    continue;
+                }
+                let v = if k.as_str() == Some("role") {
+                    Value::from("system")
+                } else {
+                    m.get_item(&k).unwrap_or_default()
+                };
+                fields.insert(k, v);
+            }
+        }
+        converted.push(obj(fields));
+    }
+    for (i, m) in converted.iter().enumerate() {
+        if role(m).as_deref() != Some("system") {
+            others.push(m.clone());
+            continue;
+        }
+        consolidate |= i > 0 || !merged.is_empty();
+        let content = m.get_attr("content").unwrap_or_default();
+        let text = match content.as_str() {
+            Some(s) => s.to_owned(),
+            None => content
+                .try_iter()
+                .map(|parts| {
+                    parts
+                        .filter_map(|p| match p.as_str() {
+                            Some(s) => Some(s.to_owned()),
+                            None => p
+                                .get_attr("text")
+                                .ok()
+                                .and_then(|t| t.as_str().map(str::to_owned)),
+                        })
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .unwrap_or_default(),
+        };
+        if !text.is_empty() {
+            merged.push(text);
+        }
+    }
+    if !consolidate {
+        return converted;
+    }
+    let mut first: IndexMap<&str, Value> = IndexMap::new();
+    first.insert("role", Value::from("system"));
+    first.insert("content", Value::from(merged.join("\n\n")));
+    std::iter::once(obj(first)).chain(others).collect()
+}
+
 /// `function.arguments` as an object: a JSON string parsed, empty or null as `{}`, and (as vLLM
-/// does) anything that is not an object as `{}`.
-fn tool_call(mut call: IndexMap<String, Value>) -> Result<Value, Error> {
+/// does) anything that is not an object as `{}`; the call's keys as `calls` says.
+fn tool_call(mut call: IndexMap<String, Value>, calls: Calls) -> Result<Value, Error> {
+    if calls == Calls::Validated {
+        let kind = call.get("type").and_then(|t| t.as_str().map(str::to_owned));
+        if kind.as_deref() != Some("function") {
+            return Err(Error::Body(format!(
+                "tool_calls: a call of type {kind:?}: only function calls are tokenized here"
+            )));
+        }
+        let function = call.get("function").cloned().unwrap_or_default();
+        let mut validated: IndexMap<String, Value> = IndexMap::new();
+        for key in ["arguments", "name"] {
+            if let Ok(v) = function.get_attr(key) {
+                if !v.is_undefined() {
+                    validated.insert(key.into(), v);
+                }
+            }
+        }
+        call = ["id", "function", "type"]
+            .into_iter()
+            .filter_map(|k| match k {
+                "function" => Some((k.to_owned(), obj(validated.clone()))),
+                _ => call.get(k).map(|v| (k.to_owned(), v.clone())),
+            })
+            .collect();
+    }
     if let Some(f) = call.get("function").cloned() {
         let mut function: IndexMap<String, Value> = IndexMap::new();
         for k in f
@@ -271,7 +422,7 @@ mod tests {
 
     fn msg(json: &str, format: ContentFormat) -> String {
         let raw: Box<RawValue> = serde_json::from_str(json).unwrap();
-        let v = message(raw.get(), format).unwrap();
+        let v = message(raw.get(), format, Calls::Validated).unwrap();
         serde_json::to_string(&v).unwrap()
     }
 
@@ -307,7 +458,7 @@ mod tests {
             (
                 r#"{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"z\": 1, \"a\": 2}"}}]}"#,
                 String,
-                r#"{"role":"assistant","content":"","tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":{"z":1,"a":2}}}]}"#,
+                r#"{"role":"assistant","content":"","tool_calls":[{"id":"c1","function":{"arguments":{"z":1,"a":2},"name":"f"},"type":"function"}]}"#,
             ),
             (
                 r#"{"role":"assistant","content":"x","tool_calls":[]}"#,
@@ -322,12 +473,90 @@ mod tests {
             (
                 r#"{"role":"assistant","content":"x","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"[1]"}}],"name":"bot"}"#,
                 String,
-                r#"{"role":"assistant","content":"x","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":{}}}],"name":"bot"}"#,
+                r#"{"role":"assistant","content":"x","tool_calls":[{"id":"c","function":{"arguments":{},"name":"f"},"type":"function"}],"name":"bot"}"#,
+            ),
+            // A call's other keys go, as the request model drops them.
+            (
+                r#"{"role":"assistant","content":"x","tool_calls":[{"index":0,"type":"function","function":{"name":"f","arguments":"{}","x":1},"id":"c"}]}"#,
+                String,
+                r#"{"role":"assistant","content":"x","tool_calls":[{"id":"c","function":{"arguments":{},"name":"f"},"type":"function"}]}"#,
+            ),
+            // Claude Code's attribution line leaves a system text; a text of it alone goes.
+            (
+                r#"{"role":"system","content":"x-anthropic-billing-header: cch=1\nBe kind."}"#,
+                String,
+                r#"{"role":"system","content":"Be kind."}"#,
+            ),
+            (
+                r#"{"role":"system","content":[{"type":"text","text":"x-anthropic-billing-header: cch=1"},{"type":"text","text":"B"}]}"#,
+                OpenAi,
+                r#"{"role":"system","content":[{"type":"text","text":"B"}]}"#,
+            ),
+            (
+                r#"{"role":"user","content":"x-anthropic-billing-header: cch=1\nhi"}"#,
+                String,
+                r#"{"role":"user","content":"x-anthropic-billing-header: cch=1\nhi"}"#,
             ),
         ];
         for (input, format, want) in cases {
             assert_eq!(msg(input, format), want, "{input}");
         }
+    }
+
+    /// Calls of the messages vLLM builds from a Responses body reach the template as built;
+    /// a chat request's custom tool call is not tokenized.
+    #[test]
+    fn calls_as_built_keep_their_order() {
+        let raw = r#"{"role":"assistant","content":null,"tool_calls":[{"id":"c","function":{"name":"f","arguments":"{}"},"type":"function"}]}"#;
+        let v = message(raw, ContentFormat::String, Calls::AsBuilt).unwrap();
+        assert_eq!(
+            serde_json::to_string(&v).unwrap(),
+            r#"{"role":"assistant","content":"","tool_calls":[{"id":"c","function":{"name":"f","arguments":{}},"type":"function"}]}"#
+        );
+        let custom = r#"{"role":"assistant","tool_calls":[{"id":"c","type":"custom","custom":{"name":"f","input":"x"}}]}"#;
+        assert!(message(custom, ContentFormat::String, Calls::Validated).is_err());
+    }
+
+    /// (messages, template knows `developer`) → what vLLM renders.
+    #[test]
+    fn developer_messages_become_one_system_message_for_a_template_without_that_role() {
+        let conv = |msgs: &[&str]| -> Vec<Value> {
+            msgs.iter()
+                .map(|m| message(m, ContentFormat::String, Calls::Validated).unwrap())
+                .collect()
+        };
+        let json = |v: Vec<Value>| serde_json::to_string(&v).unwrap();
+        let sys = r#"{"role":"system","content":"S"}"#;
+        let dev = r#"{"role":"developer","content":"D"}"#;
+        let user = r#"{"role":"user","content":"U"}"#;
+        let empty_dev = r#"{"role":"developer","content":""}"#;
+        let rows: &[(&[&str], &str)] = &[
+            // No developer message: as it is, a system message anywhere.
+            (
+                &[user, sys],
+                r#"[{"role":"user","content":"U"},{"role":"system","content":"S"}]"#,
+            ),
+            // One developer message first: a system message, nothing to merge.
+            (
+                &[dev, user],
+                r#"[{"role":"system","content":"D"},{"role":"user","content":"U"}]"#,
+            ),
+            // System then developer, and one later: merged first, by blank lines.
+            (
+                &[sys, dev, user, dev],
+                r#"[{"role":"system","content":"S\n\nD\n\nD"},{"role":"user","content":"U"}]"#,
+            ),
+            // An empty one adds nothing to the merge.
+            (
+                &[sys, user, empty_dev],
+                r#"[{"role":"system","content":"S"},{"role":"user","content":"U"}]"#,
+            ),
+        ];
+        for (msgs, want) in rows {
+            assert_eq!(json(developer_as_system(conv(msgs))), *want, "{msgs:?}");
+        }
+        assert!(!template_knows_developer("{% if m.role == 'system' %}"));
+        assert!(template_knows_developer("{% if m.role == \"developer\" %}"));
     }
 
     #[test]
@@ -350,7 +579,7 @@ mod tests {
             r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}"#,
         )
         .unwrap();
-        let e = message(raw.get(), ContentFormat::String)
+        let e = message(raw.get(), ContentFormat::String, Calls::Validated)
             .unwrap_err()
             .to_string();
         assert!(e.contains("image_url"), "{e}");

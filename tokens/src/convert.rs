@@ -123,7 +123,7 @@ struct ToolFunction<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     description: Option<&'a RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    parameters: Option<&'a RawValue>,
+    parameters: Option<std::borrow::Cow<'a, RawValue>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     strict: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -268,7 +268,22 @@ struct AnthropicTool<'a> {
     defer_loading: Option<bool>,
 }
 
-const BILLING_HEADER: &str = "x-anthropic-billing-header";
+/// An Anthropic tool's `input_schema` as vLLM's request model validates it: `"type": "object"`
+/// added at its end when it names no type.
+fn typed_schema(raw: &RawValue) -> Result<std::borrow::Cow<'_, RawValue>, Error> {
+    let mut schema: IndexMap<String, Box<RawValue>> = serde_json::from_str(raw.get())
+        .map_err(|e| refuse(format!("input_schema must be an object: {e}")))?;
+    if schema.contains_key("type") {
+        return Ok(std::borrow::Cow::Borrowed(raw));
+    }
+    schema.insert("type".into(), raw_json(&"object"));
+    let text = serde_json::to_string(&schema).map_err(|e| refuse(e.to_string()))?;
+    RawValue::from_string(text)
+        .map(std::borrow::Cow::Owned)
+        .map_err(|e| refuse(e.to_string()))
+}
+
+use crate::chat::BILLING_HEADER;
 
 /// The text of a system prompt or message as vLLM extracts it: a string as it is, text blocks
 /// joined, Claude Code's per-request billing header left out (it would defeat the cache).
@@ -498,21 +513,26 @@ pub fn anthropic_chat(body: &[u8], rules: &AnthropicRules) -> Result<Vec<u8>, Er
             effort = Some(rules.disabled_thinking_effort.to_string());
         }
     }
-    let tools = b.tools.map(|tools| {
-        tools
-            .into_iter()
-            .map(|t| Tool {
-                kind: "function",
-                function: ToolFunction {
-                    name: Text::Raw(t.name),
-                    description: t.description.filter(|d| d.get() != "null"),
-                    parameters: Some(t.input_schema),
-                    strict: t.strict,
-                    defer_loading: t.defer_loading,
-                },
-            })
-            .collect()
-    });
+    let tools = b
+        .tools
+        .map(|tools| {
+            tools
+                .into_iter()
+                .map(|t| {
+                    Ok(Tool {
+                        kind: "function",
+                        function: ToolFunction {
+                            name: Text::Raw(t.name),
+                            description: t.description.filter(|d| d.get() != "null"),
+                            parameters: Some(typed_schema(t.input_schema)?),
+                            strict: t.strict,
+                            defer_loading: t.defer_loading,
+                        },
+                    })
+                })
+                .collect::<Result<Vec<_>, Error>>()
+        })
+        .transpose()?;
     Ok(write(&ChatOut {
         tools,
         chat_template_kwargs: kwargs(b.chat_template_kwargs, effort.as_deref())?,
@@ -613,7 +633,10 @@ fn responses_tools<'a>(
         function: ToolFunction {
             name,
             description: t.description.filter(|d| d.get() != "null"),
-            parameters: t.parameters.filter(|p| p.get() != "null"),
+            parameters: t
+                .parameters
+                .filter(|p| p.get() != "null")
+                .map(std::borrow::Cow::Borrowed),
             strict: t.strict,
             defer_loading: t.defer_loading,
         },
@@ -955,6 +978,15 @@ mod tests {
                            "parameters": {"type": "object", "b": 1, "a": 2}, "strict": true}}],
                        "chat_template_kwargs": {"x": 1, "add_generation_prompt": true,
                            "reasoning_effort": "high", "enable_thinking": true},
+                       "messages": [{"role": "user", "content": "Hi"}]}),
+            ),
+            (
+                "a schema without a type is an object's",
+                json!({"messages": [{"role": "user", "content": "Hi"}],
+                       "tools": [{"name": "f", "input_schema": {"properties": {}}}]}),
+                json!({"tools": [{"type": "function", "function": {"name": "f",
+                           "parameters": {"properties": {}, "type": "object"}}}],
+                       "chat_template_kwargs": gen,
                        "messages": [{"role": "user", "content": "Hi"}]}),
             ),
         ];

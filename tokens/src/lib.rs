@@ -200,6 +200,9 @@ pub struct ModelTokens {
     shapes: body::Shapes,
     /// What vLLM probes this model's template for to convert Anthropic bodies, once.
     anthropic: std::sync::OnceLock<convert::AnthropicRules>,
+    /// The template names no `developer` role: vLLM makes developer messages system ones
+    /// ([`chat::developer_as_system`]).
+    developer_as_system: bool,
 }
 
 /// Placeholder `i` is `MARK i END`: private-use characters, refused in bodies and templates.
@@ -289,6 +292,14 @@ pub fn placeholder_renders() -> u64 {
     PLACEHOLDER_RENDERS.load(Ordering::Relaxed)
 }
 
+/// What a message's cache key is salted with: its conversion depends on how calls are handed.
+fn calls_salt(calls: chat::Calls) -> u64 {
+    match calls {
+        chat::Calls::Validated => 0,
+        chat::Calls::AsBuilt => 0xA5A5_5A5A_C3C3_3C3C,
+    }
+}
+
 impl ModelTokens {
     /// Loads `tokenizer.json` and, if present, `tokenizer_config.json` from `dir`.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, Error> {
@@ -331,6 +342,10 @@ impl ModelTokens {
         }
         let marked = |s: &str| s.contains(MARK) || s.to_ascii_lowercase().contains("uf8ff");
         let mut splice = false;
+        let developer_as_system = config
+            .chat_template
+            .as_deref()
+            .is_some_and(|s| !chat::template_knows_developer(s));
         let (env, format) = match &config.chat_template {
             Some(source) => {
                 let env = template::environment(source.clone()).map_err(|e| Error::Key {
@@ -428,6 +443,7 @@ impl ModelTokens {
             skeletons: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
             shapes: body::Shapes::new(DEFAULT_CACHE_BYTES / 16),
             anthropic: std::sync::OnceLock::new(),
+            developer_as_system,
         })
     }
 
@@ -485,11 +501,12 @@ impl ModelTokens {
         let mut messages = Vec::with_capacity(b.messages.len());
         {
             let mut seen = self.messages.lock().expect("message lock");
-            for (raw, &key) in b.messages.iter().zip(hashes) {
+            for (raw, &hash) in b.messages.iter().zip(hashes) {
+                let key = hash ^ calls_salt(b.calls);
                 let value = match seen.get(&key) {
                     Some((v, _)) => v.clone(),
                     None => {
-                        let v = chat::message(raw, self.format)?;
+                        let v = chat::message(raw, self.format, b.calls)?;
                         seen.put(key, (v.clone(), raw.len()));
                         v
                     }
@@ -522,12 +539,13 @@ impl ModelTokens {
             let mut seen = self.skeletons.lock().expect("skeleton lock");
             for (i, (raw, h)) in b.messages.iter().zip(hashes).enumerate() {
                 // The placeholder names the position, so the position is part of the key.
-                let key = h ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let key =
+                    h ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ calls_salt(b.calls);
                 let skel = match seen.get(&key) {
                     Some(s) => s.clone(),
                     None if self.marker.is_match(raw) => return Ok(None),
                     None => {
-                        let mut fields = chat::fields(raw, self.format)?;
+                        let mut fields = chat::fields(raw, self.format, b.calls)?;
                         let content = fields
                             .get("content")
                             .filter(|c| c.as_str().is_some_and(|s| !s.is_empty()))
@@ -555,6 +573,14 @@ impl ModelTokens {
             }
             seen.trim();
         }
+        // Developer messages merged into the system message move contents: rendered whole.
+        let developer = |m: &Value| {
+            m.get_attr("role")
+                .is_ok_and(|r| r.as_str() == Some("developer"))
+        };
+        if self.developer_as_system && messages.iter().any(developer) {
+            return Ok(None);
+        }
         // An error is left for the whole render to give.
         let Ok(text) = self.render_messages(b, messages) else {
             return Ok(None);
@@ -571,6 +597,10 @@ impl ModelTokens {
         let env = self.env.as_ref().ok_or_else(|| Error::NoTemplate {
             path: self.config_path.clone(),
         })?;
+        let messages = match self.developer_as_system {
+            true => chat::developer_as_system(messages),
+            false => messages,
+        };
         let mut ctx: IndexMap<String, Value> = IndexMap::new();
         ctx.insert("messages".into(), Value::from(messages));
         ctx.insert("tools".into(), chat::tools(b.tools)?);
@@ -672,7 +702,18 @@ impl ModelTokens {
     /// a new prompt without tokenizing all of it; a second call without a budget reuses what
     /// this one tokenized (it is cached like any turn).
     pub fn chat_ids_within(&self, body: &[u8], budget: usize) -> Result<ChatTokens, Error> {
-        let (b, hashes) = self.shapes.read(body)?;
+        self.chat_ids_as(body, budget, chat::Calls::Validated)
+    }
+
+    /// [`Self::chat_ids_within`], its tool calls handed to the template as `calls` says.
+    fn chat_ids_as(
+        &self,
+        body: &[u8],
+        budget: usize,
+        calls: chat::Calls,
+    ) -> Result<ChatTokens, Error> {
+        let (mut b, hashes) = self.shapes.read(body)?;
+        b.calls = calls;
         // The text as pieces: the placeholder render's text between placeholders, and the
         // contents (not copied into one string: only the new tail is).
         let spliced = self.render_spliced(&b, &hashes)?;
@@ -827,8 +868,9 @@ impl ModelTokens {
                 "a Harmony model renders Responses its own way".into(),
             ));
         }
-        let chat = convert::responses_chat(body)?;
-        self.chat_ids_within(&chat, budget)
+        let converted = convert::responses_chat(body)?;
+        // vLLM hands the messages it built to the template as they are, calls unvalidated.
+        self.chat_ids_as(&converted, budget, chat::Calls::AsBuilt)
     }
 
     /// What vLLM learns of the template before converting Anthropic bodies: whether it refuses
