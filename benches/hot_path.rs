@@ -175,7 +175,9 @@ fn fleet(replicas: usize, links: &[Link]) -> Vec<PrefixIndex> {
                     bytes: (i % 400 + 1) * 1024,
                 })
                 .collect();
-            filler.chunks(400).for_each(|p| idx.record(p));
+            for p in filler.chunks(400) {
+                idx.record(p);
+            }
             idx
         })
         .collect();

@@ -191,16 +191,13 @@ fn a_publisher_that_restarted_clears_the_estimate() {
     assert_eq!(sample(wrong), 0.0, "{}", lb.metrics());
 }
 
-/// Prompts that reached the replicas some other way (sent to them straight, not through
-/// inferlb): the estimate knows nothing of them, but with the model's tokenizer the replicas'
-/// events say which holds each, and each goes there, warm.
-/// gpu0 and gpu1 with `tk`'s tokenizer, publishing their events, and inferlb routing by
-/// prefill cost with the same tokenizer, both streams live.
-fn two_publishing(dir: &std::path::Path, tk: &str) -> (Vec<Sim>, Lb) {
+/// gpu0 (with `more0` flags) and gpu1 with `tk`'s tokenizer, publishing their events, and
+/// inferlb routing by prefill cost with the same tokenizer, both streams live.
+fn two_publishing(dir: &std::path::Path, tk: &str, more0: &[&str]) -> (Vec<Sim>, Lb) {
     let mut sims = Vec::new();
     let mut replicas = Vec::new();
-    for id in ["gpu0", "gpu1"] {
-        let (sim, ev, rp) = with_events(dir, id, tk, 1, &[]);
+    for (id, more) in [("gpu0", more0), ("gpu1", &[][..])] {
+        let (sim, ev, rp) = with_events(dir, id, tk, 1, more);
         replicas.push(Replica {
             extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
             ..Replica::of(&sim)
@@ -218,11 +215,14 @@ fn two_publishing(dir: &std::path::Path, tk: &str) -> (Vec<Sim>, Lb) {
     (sims, lb)
 }
 
+/// Prompts that reached the replicas some other way (sent to them straight, not through
+/// inferlb): the estimate knows nothing of them, but with the model's tokenizer the replicas'
+/// events say which holds each, and each goes there, warm.
 #[test]
 fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
     let dir = tempfile::tempdir().expect("tempdir");
     let tk = a_tokenizer(dir.path());
-    let (sims, lb) = two_publishing(dir.path(), &tk);
+    let (sims, lb) = two_publishing(dir.path(), &tk, &[]);
     let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
     // Three prompts held by gpu0, then three by gpu1: no alternation a spread could match.
     for (i, home) in [0usize, 0, 0, 1, 1, 1].into_iter().enumerate() {
@@ -266,7 +266,7 @@ fn a_prompt_goes_where_the_replicas_events_say_it_is_held() {
 fn messages_and_responses_prompts_go_where_the_events_say_they_are_held() {
     let dir = tempfile::tempdir().expect("tempdir");
     let tk = a_tokenizer(dir.path());
-    let (sims, lb) = two_publishing(dir.path(), &tk);
+    let (sims, lb) = two_publishing(dir.path(), &tk, &[]);
     let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
     let lookups = "inferlb_cache_lookups_total{source=\"events\"}";
     let first_lookups = sample(lookups);
@@ -480,4 +480,112 @@ fn a_replica_that_names_its_event_sockets_over_http_is_read_from_them() {
             "prompt {i}"
         );
     }
+}
+
+/// Sends `text` as one user message straight to `sim`.
+fn straight(sim: &Sim, text: &str) {
+    let r = http()
+        .post(sim.url("/v1/chat/completions"))
+        .json(&chat_body(&[("user", text)], false, 2))
+        .send()
+        .expect("straight to the replica");
+    assert_eq!(r.status(), 200);
+}
+
+/// The value of one of inferlb's samples, 0 when absent.
+fn sample_of(lb: &Lb, series: &str) -> f64 {
+    sample_value(&lb.metrics(), series).unwrap_or(0.0)
+}
+
+/// A batch the subscriber missed (never published; the replay socket has it) is a gap, healed
+/// through the replay socket: the stream stays live, and the prompt stored in that batch goes
+/// home warm.
+#[test]
+fn a_missed_batch_is_replayed_and_the_stream_stays_live() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tk = a_tokenizer(dir.path());
+    // Batch 0 is the startup reset; batch 1, the first prompt's blocks, is withheld.
+    let (sims, lb) = two_publishing(dir.path(), &tk, &["--kv-events-withhold", "1"]);
+    let batches = |kind: &str| {
+        sample_of(
+            &lb,
+            &format!("inferlb_kv_events_total{{kind=\"{kind}\",replica=\"gpu0\"}}"),
+        )
+    };
+    let replayed = batches("replayed");
+    let (a, b) = (text_of("missed a", 3000), text_of("missed b", 3000));
+    straight(&sims[0], &a);
+    // The first prompt's batch never comes; the next one shows the gap.
+    straight(&sims[0], &b);
+    let sent = sims[0].stats()["kv_event_batches_sent"]
+        .as_f64()
+        .expect("batches sent");
+    let all_applied = wait_until(Duration::from_secs(10), || {
+        batches("batches") + batches("replayed") >= sent
+    });
+    assert!(
+        all_applied,
+        "{sent} sent\n{}\n{}",
+        lb.metrics(),
+        lb.proc.log_text()
+    );
+    assert!(batches("replayed") > replayed, "{}", lb.metrics());
+    assert_eq!(
+        sample_of(&lb, "inferlb_kv_events_state{replica=\"gpu0\"}"),
+        2.0,
+        "{}",
+        lb.proc.log_text()
+    );
+    for text in [&a, &b] {
+        let (replica, route, resp) = routed_chat(&lb, &[("user", text.as_str())]);
+        assert_eq!(
+            (replica.as_str(), route.as_str()),
+            ("gpu0", "prefix"),
+            "{resp}"
+        );
+    }
+    assert!(
+        !lb.proc.log_text().contains("stream partial"),
+        "{}",
+        lb.proc.log_text()
+    );
+}
+
+/// A gap the replay cannot heal (its buffer no longer has the batch): the stream is `partial`,
+/// the block index is emptied and keeps only what is stored after, the missed prompt is not
+/// predicted held, and the replica's next cache reset makes the stream whole again.
+#[test]
+fn a_gap_the_replay_cannot_heal_is_partial_until_the_next_reset() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tk = a_tokenizer(dir.path());
+    let flags = ["--kv-events-withhold", "1", "--kv-events-buffer", "1"];
+    let (sims, lb) = two_publishing(dir.path(), &tk, &flags);
+    let state = "inferlb_kv_events_state{replica=\"gpu0\"}";
+    let (a, b) = (text_of("lost a", 3000), text_of("lost b", 3000));
+    straight(&sims[0], &a);
+    straight(&sims[0], &b);
+    let partial = wait_until(Duration::from_secs(10), || sample_of(&lb, state) == 1.0);
+    assert!(partial, "{}\n{}", lb.metrics(), lb.proc.log_text());
+    assert!(lb
+        .proc
+        .log_text()
+        .contains("replica gpu0: KV event stream partial (was live)"));
+    // Stored after the gap, on a chain the index saw begin: trusted, and found.
+    let (replica, route, resp) = routed_chat(&lb, &[("user", b.as_str())]);
+    assert_eq!(
+        (replica.as_str(), route.as_str()),
+        ("gpu0", "prefix"),
+        "{resp}"
+    );
+    // Stored in the batch missed: neither the index nor the estimate knows it.
+    let (_, route, resp) = routed_chat(&lb, &[("user", a.as_str())]);
+    assert_ne!(route, "prefix", "{resp}");
+    // A reset starts the replica clean: the stream is whole again.
+    let r = http()
+        .post(format!("http://{}/reset_prefix_cache", sims[0].addr()))
+        .send()
+        .expect("reset");
+    assert!(r.status().is_success());
+    let live = wait_until(Duration::from_secs(10), || sample_of(&lb, state) == 2.0);
+    assert!(live, "{}\n{}", lb.metrics(), lb.proc.log_text());
 }

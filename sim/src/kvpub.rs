@@ -52,6 +52,8 @@ pub struct PublisherConf {
     pub topic: String,
     /// Batches kept for replay (vLLM's `buffer_steps`).
     pub buffer: usize,
+    /// Sequence numbers kept for replay but not published (a subscriber's gap, for tests).
+    pub withhold: Vec<u64>,
 }
 
 /// Binds the sockets (so the caller knows they are up), then publishes until the engine's
@@ -87,7 +89,7 @@ pub async fn start(
                     let payload = Bytes::from(encode_batch(&batch));
                     let [topic, seq_bytes] = head(&conf.topic, seq);
                     let msg = ZmqMessage::try_from(vec![topic, seq_bytes, payload.clone()]);
-                    if let Ok(msg) = msg {
+                    if let (Ok(msg), false) = (msg, conf.withhold.contains(&seq)) {
                         // A subscriber whose queue is full misses it, as with vLLM's high-water mark.
                         let _ = pub_sock.send(msg).await;
                     }

@@ -38,8 +38,9 @@
 //! the same prompt tokens, hits the prefix cache the same way and gets the same reply through
 //! any of them, and they all count in `/sim/stats` and `/metrics`. A token is 4 bytes of that
 //! text, unless `--tokenizer` gives a real tokenizer: chat and completions prompts are then
-//! that tokenizer's ids, as vLLM computes them (`inferlb_tokens`), and so are the blocks, the
-//! KV events, the usage and the render endpoints' `token_ids`.
+//! that tokenizer's ids, as vLLM computes them (`inferlb_tokens`; Responses and Messages
+//! bodies through the chat body vLLM makes of them), and so are the blocks, the KV events, the
+//! usage and the render endpoints' `token_ids`.
 
 mod dp;
 mod engine;
@@ -181,14 +182,19 @@ struct Args {
     /// Batches the replay socket keeps (vLLM's `buffer_steps`).
     #[arg(long, default_value_t = inferlb_kvevents::DEFAULT_BUFFER_STEPS)]
     kv_events_buffer: usize,
+    /// For tests: these sequence numbers are kept for replay but never published, as a
+    /// subscriber whose queue was full (ZMQ's high-water mark) misses them: a gap to heal.
+    #[arg(long, value_delimiter = ',', requires = "kv_events")]
+    kv_events_withhold: Vec<u64>,
     /// Count real tokens: a model's tokenizer directory (`tokenizer.json`, and
     /// `tokenizer_config.json` with its `chat_template`), loaded at start. A chat completions
     /// prompt is then the body rendered with the template as vLLM renders it, tokenized; a
     /// completions prompt is its text tokenized (with the tokenizer's special tokens), or a
     /// list of token ids as it is. The prefix cache, KV events, `usage` and the render
-    /// endpoints count those ids, and a reply joins the cache as its text tokenized. The
-    /// Responses and Messages APIs keep the simulator's rendering (4 bytes a token). Without
-    /// it, every API's token is 4 bytes of the simulator's rendering.
+    /// endpoints count those ids, and a reply joins the cache as its text tokenized. Responses
+    /// and Messages bodies are written as the chat body vLLM makes of them first; one the
+    /// conversion refuses (a continued response, images) keeps the simulator's rendering (4
+    /// bytes a token). Without it, every API's token is 4 bytes of the simulator's rendering.
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,
     /// vLLM's `--data-parallel-size` with its internal load balancing: this many engines
@@ -1392,6 +1398,7 @@ async fn main() {
                     replay: args.kv_events_replay.as_deref().map(for_rank),
                     topic: args.kv_events_topic.clone(),
                     buffer: args.kv_events_buffer,
+                    withhold: args.kv_events_withhold.clone(),
                 };
                 if let Err(e) = kvpub::start(conf, rx).await {
                     eprintln!("inferlb-sim: {e}");

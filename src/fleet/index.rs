@@ -33,9 +33,62 @@ pub struct PrefixIndex {
 }
 
 struct Held {
-    /// Link hash → the tokens it covers beyond the previous link.
-    links: LruCache<u64, u32>,
+    /// Link hash → what it covers, and when it was last recorded.
+    links: LruCache<u64, Entry>,
     tokens: u64,
+    /// The last stamp given: each link recorded gets the next, so the least recently used
+    /// link has the smallest stamp.
+    clock: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    /// The tokens it covers beyond the previous link.
+    tokens: u32,
+    stamp: u64,
+}
+
+impl Held {
+    /// Puts `hash` as the most recently used, with a new stamp; the tokens it covered, if held.
+    fn put(&mut self, hash: u64, tokens: u32) -> Option<Entry> {
+        self.clock += 1;
+        let before = self.links.put(
+            hash,
+            Entry {
+                tokens,
+                stamp: self.clock,
+            },
+        );
+        self.tokens = self.tokens + u64::from(tokens) - before.map_or(0, |e| u64::from(e.tokens));
+        before
+    }
+
+    /// The least recently used go until it holds at most `capacity` tokens.
+    fn bound(&mut self, capacity: u64) {
+        while self.tokens > capacity {
+            match self.links.pop_lru() {
+                Some((_, e)) => self.tokens -= u64::from(e.tokens),
+                None => break,
+            }
+        }
+    }
+}
+
+/// When each link of a prompt's leading run held before a [`PrefixIndex::record`] of it was
+/// last recorded (its stamps, from the first link on): what
+/// [`PrefixIndex::forget_older_than`] takes once the replica says where its cache of that
+/// prompt ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recency(Vec<u64>);
+
+impl Recency {
+    /// No link was held (or none recorded).
+    pub const NONE: Recency = Recency(Vec::new());
+
+    /// The stamp link `i` had, if it was held.
+    pub fn stamp(&self, i: usize) -> Option<u64> {
+        self.0.get(i).copied()
+    }
 }
 
 impl PrefixIndex {
@@ -44,6 +97,7 @@ impl PrefixIndex {
             inner: Mutex::new(Held {
                 links: LruCache::unbounded(),
                 tokens: 0,
+                clock: 0,
             }),
             capacity_tokens: AtomicU64::new(capacity_tokens),
             bytes_per_token_milli: AtomicU64::new(BYTES_PER_TOKEN * 1000),
@@ -121,27 +175,45 @@ impl PrefixIndex {
     /// The replica was sent the prompt `links`: each link becomes most recently used, and the
     /// least recently used go while over capacity. Links are touched from the last to the
     /// first, so a prompt's tail goes before its beginning, as vLLM evicts a sequence's later
-    /// blocks first.
-    pub fn record(&self, links: &[Link]) {
+    /// blocks first. Gives when the links it held already were last recorded.
+    pub fn record(&self, links: &[Link]) -> Recency {
         self.records.fetch_add(1, Ordering::Relaxed);
         let capacity = self.bound();
         let Ok(mut held) = self.inner.lock() else {
-            return;
+            return Recency::default();
         };
+        let mut stamps = Vec::with_capacity(links.len());
         for (i, l) in links.iter().enumerate().rev() {
             let before = i.checked_sub(1).map_or(0, |p| links[p].bytes);
             let tokens = (l.bytes.saturating_sub(before) / BYTES_PER_TOKEN).max(1) as u32;
             // A link held already covers the same tokens, unless another instance's index
             // (or a save) counted it otherwise: the total follows whichever is put last.
-            let before = held.links.put(l.hash, tokens).map_or(0, u64::from);
-            held.tokens = held.tokens + u64::from(tokens) - before;
+            stamps.push(held.put(l.hash, tokens).map(|e| e.stamp));
         }
-        while held.tokens > capacity {
-            match held.links.pop_lru() {
-                Some((_, t)) => held.tokens -= u64::from(t),
-                None => break,
+        held.bound(capacity);
+        stamps.reverse();
+        Recency(stamps.into_iter().map_while(|s| s).collect())
+    }
+
+    /// The replica no longer held a link last recorded at `stamp`: it evicted it, and (its
+    /// cache evicting the least recently used first, as this index does) everything used
+    /// before it too. Those go; the tokens they covered.
+    pub fn forget_older_than(&self, stamp: u64) -> u64 {
+        self.records.fetch_add(1, Ordering::Relaxed);
+        let Ok(mut held) = self.inner.lock() else {
+            return 0;
+        };
+        let mut forgotten = 0;
+        while let Some((_, e)) = held.links.peek_lru() {
+            if e.stamp > stamp {
+                break;
             }
+            let tokens = u64::from(e.tokens);
+            held.links.pop_lru();
+            held.tokens -= tokens;
+            forgotten += tokens;
         }
+        forgotten
     }
 
     /// Prompts recorded since it was made; a different count means it changed.
@@ -159,7 +231,7 @@ impl PrefixIndex {
             .links
             .iter()
             .take(most)
-            .map(|(h, t)| (*h, *t))
+            .map(|(h, e)| (*h, e.tokens))
             .collect();
         v.reverse();
         v
@@ -173,17 +245,9 @@ impl PrefixIndex {
             return;
         };
         for &(hash, tokens) in links {
-            if let Some(before) = held.links.put(hash, tokens) {
-                held.tokens -= u64::from(before);
-            }
-            held.tokens += u64::from(tokens);
+            held.put(hash, tokens);
         }
-        while held.tokens > capacity {
-            match held.links.pop_lru() {
-                Some((_, t)) => held.tokens -= u64::from(t),
-                None => break,
-            }
-        }
+        held.bound(capacity);
     }
 
     /// (links held, tokens they cover).
@@ -237,7 +301,9 @@ mod tests {
         let p: Vec<Vec<Link>> = (0..3)
             .map(|i| prompt(&[&format!("{i}").repeat(3 * CHUNK_BYTES)]))
             .collect();
-        p.iter().for_each(|l| a.record(l));
+        p.iter().for_each(|l| {
+            a.record(l);
+        });
         let b = PrefixIndex::new(1_000_000);
         b.restore(&a.recent(usize::MAX));
         assert_eq!(b.size(), a.size());
@@ -273,6 +339,37 @@ mod tests {
         assert!(idx.cached_tokens(&p[2]) > 0);
         let (_, tokens) = idx.size();
         assert!(tokens <= idx.capacity_tokens(), "{tokens}");
+    }
+
+    /// A replica that no longer held a link evicted everything used before it: those go from
+    /// the index, what was recorded since stays.
+    #[test]
+    fn what_was_used_before_an_evicted_link_is_forgotten_with_it() {
+        let idx = PrefixIndex::new(1_000_000);
+        let p: Vec<Vec<Link>> = (0..3)
+            .map(|i| prompt(&[&format!("{i}").repeat(4 * CHUNK_BYTES)]))
+            .collect();
+        assert_eq!(idx.record(&p[0]), Recency::default(), "nothing held before");
+        idx.record(&p[1]);
+        idx.record(&p[2]);
+        // p1 sent again: all of it was held, its first link used last.
+        let again = idx.record(&p[1]);
+        let stamps: Vec<u64> = (0..p[1].len()).filter_map(|i| again.stamp(i)).collect();
+        assert_eq!(stamps.len(), p[1].len());
+        assert!(stamps.windows(2).all(|w| w[0] > w[1]), "{stamps:?}");
+        // Its replica says its cache of p1 ended before link 2: link 2 was evicted, and p0,
+        // used before it, too; p2, used since, and p1, recorded again, stay.
+        let forgotten = idx.forget_older_than(again.stamp(2).expect("held"));
+        assert_eq!(forgotten, p[0].last().expect("links").bytes / 4);
+        assert_eq!(idx.cached_tokens(&p[0]), 0);
+        for l in [&p[1], &p[2]] {
+            assert_eq!(idx.cached_tokens(l), l.last().expect("links").bytes / 4);
+        }
+        // A prompt held in part gives the stamps of its held run only.
+        let longer = prompt(&[&"2".repeat(4 * CHUNK_BYTES), "and more"]);
+        let part = idx.record(&longer);
+        assert!(part.stamp(0).is_some());
+        assert_eq!(part.stamp(longer.len() - 1), None);
     }
 
     /// A tokenizer that makes more tokens of the same bytes fills the same capacity sooner.

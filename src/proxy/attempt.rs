@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use crate::fleet::index::Recency;
 use crate::fleet::replica::{InFlight, QueuedPrefill, Replica};
 use crate::routing::Route;
 
@@ -44,6 +45,9 @@ pub struct Attempt {
     /// See [`Choice::predicted`].
     pub predicted: u64,
     pub predicted_exact: bool,
+    /// When the links its replica held of the prompt were last recorded there, before its
+    /// prefill recorded them again: for the check of the prediction.
+    pub recency: Recency,
 }
 
 impl Attempt {
@@ -55,6 +59,7 @@ impl Attempt {
             route: choice.route,
             predicted: choice.predicted,
             predicted_exact: choice.predicted_exact,
+            recency: Recency::default(),
             phase: Phase::Waiting {
                 in_flight,
                 prefill: choice.prefill,

@@ -15,7 +15,7 @@ use super::failover::{self, Failed, Failure, Retry, Verdict};
 use super::{stored_key, Balancer, Ctx, NOT_CHAT};
 use crate::cluster::Table;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::{Check, Prompt, Replica};
+use crate::fleet::replica::{Check, Prediction, Prompt, Replica};
 use crate::protocol::api::prompt::Link;
 use crate::protocol::api::Family;
 use crate::protocol::stream_usage;
@@ -251,6 +251,27 @@ impl Balancer {
         end_of_stream: bool,
         ctx: &mut Ctx,
     ) {
+        // First: an answer whole in one chunk is recorded before its usage is checked.
+        if ctx.first_byte_at.is_none() {
+            let now = Instant::now();
+            ctx.first_byte_at = Some(now);
+            // The replica holds the prompt once its prefill is over, not when it was sent: a
+            // request with the same prefix arriving meanwhile would not find it in its cache
+            // (a same-prefix burst must spread, not queue behind its first request).
+            if let Some(a) = ctx.attempt.as_mut() {
+                if let Some(prefill) = a.answering() {
+                    if self.policy.weighs_prefill() {
+                        let links = ctx.info.as_ref().map_or(&[][..], |i| i.shape.links());
+                        a.recency = prefill.prefilled(links);
+                    }
+                }
+            }
+            let route = ctx.route().map_or("none", Route::as_str);
+            METRICS
+                .ttfb
+                .with_label_values(&[route])
+                .observe((now - ctx.arrived).as_secs_f64());
+        }
         if let Some(reader) = ctx.usage_reader.as_mut() {
             if let Some(b) = body {
                 reader.feed_bytes(b);
@@ -286,7 +307,11 @@ impl Balancer {
                                 r,
                                 ctx.family,
                                 links,
-                                (a.predicted, a.predicted_exact),
+                                Prediction {
+                                    tokens: a.predicted,
+                                    exact: a.predicted_exact,
+                                    recency: &a.recency,
+                                },
                                 &u,
                             );
                         }
@@ -294,43 +319,24 @@ impl Balancer {
                 }
             }
         }
-        if ctx.first_byte_at.is_none() {
-            let now = Instant::now();
-            ctx.first_byte_at = Some(now);
-            // The replica holds the prompt once its prefill is over, not when it was sent: a
-            // request with the same prefix arriving meanwhile would not find it in its cache
-            // (a same-prefix burst must spread, not queue behind its first request).
-            if let Some(prefill) = ctx.attempt.as_mut().and_then(Attempt::answering) {
-                if self.policy.weighs_prefill() {
-                    prefill.prefilled(ctx.info.as_ref().map_or(&[][..], |i| i.shape.links()));
-                }
-            }
-            let route = ctx.route().map_or("none", Route::as_str);
-            METRICS
-                .ttfb
-                .with_label_values(&[route])
-                .observe((now - ctx.arrived).as_secs_f64());
-        }
     }
 
     /// What the replica's answer says of its cache against what its cache model predicted:
     /// the model learns from it (its ratio of bytes to tokens, what it wrongly held), and the
-    /// metrics show both counts side by side.
-    /// `predicted`: the tokens, and whether the replica's KV events said so (then the
-    /// estimate is not corrected by it).
+    /// metrics show both counts side by side. A prediction the replica's KV events made
+    /// corrects no estimate.
     fn check_prediction(
         &self,
         r: &Replica,
         family: Family,
         links: &[Link],
-        predicted: (u64, bool),
+        prediction: Prediction<'_>,
         u: &Usage,
     ) {
-        let (predicted, exact) = predicted;
         let cached = u.cached_reported.then_some(u.cached_tokens);
         let check = r
             .cache
-            .answered(family, links, predicted, exact, u.prompt_tokens, cached);
+            .answered(family, links, prediction, u.prompt_tokens, cached);
         if check == Check::Unreported {
             return;
         }
@@ -338,7 +344,7 @@ impl Balancer {
         METRICS
             .predicted_cached_tokens
             .with_label_values(&[id])
-            .inc_by(r.cache.to_replica_tokens(family, predicted));
+            .inc_by(r.cache.to_replica_tokens(family, prediction.tokens));
         METRICS
             .reported_cached_tokens
             .with_label_values(&[id])

@@ -387,7 +387,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?),
         kv_events: ReplicaCounters(register_int_counter_vec!(
             "inferlb_kv_events_total",
-            "What the replica's KV events said, by kind: stored, removed (blocks), untrusted (blocks stored on a parent never seen, not kept), cleared (events), undecodable (batches).",
+            "What the replica's KV events said, by kind: stored, removed (blocks), untrusted (blocks stored on a parent never seen, not kept), cleared (events), batches (applied from the stream), replayed (batches applied from the replay socket: a connect's catch-up, a gap healed), undecodable (batches).",
             &["replica", "kind"]
         )?),
         kv_blocks: register_int_gauge_vec!(

@@ -38,7 +38,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::conf::KvEvents;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::Replica;
+use crate::fleet::replica::{Freshness, Replica};
 use crate::telemetry::metrics::METRICS;
 
 /// How long a connect or one replay answer may take.
@@ -254,6 +254,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
                             if seq.step(rs) == Step::Apply {
                                 apply(&r, &b, &mut seq, Replayed::New);
                                 seq.applied(rs);
+                                count_batch(&r, "replayed");
                             }
                         }
                     }
@@ -264,6 +265,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             }
             apply(&r, &batch, &mut seq, Replayed::New);
             seq.applied(s);
+            count_batch(&r, "batches");
             transition(&replica, &id, &mut state, seq.state());
         }
         tokio::time::sleep(IDLE_CHECK).await;
@@ -286,6 +288,7 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             for (s, b) in &batches {
                 apply(r, b, seq, Replayed::Old);
                 seq.applied(*s);
+                count_batch(r, "replayed");
             }
         }
         return;
@@ -301,6 +304,7 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             if seq.step(s) != Step::Seen {
                 apply(r, &b, seq, Replayed::New);
                 seq.applied(s);
+                count_batch(r, "replayed");
             }
         }
         // What it holds now was all announced since it started.
@@ -313,11 +317,13 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             Step::Apply => {
                 apply(r, &b, seq, Replayed::New);
                 seq.applied(s);
+                count_batch(r, "replayed");
             }
             Step::Gap { .. } => {
                 missed(r, seq);
                 apply(r, &b, seq, Replayed::New);
                 seq.applied(s);
+                count_batch(r, "replayed");
             }
         }
     }
@@ -403,6 +409,11 @@ fn apply(r: &Replica, batch: &Batch, seq: &mut Sequence, replayed: Replayed) {
         .set(i64::try_from(blocks.size().0).unwrap_or(i64::MAX));
 }
 
+/// A batch applied, as it came: `batches` from the stream, `replayed` from the replay socket.
+fn count_batch(r: &Replica, how: &str) {
+    METRICS.kv_events.with_label_values(&[&r.id, how]).inc();
+}
+
 /// Batches were missed and cannot be had: removals among them may be unknown, so the block
 /// index forgets all it held, and counts again from what is stored next.
 fn missed(r: &Replica, seq: &mut Sequence) {
@@ -466,7 +477,11 @@ fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>
         .with_label_values(&[id])
         .set(to as i64);
     if let Some(r) = replica.upgrade() {
-        r.cache.set_live(to == StreamState::Live);
+        r.cache.set_freshness(match to {
+            StreamState::Live => Freshness::Live,
+            StreamState::Partial => Freshness::Partial,
+            StreamState::Gone => Freshness::Gone,
+        });
     }
     *state = Some(to);
 }

@@ -2,14 +2,15 @@
 //! hold", answered from a source. The estimate is the prefix index of what this process (and
 //! its cluster) sent it. The replica's own word on its cache (vLLM's KV events, kept in a
 //! [`BlockIndex`]) answers instead for a prompt whose token ids are known, while its stream is
-//! live. While it is not, the larger of the two answers: after a gap the block index holds
-//! only what was stored since (less than the replica may hold); while the publisher is gone,
-//! it may still hold blocks evicted meanwhile, until the reconnect's replay tells.
+//! live. While it is partial, the larger of the two answers: after a gap the block index holds
+//! only what was stored since, or on a first connect what the replay buffer still had (less than
+//! the replica may hold, never more). While the publisher is gone the estimate answers alone:
+//! the block index may still hold blocks evicted meanwhile, until the reconnect's replay tells.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 use crate::fleet::blocks::{BlockIndex, PromptTokens};
-use crate::fleet::index::{PrefixIndex, BYTES_PER_TOKEN};
+use crate::fleet::index::{PrefixIndex, Recency, BYTES_PER_TOKEN};
 use crate::protocol::api::prompt::Link;
 use crate::protocol::api::Family;
 
@@ -116,12 +117,30 @@ pub enum CacheSource {
     Events,
 }
 
-/// Whether the source can be believed now.
+/// What a request was routed on, for the check of its answer ([`CacheModel::answered`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Prediction<'a> {
+    /// Tokens of the prompt the replica was said to hold, in estimate tokens.
+    pub tokens: u64,
+    /// Said by the replica's KV events, not the estimate.
+    pub exact: bool,
+    /// When the links the estimate held of the prompt were last recorded, before its prefill
+    /// recorded them again ([`PrefixIndex::record`]).
+    pub recency: &'a Recency,
+}
+
+/// Whether the source can be believed now (the replica's event stream, as
+/// [`crate::fleet::kv_events`] keeps it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Freshness {
+    /// Every event since the publisher's first (or its last reset) was seen: it answers alone.
     Live,
-    /// Behind: the estimate answers until the source catches up.
-    Stale,
+    /// Some were missed, and the block index holds only blocks whose chain it saw stored: a
+    /// part of what the replica holds. The larger of it and the estimate answers.
+    Partial,
+    /// The publisher cannot be reached (or was never read): removals may be missed, so the
+    /// block index may hold more than the replica. The estimate answers alone.
+    Gone,
 }
 
 pub struct CacheModel {
@@ -131,8 +150,8 @@ pub struct CacheModel {
     pub configured: bool,
     /// The replica's KV events, when its conf names their endpoint.
     pub blocks: Option<BlockIndex>,
-    /// Its event stream is live (see [`crate::fleet::kv_events`]).
-    live: AtomicBool,
+    /// Its event stream's [`Freshness`], as a `u8` (see [`crate::fleet::kv_events`]).
+    freshness: AtomicU8,
     /// Its `/metrics` gave its size: never shrunk by a guess.
     size_reported: AtomicBool,
     /// Its ratio of bytes to tokens over every answer (the index's, which bounds it by its
@@ -152,7 +171,7 @@ impl CacheModel {
             index: PrefixIndex::new(capacity_tokens.unwrap_or(DEFAULT_CACHE_TOKENS)),
             configured: capacity_tokens.is_some(),
             blocks: None,
-            live: AtomicBool::new(false),
+            freshness: AtomicU8::new(Freshness::Gone as u8),
             size_reported: AtomicBool::new(false),
             ratio: Ratio::default(),
             family_ratios: Default::default(),
@@ -205,12 +224,15 @@ impl CacheModel {
 
     /// An answer to a `family` prompt of `links` reported `prompt_tokens` (its tokenizer's count) and,
     /// when the replica reports it, `cached` of them from its cache, where the index had
-    /// predicted `predicted` estimate tokens. Called once the answer ended, so the replica
-    /// holds this prompt now whatever it held before.
+    /// predicted the [`Prediction`]'s tokens. Called once the answer
+    /// ended, so the replica holds this prompt now whatever it held before.
     ///
     /// The ratio of bytes to the replica's tokens is learnt from every long enough prompt (a
     /// mean over about the last 8), for the replica and for the family. A replica that cached
     /// less than predicted shows the index wrong, and why:
+    /// - the first link it no longer held was evicted, and with it (the replica evicting the
+    ///   least recently used first) whatever the index last recorded before that link: those
+    ///   go from the index at once, sized replica or not;
     /// - the index was near its bound: the replica evicted sooner than the bound says, so an
     ///   unsized replica's capacity shrinks to what the index held, less a sixteenth, after
     ///   three such answers in a row (the least recently used links go at the next record);
@@ -226,11 +248,15 @@ impl CacheModel {
         &self,
         family: Family,
         links: &[Link],
-        predicted: u64,
-        exact: bool,
+        prediction: Prediction<'_>,
         prompt_tokens: u64,
         cached: Option<u64>,
     ) -> Check {
+        let Prediction {
+            tokens: predicted,
+            exact,
+            recency,
+        } = prediction;
         let index = &self.index;
         let bytes = links.last().map_or(0, |l| l.bytes);
         let sample = (bytes >= MIN_RATIO_BYTES && prompt_tokens >= MIN_RATIO_TOKENS)
@@ -265,6 +291,17 @@ impl CacheModel {
             return Check::Wrong {
                 evicted: cached > 0,
             };
+        }
+        // Where its cache of the prompt ended, in the prompt's bytes (by this answer's ratio
+        // when it has one), the slack on top: the first link past it was not held.
+        let held_tokens = cached.saturating_add(slack);
+        let held_bytes = match sample {
+            Some(_) => u128::from(held_tokens) * u128::from(bytes) / u128::from(prompt_tokens),
+            None => u128::from(index.to_estimate(held_tokens)) * u128::from(BYTES_PER_TOKEN),
+        };
+        let first_missing = links.partition_point(|l| u128::from(l.bytes) <= held_bytes);
+        if let Some(stamp) = recency.stamp(first_missing) {
+            index.forget_older_than(stamp);
         }
         let (_, held) = index.size();
         let held = index.to_replica_tokens(held);
@@ -308,7 +345,7 @@ impl CacheModel {
         let exact = u64::try_from(exact).unwrap_or(u64::MAX);
         match self.freshness() {
             Freshness::Live => (exact, CacheSource::Events),
-            Freshness::Stale => {
+            Freshness::Partial => {
                 let e = estimate();
                 if exact > e {
                     (exact, CacheSource::Events)
@@ -316,12 +353,14 @@ impl CacheModel {
                     (e, CacheSource::Estimate)
                 }
             }
+            Freshness::Gone => (estimate(), CacheSource::Estimate),
         }
     }
 
-    /// Its prefill of `links` is over: it holds them now (the estimate's only input).
-    pub fn prefilled(&self, links: &[Link]) {
-        self.index.record(links);
+    /// Its prefill of `links` is over: it holds them now (the estimate's only input). Gives
+    /// when the links it held were last recorded, for [`Self::answered`].
+    pub fn prefilled(&self, links: &[Link]) -> Recency {
+        self.index.record(links)
     }
 
     /// Events when the replica's conf names them, else the estimate.
@@ -335,22 +374,43 @@ impl CacheModel {
 
     /// The estimate is always live; the events are while their stream is.
     pub fn freshness(&self) -> Freshness {
-        if self.blocks.is_none() || self.live.load(Ordering::Relaxed) {
-            Freshness::Live
-        } else {
-            Freshness::Stale
+        if self.blocks.is_none() {
+            return Freshness::Live;
+        }
+        match self.freshness.load(Ordering::Relaxed) {
+            s if s == Freshness::Live as u8 => Freshness::Live,
+            s if s == Freshness::Partial as u8 => Freshness::Partial,
+            _ => Freshness::Gone,
         }
     }
 
-    /// The event stream became live (`true`), or partial or gone.
-    pub fn set_live(&self, live: bool) {
-        self.live.store(live, Ordering::Relaxed);
+    /// The event stream became live, partial or gone.
+    pub fn set_freshness(&self, f: Freshness) {
+        self.freshness.store(f as u8, Ordering::Relaxed);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    static NO_RECENCY: Recency = Recency::NONE;
+
+    /// A prediction of the estimate's, without the stamps of its links.
+    fn estimated(tokens: u64) -> Prediction<'static> {
+        Prediction {
+            tokens,
+            exact: false,
+            recency: &NO_RECENCY,
+        }
+    }
+
+    fn from_events(tokens: u64) -> Prediction<'static> {
+        Prediction {
+            exact: true,
+            ..estimated(tokens)
+        }
+    }
     use crate::protocol::api::prompt::{PromptHasher, CHUNK_BYTES};
 
     #[test]
@@ -367,7 +427,7 @@ mod tests {
             (m.source(), m.freshness()),
             (CacheSource::Estimate, Freshness::Live)
         );
-        m.set_live(false);
+        m.set_freshness(Freshness::Gone);
         assert_eq!(
             m.freshness(),
             Freshness::Live,
@@ -378,7 +438,8 @@ mod tests {
     }
 
     /// With events and token ids, a live stream answers alone (what the estimate says does
-    /// not matter); a stale one, the larger of the two. Without token ids, the estimate.
+    /// not matter); a partial one, the larger of the two; a gone one (or one never read), the
+    /// estimate alone. Without token ids, the estimate.
     #[test]
     fn the_events_answer_for_a_prompt_whose_tokens_are_known_while_live() {
         use inferlb_kvevents::{BlockHash, BlockStored};
@@ -400,20 +461,38 @@ mod tests {
         let half = all * 32 / 65;
         assert_eq!(
             m.freshness(),
-            Freshness::Stale,
+            Freshness::Gone,
             "not live before its stream is"
         );
+        assert_eq!(
+            m.likely_cached(with_tokens),
+            (0, CacheSource::Estimate),
+            "a stream never read is not believed"
+        );
+        m.set_freshness(Freshness::Partial);
         assert_eq!(m.likely_cached(with_tokens), (half, CacheSource::Events));
         m.prefilled(&links);
         assert_eq!(m.likely_cached(with_tokens), (all, CacheSource::Estimate));
-        m.set_live(true);
+        m.set_freshness(Freshness::Live);
         assert_eq!(m.likely_cached(with_tokens), (half, CacheSource::Events));
+        m.set_freshness(Freshness::Gone);
+        assert_eq!(m.likely_cached(with_tokens), (all, CacheSource::Estimate));
         assert_eq!(
             m.likely_cached(Prompt::of_links(&links)),
             (all, CacheSource::Estimate)
         );
+        m.set_freshness(Freshness::Live);
         m.clear();
         assert_eq!(m.likely_cached(with_tokens), (0, CacheSource::Events));
+        // Gone: blocks the index still holds may have been evicted meanwhile.
+        m.blocks.as_ref().expect("events").stored(&BlockStored {
+            block_hashes: vec![BlockHash::Int(1), BlockHash::Int(2)],
+            token_ids: (0..32).collect(),
+            block_size: 16,
+            ..Default::default()
+        });
+        m.set_freshness(Freshness::Gone);
+        assert_eq!(m.likely_cached(with_tokens), (0, CacheSource::Estimate));
     }
 
     fn long_prompt(text: &str) -> Vec<Link> {
@@ -434,13 +513,13 @@ mod tests {
         let bytes = links.last().expect("links").bytes;
         // 1.8 bytes a token, as one real tokenizer gave.
         for _ in 0..3 {
-            m.answered(Family::Chat, &links, 0, false, bytes * 10 / 18, None);
+            m.answered(Family::Chat, &links, estimated(0), bytes * 10 / 18, None);
         }
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
         // Short prompts teach nothing, nor a body that held a fraction of its prompt.
         let short = long_prompt("ab")[..1].to_vec();
-        m.answered(Family::Chat, &short, 0, false, 1, None);
-        m.answered(Family::Chat, &links, 0, false, bytes * 20, None);
+        m.answered(Family::Chat, &short, estimated(0), 1, None);
+        m.answered(Family::Chat, &links, estimated(0), bytes * 20, None);
         assert!((1790..=1810).contains(&m.index.bytes_per_token_milli()));
     }
 
@@ -453,8 +532,14 @@ mod tests {
         let links = long_prompt("abcd");
         let bytes = links.last().expect("links").bytes;
         for _ in 0..20 {
-            m.answered(Family::Chat, &links, 0, false, bytes * 10 / 18, None);
-            m.answered(Family::Responses, &links, 0, false, bytes * 10 / 32, None);
+            m.answered(Family::Chat, &links, estimated(0), bytes * 10 / 18, None);
+            m.answered(
+                Family::Responses,
+                &links,
+                estimated(0),
+                bytes * 10 / 32,
+                None,
+            );
         }
         let near = |got: Option<u64>, want: u64| got.is_some_and(|g| g.abs_diff(want) <= 15);
         assert!(near(m.bytes_per_token_milli(Family::Chat), 1800));
@@ -495,7 +580,7 @@ mod tests {
             let m = CacheModel::estimate(None);
             m.prefilled(&links);
             assert_eq!(
-                m.answered(Family::Chat, &links, predicted, false, all, cached),
+                m.answered(Family::Chat, &links, estimated(predicted), all, cached),
                 want,
                 "{predicted} {cached:?}"
             );
@@ -515,7 +600,7 @@ mod tests {
         m.prefilled(&other);
         m.prefilled(&links);
         assert_eq!(
-            m.answered(Family::Chat, &links, all, false, all, Some(0)),
+            m.answered(Family::Chat, &links, estimated(all), all, Some(0)),
             Check::Wrong { evicted: false }
         );
         assert_eq!(m.likely_cached(Prompt::of_links(&other)).0, 0);
@@ -530,10 +615,52 @@ mod tests {
         m.prefilled(&other);
         m.prefilled(&links);
         assert_eq!(
-            m.answered(Family::Chat, &links, all, true, all, Some(0)),
+            m.answered(Family::Chat, &links, from_events(all), all, Some(0)),
             Check::Wrong { evicted: false }
         );
         assert_eq!(m.likely_cached(Prompt::of_links(&other)).0, all);
+    }
+
+    /// A replica that held part of a prompt the index said it held whole evicted the rest,
+    /// and whatever it last used before the first link it lacked: the index forgets those at
+    /// once (sized or not), and keeps what was sent since.
+    #[test]
+    fn what_was_used_before_the_first_link_the_replica_lacked_is_forgotten() {
+        let (older, newer) = (prompt_of("wxyz", 8), prompt_of("qrst", 8));
+        let links = long_prompt("abcd");
+        let all = links.last().expect("links").bytes / 4;
+        for exact in [false, true] {
+            let m = CacheModel::estimate(Some(1_000_000));
+            m.prefilled(&older);
+            m.prefilled(&links);
+            m.prefilled(&newer);
+            let recency = m.prefilled(&links);
+            assert_eq!(
+                m.answered(
+                    Family::Chat,
+                    &links,
+                    Prediction {
+                        tokens: all,
+                        exact,
+                        recency: &recency
+                    },
+                    all,
+                    Some(all / 2)
+                ),
+                Check::Wrong { evicted: true }
+            );
+            let held = |l: &[Link]| m.likely_cached(Prompt::of_links(l)).0;
+            // A prediction the replica's events made corrects no estimate.
+            let want = if exact { all } else { 0 };
+            assert_eq!(held(&older), want, "exact: {exact}");
+            assert_eq!((held(&links), held(&newer)), (all, all));
+        }
+        // Without the stamps of the prompt's links (it was not recorded), nothing goes.
+        let m = CacheModel::estimate(Some(1_000_000));
+        m.prefilled(&older);
+        m.prefilled(&links);
+        m.answered(Family::Chat, &links, estimated(all), all, Some(all / 2));
+        assert_eq!(m.likely_cached(Prompt::of_links(&older)).0, all);
     }
 
     #[test]
@@ -544,23 +671,23 @@ mod tests {
         let guessed = CacheModel::estimate(None);
         guessed.index.set_capacity_tokens(all + 10);
         guessed.prefilled(&links);
-        guessed.answered(Family::Chat, &links, all, false, all, Some(all / 2));
+        guessed.answered(Family::Chat, &links, estimated(all), all, Some(all / 2));
         assert_eq!(guessed.index.capacity_tokens(), all + 10, "one is a hint");
-        guessed.answered(Family::Chat, &links, all, false, all, Some(all / 2));
-        guessed.answered(Family::Chat, &links, all, false, all, Some(all / 2));
+        guessed.answered(Family::Chat, &links, estimated(all), all, Some(all / 2));
+        guessed.answered(Family::Chat, &links, estimated(all), all, Some(all / 2));
         let c = guessed.index.capacity_tokens();
         assert!(c < all + 10 && c >= MIN_GUESSED_CACHE_TOKENS, "{c}");
         // Sized by the conf: kept.
         let sized = CacheModel::estimate(Some(all + 10));
         sized.prefilled(&links);
-        sized.answered(Family::Chat, &links, all, false, all, Some(all / 2));
+        sized.answered(Family::Chat, &links, estimated(all), all, Some(all / 2));
         assert_eq!(sized.index.capacity_tokens(), all + 10);
         // Sized by its /metrics: kept.
         let reported = CacheModel::estimate(None);
         reported.capacity_reported();
         reported.index.set_capacity_tokens(all + 10);
         reported.prefilled(&links);
-        reported.answered(Family::Chat, &links, all, false, all, Some(all / 2));
+        reported.answered(Family::Chat, &links, estimated(all), all, Some(all / 2));
         assert_eq!(reported.index.capacity_tokens(), all + 10);
     }
 }

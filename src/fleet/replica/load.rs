@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use super::Replica;
 use crate::fleet::events::Listener;
+use crate::fleet::index::Recency;
 
 /// The most requests waiting or running a replica's report counts for (`crate::fleet::poll` reads
 /// its `/metrics` with this bound).
@@ -237,12 +238,16 @@ pub struct QueuedPrefill {
 }
 
 impl QueuedPrefill {
-    /// Its prefill is over: the replica now holds the prompt's `links` in its cache.
-    pub fn prefilled(self, links: &[crate::protocol::api::prompt::Link]) {
-        self.replica.cache.prefilled(links);
+    /// Its prefill is over: the replica now holds the prompt's `links` in its cache. Gives
+    /// when the links it held already were last recorded (see [`CacheModel::answered`]).
+    ///
+    /// [`CacheModel::answered`]: crate::fleet::replica::CacheModel::answered
+    pub fn prefilled(self, links: &[crate::protocol::api::prompt::Link]) -> Recency {
+        let recency = self.replica.cache.prefilled(links);
         if let Some(c) = self.replica.listener.get() {
             c.prefilled(&self.replica.id, links);
         }
+        recency
     }
 }
 

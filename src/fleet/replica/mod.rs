@@ -25,7 +25,9 @@ mod endpoint;
 mod health;
 mod load;
 
-pub use cache::{CacheModel, CacheSource, Check, Freshness, Prompt, DEFAULT_CACHE_TOKENS};
+pub use cache::{
+    CacheModel, CacheSource, Check, Freshness, Prediction, Prompt, DEFAULT_CACHE_TOKENS,
+};
 pub use endpoint::{Endpoint, RANK_HEADER};
 pub use health::{Health, HealthState};
 use load::Load;
