@@ -230,15 +230,9 @@ pub fn template_knows_developer(source: &str) -> bool {
 /// message is not first or there are several, they are merged into one first message, their
 /// non-empty contents joined by a blank line (a content of parts by its texts' lines).
 pub fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
-    let role = |m: &Value| {
-        m.get_attr("role")
-            .ok()
-            .and_then(|r| r.as_str().map(str::to_owned))
-    };
-    if !messages
-        .iter()
-        .any(|m| role(m).as_deref() == Some("developer"))
-    {
+    // Asked of every message of every whole render: no allocation.
+    let is = |m: &Value, role: &str| m.get_attr("role").is_ok_and(|r| r.as_str() == Some(role));
+    if !messages.iter().any(|m| is(m, "developer")) {
         return messages;
     }
     let mut merged: Vec<String> = Vec::new();
@@ -246,7 +240,7 @@ pub fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
     let mut consolidate = false;
     let mut converted = Vec::with_capacity(messages.len());
     for m in messages {
-        if role(&m).as_deref() != Some("developer") {
+        if !is(&m, "developer") {
             converted.push(m);
             continue;
         }
@@ -267,7 +261,7 @@ pub fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
         converted.push(obj(fields));
     }
     for (i, m) in converted.iter().enumerate() {
-        if role(m).as_deref() != Some("system") {
+        if !is(m, "system") {
             others.push(m.clone());
             continue;
         }
