@@ -26,7 +26,40 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 # vLLM's content format for each template (its auto-detection: a loop over message content).
-FORMATS = {"chatml_tools": "string", "llama3_like": "openai", "qwen3_like": "string"}
+FORMATS = {"chatml_tools": "string", "llama3_like": "openai", "qwen3_like": "string",
+           "kwargs_probe": "string", "named": "string", "named_legacy": "string",
+           "named_files_and_list": "string", "named_folder_only": "string"}
+
+# Templates made here from the fixtures. kwargs_probe writes what vLLM passes from the request
+# body (reasoning_effort, enable_thinking, documents) at the top of the prompt, where a wrong
+# value would move every block. named is a model with a second template named tool_use, which
+# transformers picks for a request with tools (even an empty list): saved as transformers 5
+# saves it (additional_chat_templates/), and as older ones did (a list in
+# tokenizer_config.json) for named_legacy. Where template files exist transformers reads them
+# alone: named_files_and_list has chat_template.jinja and the list in the config (its tool_use
+# unread), named_folder_only the tool_use file and a config string (no default: a request
+# without tools is refused).
+PROBE_HEAD = (
+    "{%- if reasoning_effort is defined and reasoning_effort %}<|im_start|>system\n"
+    "Reasoning: {{ reasoning_effort }}<|im_end|>\n{%- endif %}"
+    "{%- if documents %}<|im_start|>system\n{%- for d in documents %}"
+    "{{ d.title }}: {{ d.text }}\n{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- if enable_thinking is defined %}<|im_start|>system\n"
+    "{%- if enable_thinking %}think{% else %}no_think{% endif %}<|im_end|>\n{%- endif %}")
+TOOL_USE_HEAD = ("<|im_start|>system\n# Tool use\n{%- for t in tools %}\n"
+                 "{{ t.function.name }}{%- endfor %}<|im_end|>\n")
+
+
+def templates(name):
+    """The model's default template, and its tool_use one or None."""
+    base = "chatml_tools" if name == "kwargs_probe" or name.startswith("named") else name
+    with open(os.path.join(TEMPLATES, base + ".jinja")) as f:
+        template = f.read()
+    if name == "kwargs_probe":
+        return PROBE_HEAD + template, None
+    if name.startswith("named"):
+        return template, TOOL_USE_HEAD + template
+    return template, None
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -39,7 +72,7 @@ CORPUS = [
 ] * 3
 
 
-def make_dir(path, template):
+def make_dir(path, template, tool_use=None, layout="files"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -52,8 +85,27 @@ def make_dir(path, template):
                                               eos_token="<|im_end|>")
     # Non-special added tokens, normalized (as Qwen's <think> are added), next to the specials.
     hf.add_tokens(["<think>", "</think>"])
-    hf.chat_template = template
+    hf.chat_template = template if tool_use is None else {"default": template, "tool_use": tool_use}
     hf.save_pretrained(path)
+    if layout != "files":
+        default_file = os.path.join(path, "chat_template.jinja")
+        extra = os.path.join(path, "additional_chat_templates")
+        if layout in ("legacy", "folder_only"):
+            os.remove(default_file)
+        if layout in ("legacy", "files_and_list"):
+            for f in os.listdir(extra):
+                os.remove(os.path.join(extra, f))
+            os.rmdir(extra)
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        # As transformers 4 saved several templates: a list in tokenizer_config.json.
+        cfg["chat_template"] = [{"name": "tool_use", "template": tool_use},
+                                {"name": "default", "template": template}]
+        if layout == "folder_only":
+            cfg["chat_template"] = template
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
@@ -137,6 +189,29 @@ def vllm_conversation(messages, fmt, template=""):
             msg["name"] = m["name"]
         out.append(msg)
     return developer_as_system(out, template)
+
+
+def merge_kwargs(defaults, overrides):
+    """vLLM 0.33's renderers/params.py merge_kwargs: the overrides' values win, but for None and
+    "auto"."""
+    return {**(defaults or {}),
+            **{k: v for k, v in (overrides or {}).items() if v is not None and v != "auto"}}
+
+
+def vllm_kwargs(extra, tools):
+    """The arguments vLLM 0.33 calls apply_chat_template with for a request: build_chat_params
+    sets the request's own fields over its chat_template_kwargs (enable_thinking with an effort
+    unless the kwargs name it), then with_defaults sets that over the server's own (the tools,
+    tokenize)."""
+    user = extra.get("chat_template_kwargs")
+    effort = extra.get("reasoning_effort")
+    own = {"add_generation_prompt": extra.get("add_generation_prompt", True),
+           "continue_final_message": extra.get("continue_final_message", False),
+           "documents": extra.get("documents"), "reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in (user or {}):
+        own["enable_thinking"] = effort != "none"
+    return merge_kwargs({"tools": vllm_tools(tools), "tokenize": False},
+                        merge_kwargs(user, own))
 
 
 def vllm_tools(tools):
@@ -223,14 +298,49 @@ def conversations():
                 out.append((convo[:n], tools, {"add_generation_prompt": agp}))
     out.append((reasoning, None, {"add_generation_prompt": True,
                                   "chat_template_kwargs": {"enable_thinking": False}}))
+    # The request's own fields win over its chat_template_kwargs, as vLLM merges them.
+    for extra in ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                  {"add_generation_prompt": False,
+                   "chat_template_kwargs": {"add_generation_prompt": True, "x": 1}},
+                  {"reasoning_effort": "high"}, {"reasoning_effort": "none"},
+                  {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+                  {"reasoning_effort": "high",
+                   "chat_template_kwargs": {"reasoning_effort": "low", "documents": [
+                       {"title": "kept", "text": "the request set none"}]}},
+                  {"documents": [{"title": "Paris", "text": "21 °C and clear"},
+                                 {"title": "東京", "text": "rain"}]},
+                  {"documents": [{"title": "request", "text": "wins"}],
+                   "chat_template_kwargs": {"documents": [{"title": "kwargs", "text": "lose"}]}},
+                  # null and "auto" are dropped: the variable is undefined, and a null
+                  # enable_thinking still keeps the effort's away.
+                  {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": None}},
+                  {"chat_template_kwargs": {"reasoning_effort": "auto", "documents": None}},
+                  # The kwargs' tools replace the request's, as they come (and pick tool_use).
+                  {"chat_template_kwargs": {"tools": [WEATHER], "tokenize": True}},
+                  {"chat_template_kwargs": {"tools": None}},
+                  # transformers' own arguments: the call fails.
+                  {"chat_template_kwargs": {"messages": []}},
+                  {"chat_template_kwargs": {"conversation": []}}):
+        out.append((plain, None, extra))
+        out.append((agent, [WEATHER], extra))
+    # A continued last message (the rendering ends inside it), grown turn by turn; with the
+    # generation prompt too, which vLLM refuses.
+    for convo, tools in ((plain, None), (agent, [WEATHER]), (reasoning, None)):
+        for n in range(1, len(convo) + 1):
+            out.append((convo[:n], tools, {"add_generation_prompt": False,
+                                           "continue_final_message": True}))
+    out.append((plain, None, {"continue_final_message": True}))
+    # An empty tools list: a request with tools to transformers (the tool_use template).
+    out.append((plain[:3], [], {"add_generation_prompt": True}))
     return out
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_chat_ids_equal_transformers(tmp_path, name):
-    with open(os.path.join(TEMPLATES, name + ".jinja")) as f:
-        template = f.read()
-    hf = make_dir(tmp_path, template)
+    template, tool_use = templates(name)
+    layout = {"named_legacy": "legacy", "named_files_and_list": "files_and_list",
+              "named_folder_only": "folder_only"}.get(name, "files")
+    hf = make_dir(tmp_path, template, tool_use, layout)
     cases = conversations()
     lines = []
     want = []
@@ -239,13 +349,19 @@ def test_chat_ids_equal_transformers(tmp_path, name):
         if tools is not None:
             body["tools"] = tools
         lines.append(json.dumps(body, ensure_ascii=False))
+        kwargs = vllm_kwargs(extra, tools)
         try:
+            if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+                raise ValueError("vLLM's request model refuses both")
+            # vLLM's renderer for a template without a developer role reads the default one.
+            # vLLM asks for ids; tokenize: false or true gives the same.
+            kwargs["tokenize"] = False
             text = hf.apply_chat_template(
-                vllm_conversation(messages, FORMATS[name], template), tools=vllm_tools(tools),
-                add_generation_prompt=extra["add_generation_prompt"], tokenize=False,
-                **extra.get("chat_template_kwargs", {}))
+                vllm_conversation(messages, FORMATS[name], template), **kwargs)
             want.append(hf.encode(text, add_special_tokens=False))
-        except jinja2.exceptions.TemplateError as e:  # the template refused (raise_exception)
+        # The template refused (raise_exception), or transformers did (a continued message
+        # without text, no default template, one of its own arguments among the kwargs).
+        except (jinja2.exceptions.TemplateError, ValueError, TypeError) as e:
             want.append(("error", str(e)))
     prompts = ["Hello world", "<|im_start|>user\nhi<|im_end|>", "café 東京 🙂"]
     for p in prompts:

@@ -48,6 +48,9 @@ struct Fields {
     tools: Option<Range<usize>>,
     add_generation_prompt: Option<Range<usize>>,
     chat_template_kwargs: Option<Range<usize>>,
+    continue_final_message: Option<Range<usize>>,
+    documents: Option<Range<usize>>,
+    reasoning_effort: Option<Range<usize>>,
 }
 
 /// What reading a body left to read its successors from: the fields before `messages` (the
@@ -400,6 +403,9 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
                 "tools" => Some(&mut fields.tools),
                 "add_generation_prompt" => Some(&mut fields.add_generation_prompt),
                 "chat_template_kwargs" => Some(&mut fields.chat_template_kwargs),
+                "continue_final_message" => Some(&mut fields.continue_final_message),
+                "documents" => Some(&mut fields.documents),
+                "reasoning_effort" => Some(&mut fields.reasoning_effort),
                 _ => {
                     w.skip()?;
                     None
@@ -434,15 +440,24 @@ fn walk(body: &[u8], from: Option<(Arc<Shape>, usize)>) -> Result<(ChatBody<'_>,
             }
         }
     };
-    let add_generation_prompt = match text(&fields.add_generation_prompt)? {
-        Some(s) => Some(serde_json::from_str::<bool>(s).map_err(err)?),
+    let flag = |r: &Option<Range<usize>>| -> Result<Option<bool>, Error> {
+        match text(r)? {
+            Some(s) => Ok(Some(serde_json::from_str::<bool>(s).map_err(err)?)),
+            None => Ok(None),
+        }
+    };
+    let reasoning_effort = match text(&fields.reasoning_effort)? {
+        Some(s) => Some(serde_json::from_str::<String>(s).map_err(err)?),
         None => None,
     };
     let parts = ChatBody {
         messages: messages.iter().map(|(raw, _)| *raw).collect(),
         tools: text(&fields.tools)?,
-        add_generation_prompt,
+        add_generation_prompt: flag(&fields.add_generation_prompt)?,
         chat_template_kwargs: text(&fields.chat_template_kwargs)?,
+        continue_final_message: flag(&fields.continue_final_message)?,
+        documents: text(&fields.documents)?,
+        reasoning_effort,
         calls: crate::chat::Calls::Validated,
     };
     let mut kept: Vec<Msg> = messages.into_iter().map(|(_, m)| m).collect();
@@ -505,7 +520,15 @@ mod tests {
             format!(r#"{{"mess\u0061ges":[{m}]}}"#),
             r#"{"messages":[]}"#.to_string(),
             format!(r#"{{"messages":[{m}],"add_generation_prompt":null}}"#),
+            format!(
+                r#"{{"reasoning_effort":"high","messages":[{m}],"continue_final_message":true,"documents":[{{"title":"t"}}]}}"#
+            ),
+            format!(
+                r#"{{"messages":[{m}],"reasoning_effort":null,"documents":null,"continue_final_message":null}}"#
+            ),
             // Refused by both.
+            format!(r#"{{"messages":[{m}],"reasoning_effort":1}}"#),
+            format!(r#"{{"messages":[{m}],"continue_final_message":"yes"}}"#),
             format!(r#"{{"messages":[{m}],"messages":[{m}]}}"#),
             format!(r#"{{"messages":[{m}],"tools":[],"tools":[]}}"#),
             format!(r#"{{"messages":[{m}]}} x"#),

@@ -4,6 +4,7 @@
 //! dumps them (every declared field present, `null` when absent).
 
 use indexmap::IndexMap;
+use minijinja::value::ValueKind;
 use minijinja::Value;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -21,6 +22,12 @@ pub struct ChatBody<'a> {
     pub add_generation_prompt: Option<bool>,
     /// Extra template variables (`enable_thinking`, …), passed as vLLM passes them.
     pub chat_template_kwargs: Option<&'a str>,
+    /// The rendering ends inside the last message, for the model to continue it.
+    pub continue_final_message: Option<bool>,
+    /// Passed to the template as `documents` (retrieval templates), as raw JSON.
+    pub documents: Option<&'a str>,
+    /// Passed to the template, with `enable_thinking` unless the kwargs set it.
+    pub reasoning_effort: Option<String>,
     /// How its tool calls reach the template (not read from the body: the caller's to say).
     pub calls: Calls,
 }
@@ -46,6 +53,12 @@ struct Raw<'a> {
     add_generation_prompt: Option<bool>,
     #[serde(borrow, default)]
     chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(default)]
+    continue_final_message: Option<bool>,
+    #[serde(borrow, default)]
+    documents: Option<&'a RawValue>,
+    #[serde(default)]
+    reasoning_effort: Option<String>,
 }
 
 impl<'a> ChatBody<'a> {
@@ -65,6 +78,9 @@ impl<'a> ChatBody<'a> {
             tools: r.tools.map(RawValue::get),
             add_generation_prompt: r.add_generation_prompt,
             chat_template_kwargs: r.chat_template_kwargs.map(RawValue::get),
+            continue_final_message: r.continue_final_message,
+            documents: r.documents.map(RawValue::get).filter(|d| *d != "null"),
+            reasoning_effort: r.reasoning_effort,
             calls: Calls::Validated,
         })
     }
@@ -296,6 +312,50 @@ pub fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
     first.insert("role", Value::from("system"));
     first.insert("content", Value::from(merged.join("\n\n")));
     std::iter::once(obj(first)).chain(others).collect()
+}
+
+/// A map's fields with `key`'s value replaced.
+fn with_field(map: &Value, key: &str, value: Value) -> Value {
+    let mut fields: IndexMap<Value, Value> = IndexMap::new();
+    if let Ok(keys) = map.try_iter() {
+        for k in keys {
+            let v = match k.as_str() == Some(key) {
+                true => value.clone(),
+                false => map.get_item(&k).unwrap_or_default(),
+            };
+            fields.insert(k, v);
+        }
+    }
+    obj(fields)
+}
+
+/// The message with `suffix` after its content's text (a list's last part with a text), and
+/// that text: how transformers marks the message a request continues, to cut the rendering
+/// where it ends.
+pub fn with_content_suffix(message: &Value, suffix: &str) -> Result<(Value, String), Error> {
+    let refuse = || Error::Body("continue_final_message: the last message has no text".into());
+    let content = message.get_attr("content").map_err(|_| refuse())?;
+    if let Some(text) = content.as_str() {
+        let tagged = Value::from(format!("{text}{suffix}"));
+        return Ok((with_field(message, "content", tagged), text.to_owned()));
+    }
+    if content.kind() != ValueKind::Seq {
+        return Err(refuse());
+    }
+    let mut parts: Vec<Value> = content.try_iter().map_err(|_| refuse())?.collect();
+    let text_of = |p: &Value| {
+        p.get_attr("text")
+            .ok()
+            .and_then(|t| t.as_str().map(str::to_owned))
+    };
+    let (i, text) = parts
+        .iter()
+        .enumerate()
+        .rev()
+        .find_map(|(i, p)| text_of(p).map(|t| (i, t)))
+        .ok_or_else(refuse)?;
+    parts[i] = with_field(&parts[i], "text", Value::from(format!("{text}{suffix}")));
+    Ok((with_field(message, "content", Value::from(parts)), text))
 }
 
 /// `function.arguments` as an object: a JSON string parsed, empty or null as `{}`, and (as vLLM

@@ -8,7 +8,10 @@ use crate::Error;
 /// What a template needs from `tokenizer_config.json`, read once.
 #[derive(Debug, Clone, Default)]
 pub struct TokenizerConfig {
+    /// The template transformers uses by default (the only one, or the one named `default`).
     pub chat_template: Option<String>,
+    /// The one named `tool_use`, which transformers uses instead for a request with tools.
+    pub tool_use_template: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub unk_token: Option<String>,
@@ -37,10 +40,12 @@ impl TokenizerConfig {
         let Value::Object(doc) = doc else {
             return Err(bad("(top level)", "expected an object".into()));
         };
+        let mut tool_use_template = None;
         let chat_template = match doc.get("chat_template") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),
-            // Several named templates: transformers uses the one named `default`.
+            // Several named templates: transformers uses the one named `default`, and the one
+            // named `tool_use` for a request with tools.
             Some(Value::Array(list)) => {
                 let mut found = None;
                 for (i, item) in list.iter().enumerate() {
@@ -50,6 +55,8 @@ impl TokenizerConfig {
                         (Some(n), Some(t)) => {
                             if n == "default" {
                                 found = Some(t.to_owned());
+                            } else if n == "tool_use" {
+                                tool_use_template = Some(t.to_owned());
                             }
                         }
                         _ => {
@@ -91,6 +98,7 @@ impl TokenizerConfig {
         };
         Ok(Self {
             chat_template,
+            tool_use_template,
             bos_token: token("bos_token")?,
             eos_token: token("eos_token")?,
             unk_token: token("unk_token")?,
@@ -115,6 +123,7 @@ mod tests {
         assert_eq!(c.eos_token.as_deref(), Some("</s>"));
         let c = parse(r#"{"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]}"#).unwrap();
         assert_eq!(c.chat_template.as_deref(), Some("d"));
+        assert_eq!(c.tool_use_template.as_deref(), Some("t"));
         assert!(parse("{}").unwrap().chat_template.is_none());
     }
 

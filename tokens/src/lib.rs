@@ -6,8 +6,10 @@
 //! - [`ModelTokens::from_dir`] loads a model's `tokenizer.json` and `tokenizer_config.json`
 //!   (and `chat_template.jinja`, which newer transformers save beside it and prefer).
 //! - Chat bodies are rendered with the model's chat template the way vLLM renders them (vLLM's
-//!   conversation, transformers' Jinja setup), then tokenized without added special tokens (the
-//!   template carries the BOS). Completions prompts are tokenized with them; token-id prompts
+//!   conversation, its merge of the request's fields over its `chat_template_kwargs`, the
+//!   `tool_use` template for a body with tools, transformers' Jinja setup and its cut of a
+//!   continued message), then tokenized without added special tokens (the template carries the
+//!   BOS). Completions prompts are tokenized with them; token-id prompts
 //!   pass through ([`token_prompt`]). Anthropic Messages and Responses bodies are first written
 //!   as the chat body vLLM makes of them ([`convert`]); what that conversion does not know is
 //!   refused, and the caller keeps its estimate.
@@ -166,10 +168,12 @@ pub struct ModelTokens {
     /// The ids of each pre-tokenizer split seen, where the fast tokenizer's splits are
     /// tokenized each on its own.
     words: Option<words::Words>,
-    env: Option<Environment<'static>>,
+    /// The template transformers uses by default, and the one it uses for a request with
+    /// tools where the model names one `tool_use`.
+    default: Option<Template>,
+    tool_use: Option<Template>,
     config: TokenizerConfig,
     config_path: PathBuf,
-    format: ContentFormat,
     /// Added tokens after which a rendering can be cut: not normalized, no right strip, not
     /// single-word (each of those would let the text after the cut change the match).
     cut_tokens: std::collections::HashMap<u32, String>,
@@ -185,12 +189,6 @@ pub struct ModelTokens {
     cache: Mutex<cache::PrefixCache>,
     /// Messages as the template sees them, by the hash of their raw JSON.
     messages: Mutex<cache::Sized<(Value, usize)>>,
-    /// Whether a conversation may be rendered with placeholders for its contents (see
-    /// [`template::content_is_text_only`]); turned off for good once a render reads a whole
-    /// message.
-    splice: AtomicBool,
-    /// Set by a placeholder render that read a whole message.
-    whole: Arc<AtomicBool>,
     /// The placeholder mark as a message, the tools or the template arguments could hold it (raw
     /// or escaped): such a body is rendered whole.
     marker: AhoCorasick,
@@ -200,10 +198,125 @@ pub struct ModelTokens {
     shapes: body::Shapes,
     /// What vLLM probes this model's template for to convert Anthropic bodies, once.
     anthropic: std::sync::OnceLock<convert::AnthropicRules>,
+}
+
+/// One of a model's chat templates, and what is learnt of it.
+struct Template {
+    env: Environment<'static>,
+    format: ContentFormat,
+    /// Whether a conversation may be rendered with placeholders for its contents (see
+    /// [`template::content_is_text_only`]); turned off for good once a render reads a whole
+    /// message.
+    splice: AtomicBool,
+    /// Set by a placeholder render that read a whole message.
+    whole: Arc<AtomicBool>,
     /// The template names no `developer` role: vLLM makes developer messages system ones
     /// ([`chat::developer_as_system`]).
     developer_as_system: bool,
+    /// What the keys of its converted messages and skeletons are salted with: they are made
+    /// for its content format, and note its reads.
+    salt: u64,
 }
+
+impl Template {
+    /// `source` set up as transformers sets up Jinja; `path` names it in errors.
+    fn new(source: &str, path: &Path, salt: u64, config: &TokenizerConfig) -> Result<Self, Error> {
+        let marked = |s: &str| s.contains(MARK) || s.to_ascii_lowercase().contains("uf8ff");
+        let env = template::environment(source.to_owned()).map_err(|e| Error::Key {
+            path: path.to_owned(),
+            key: "chat_template".into(),
+            msg: format!("{e:#}"),
+        })?;
+        let format = template::detect_content_format(source);
+        let splice = format == ContentFormat::String
+            && template::content_is_text_only(&env)
+            && !marked(source)
+            && ![
+                &config.bos_token,
+                &config.eos_token,
+                &config.unk_token,
+                &config.pad_token,
+            ]
+            .iter()
+            .any(|t| t.as_deref().is_some_and(marked));
+        Ok(Template {
+            env,
+            format,
+            splice: AtomicBool::new(splice),
+            whole: Arc::new(AtomicBool::new(false)),
+            developer_as_system: !chat::template_knows_developer(source),
+            salt,
+        })
+    }
+}
+
+/// The variables a template gets besides the messages, by name.
+type Variables = IndexMap<String, Value>;
+
+/// What vLLM 0.33 passes the template from a chat body besides its messages, in two merges
+/// (`merge_kwargs`). `build_chat_params` sets over the request's `chat_template_kwargs` its own
+/// `add_generation_prompt` (true unless set), `continue_final_message`, and where set
+/// `documents` and `reasoning_effort` (with `enable_thinking`, effort not `none`, unless the
+/// kwargs name it); `with_defaults` then sets all that over the server's defaults (the tools,
+/// `tokenize`), which drops every null and `"auto"`. The kwargs may replace the tools; names
+/// transformers takes as its own arguments fail there, and are refused here.
+/// `continue_final_message` is transformers' to act on, never the template's.
+fn variables(b: &chat::ChatBody) -> Result<Variables, Error> {
+    let continued = b.continue_final_message.unwrap_or(false);
+    let generation = b.add_generation_prompt.unwrap_or(true);
+    if continued && generation {
+        // vLLM's request model refuses it (or transformers does, where the body left the
+        // generation prompt to its default).
+        return Err(Error::Body(
+            "continue_final_message and add_generation_prompt are both true".into(),
+        ));
+    }
+    let mut vars: Variables = match b.chat_template_kwargs {
+        Some(kw) if kw != "null" => serde_json::from_str(kw)
+            .map_err(|e| Error::Body(format!("chat_template_kwargs: {e}")))?,
+        _ => IndexMap::new(),
+    };
+    let user_thinking = vars.contains_key("enable_thinking");
+    vars.insert("add_generation_prompt".into(), Value::from(generation));
+    if let Some(docs) = b.documents {
+        let docs: Value =
+            serde_json::from_str(docs).map_err(|e| Error::Body(format!("documents: {e}")))?;
+        vars.insert("documents".into(), docs);
+    }
+    if let Some(effort) = b.reasoning_effort.as_deref() {
+        if effort != "auto" {
+            vars.insert("reasoning_effort".into(), Value::from(effort));
+        }
+        if !user_thinking {
+            vars.insert("enable_thinking".into(), Value::from(effort != "none"));
+        }
+    }
+    vars.retain(|_, v| !v.is_none() && v.as_str() != Some("auto"));
+    vars.shift_remove("continue_final_message");
+    vars.shift_remove("tokenize");
+    let taken = [
+        "messages",
+        "conversation",
+        "chat_template",
+        "tokenizer",
+        "model_config",
+    ];
+    if let Some(k) = taken.iter().find(|k| vars.contains_key(**k)) {
+        return Err(Error::Body(format!(
+            "chat_template_kwargs: `{k}` cannot be set there"
+        )));
+    }
+    Ok(vars)
+}
+
+/// Python's `str.isspace`: Unicode's white space and the four ASCII separators.
+fn py_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// What transformers appends to a continued last message's content to find where it ends in
+/// the rendering.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
 /// Placeholder `i` is `MARK i END`: private-use characters, refused in bodies and templates.
 const MARK: char = '\u{F8FF}';
@@ -329,45 +442,51 @@ impl ModelTokens {
         } else {
             TokenizerConfig::default()
         };
-        // Newer transformers save the template beside the config, and prefer that file.
+        // Newer transformers save the templates as files beside the config: the default one,
+        // and the named ones in a folder. Where there is any, transformers reads the files
+        // alone, not the config's templates.
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|e| Error::Io {
+                path: path.to_owned(),
+                source: e,
+            })
+        };
         let jinja = dir.join("chat_template.jinja");
+        let folder = dir.join("additional_chat_templates");
+        let named_files = std::fs::read_dir(&folder)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .any(|e| e.path().extension().is_some_and(|x| x == "jinja"))
+            })
+            .unwrap_or(false);
         let mut config_path = config_path;
-        if jinja.exists() {
-            config.chat_template =
-                Some(std::fs::read_to_string(&jinja).map_err(|e| Error::Io {
-                    path: jinja.clone(),
-                    source: e,
-                })?);
-            config_path = jinja;
-        }
-        let marked = |s: &str| s.contains(MARK) || s.to_ascii_lowercase().contains("uf8ff");
-        let mut splice = false;
-        let developer_as_system = config
-            .chat_template
-            .as_deref()
-            .is_some_and(|s| !chat::template_knows_developer(s));
-        let (env, format) = match &config.chat_template {
-            Some(source) => {
-                let env = template::environment(source.clone()).map_err(|e| Error::Key {
-                    path: config_path.clone(),
-                    key: "chat_template".into(),
-                    msg: format!("{e:#}"),
-                })?;
-                let format = template::detect_content_format(source);
-                splice = format == ContentFormat::String
-                    && template::content_is_text_only(&env)
-                    && !marked(source)
-                    && ![
-                        &config.bos_token,
-                        &config.eos_token,
-                        &config.unk_token,
-                        &config.pad_token,
-                    ]
-                    .iter()
-                    .any(|t| t.as_deref().is_some_and(marked));
-                (Some(env), format)
+        let mut tool_use_path = config_path.clone();
+        if jinja.exists() || named_files {
+            config.chat_template = None;
+            config.tool_use_template = None;
+            if jinja.exists() {
+                config.chat_template = Some(read(&jinja)?);
+                config_path = jinja;
             }
-            None => (None, ContentFormat::String),
+            let named = folder.join("tool_use.jinja");
+            if named.exists() {
+                config.tool_use_template = Some(read(&named)?);
+                tool_use_path = named;
+            }
+        }
+        let default = match &config.chat_template {
+            Some(source) => Some(Template::new(source, &config_path, 0, &config)?),
+            None => None,
+        };
+        let tool_use = match &config.tool_use_template {
+            Some(source) => Some(Template::new(
+                source,
+                &tool_use_path,
+                0xB5AD_4ECE_DA1C_E2A9,
+                &config,
+            )?),
+            None => None,
         };
         let decoder = tokenizer.get_added_tokens_decoder();
         let cut_tokens = decoder
@@ -423,10 +542,10 @@ impl ModelTokens {
             tokenizer,
             fast,
             words,
-            env,
+            default,
+            tool_use,
             config,
             config_path,
-            format,
             cut_tokens,
             added,
             max_added,
@@ -434,8 +553,6 @@ impl ModelTokens {
             reuse,
             cache: Mutex::new(cache::PrefixCache::new(DEFAULT_CACHE_BYTES)),
             messages: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
-            splice: AtomicBool::new(splice),
-            whole: Arc::new(AtomicBool::new(false)),
             marker: aho_corasick::AhoCorasickBuilder::new()
                 .ascii_case_insensitive(true)
                 .build([MARK.to_string().as_str(), "\\uf8ff"])
@@ -443,7 +560,6 @@ impl ModelTokens {
             skeletons: Mutex::new(cache::Sized::new(DEFAULT_CACHE_BYTES / 4)),
             shapes: body::Shapes::new(DEFAULT_CACHE_BYTES / 16),
             anthropic: std::sync::OnceLock::new(),
-            developer_as_system,
         })
     }
 
@@ -462,14 +578,38 @@ impl ModelTokens {
         &self.tokenizer
     }
 
+    /// The default template's content format.
     pub fn content_format(&self) -> ContentFormat {
-        self.format
+        self.default
+            .as_ref()
+            .map_or(ContentFormat::String, |t| t.format)
     }
 
-    /// Whether chat bodies are rendered with placeholders for their contents, put back after
-    /// (the template writes contents only as they are, and has not read a whole message).
+    /// Whether chat bodies without tools are rendered with placeholders for their contents,
+    /// put back after (the template writes contents only as they are, and has not read a whole
+    /// message).
     pub fn renders_with_placeholders(&self) -> bool {
-        self.splice.load(Ordering::SeqCst)
+        self.default
+            .as_ref()
+            .is_some_and(|t| t.splice.load(Ordering::SeqCst))
+    }
+
+    /// The template transformers renders this body with, and the variables vLLM passes it
+    /// besides the messages ([`variables`]). The template is the one named `tool_use` where
+    /// there are tools (even an empty list, the body's or the kwargs') and the model names one,
+    /// else the default.
+    fn prepare(&self, b: &chat::ChatBody) -> Result<(&Template, Variables), Error> {
+        let vars = variables(b)?;
+        let named = self
+            .tool_use
+            .as_ref()
+            .filter(|_| b.tools.is_some() || vars.contains_key("tools"));
+        let t = named
+            .or(self.default.as_ref())
+            .ok_or_else(|| Error::NoTemplate {
+                path: self.config_path.clone(),
+            })?;
+        Ok((t, vars))
     }
 
     /// Entries and bytes in the message cache.
@@ -497,16 +637,17 @@ impl ModelTokens {
 
     /// The whole render, given the hash of each message's raw JSON.
     fn render_hashed(&self, b: &chat::ChatBody, hashes: &[u64]) -> Result<String, Error> {
+        let (t, vars) = self.prepare(b)?;
         // Each message is converted once: a resent history costs a hash per message here.
         let mut messages = Vec::with_capacity(b.messages.len());
         {
             let mut seen = self.messages.lock().expect("message lock");
             for (raw, &hash) in b.messages.iter().zip(hashes) {
-                let key = hash ^ calls_salt(b.calls);
+                let key = hash ^ calls_salt(b.calls) ^ t.salt;
                 let value = match seen.get(&key) {
                     Some((v, _)) => v.clone(),
                     None => {
-                        let v = chat::message(raw, self.format, b.calls)?;
+                        let v = chat::message(raw, t.format, b.calls)?;
                         seen.put(key, (v.clone(), raw.len()));
                         v
                     }
@@ -515,20 +656,31 @@ impl ModelTokens {
             }
             seen.trim();
         }
-        self.render_messages(b, messages)
+        self.render_messages(t, vars, b, messages)
     }
 
     /// The text with each non-empty content a placeholder, and the contents, or None where that
-    /// could differ from the whole render (the template reads contents or whole messages, or the
-    /// body holds the placeholder mark). [`pieces`] then checks the placeholders and puts the
-    /// contents back. Its cost grows with the number of messages, not their size.
+    /// could differ from the whole render (the template reads contents or whole messages, the
+    /// body holds the placeholder mark, or its last message is continued). [`pieces`] then
+    /// checks the placeholders and puts the contents back. Its cost grows with the number of
+    /// messages, not their size.
     fn render_spliced(
         &self,
         b: &chat::ChatBody,
         hashes: &[u64],
     ) -> Result<Option<Placeheld>, Error> {
-        let small = [b.tools, b.chat_template_kwargs];
-        if !self.splice.load(Ordering::SeqCst)
+        // An error is left for the whole render to give.
+        let Ok((t, vars)) = self.prepare(b) else {
+            return Ok(None);
+        };
+        let small = [
+            b.tools,
+            b.chat_template_kwargs,
+            b.documents,
+            b.reasoning_effort.as_deref(),
+        ];
+        if !t.splice.load(Ordering::SeqCst)
+            || b.continue_final_message == Some(true)
             || small.iter().flatten().any(|r| self.marker.is_match(r))
         {
             return Ok(None);
@@ -539,13 +691,15 @@ impl ModelTokens {
             let mut seen = self.skeletons.lock().expect("skeleton lock");
             for (i, (raw, h)) in b.messages.iter().zip(hashes).enumerate() {
                 // The placeholder names the position, so the position is part of the key.
-                let key =
-                    h ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ calls_salt(b.calls);
+                let key = h
+                    ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    ^ calls_salt(b.calls)
+                    ^ t.salt;
                 let skel = match seen.get(&key) {
                     Some(s) => s.clone(),
                     None if self.marker.is_match(raw) => return Ok(None),
                     None => {
-                        let mut fields = chat::fields(raw, self.format, b.calls)?;
+                        let mut fields = chat::fields(raw, t.format, b.calls)?;
                         let content = fields
                             .get("content")
                             .filter(|c| c.as_str().is_some_and(|s| !s.is_empty()))
@@ -559,7 +713,7 @@ impl ModelTokens {
                                     .into_iter()
                                     .map(|(k, v)| (Value::from(k), v))
                                     .collect(),
-                                whole: self.whole.clone(),
+                                whole: t.whole.clone(),
                             }),
                             content,
                             bytes: raw.len(),
@@ -578,57 +732,91 @@ impl ModelTokens {
             m.get_attr("role")
                 .is_ok_and(|r| r.as_str() == Some("developer"))
         };
-        if self.developer_as_system && messages.iter().any(developer) {
+        if t.developer_as_system && messages.iter().any(developer) {
             return Ok(None);
         }
-        // An error is left for the whole render to give.
-        let Ok(text) = self.render_messages(b, messages) else {
+        let Ok(text) = self.render_messages(t, vars, b, messages) else {
             return Ok(None);
         };
-        if self.whole.load(Ordering::SeqCst) {
-            self.splice.store(false, Ordering::SeqCst);
+        if t.whole.load(Ordering::SeqCst) {
+            t.splice.store(false, Ordering::SeqCst);
             return Ok(None);
         }
         Ok(Some((text, contents)))
     }
 
-    /// The template rendered with these messages and the rest of the body.
-    fn render_messages(&self, b: &chat::ChatBody, messages: Vec<Value>) -> Result<String, Error> {
-        let env = self.env.as_ref().ok_or_else(|| Error::NoTemplate {
-            path: self.config_path.clone(),
-        })?;
-        let messages = match self.developer_as_system {
+    /// The template rendered with these messages and `vars` ([`variables`]); a continued last
+    /// message is cut where its content ends, as transformers cuts it.
+    fn render_messages(
+        &self,
+        t: &Template,
+        mut vars: Variables,
+        b: &chat::ChatBody,
+        messages: Vec<Value>,
+    ) -> Result<String, Error> {
+        let mut messages = match t.developer_as_system {
             true => chat::developer_as_system(messages),
             false => messages,
         };
+        let final_text = match b.continue_final_message == Some(true) {
+            true => {
+                let last = messages.last_mut().ok_or_else(|| {
+                    Error::Body("continue_final_message with no message to continue".into())
+                })?;
+                let (tagged, text) = chat::with_content_suffix(last, CONTINUE_TAG)?;
+                *last = tagged;
+                Some(text)
+            }
+            false => None,
+        };
+        // The kwargs' tools replace the body's, as they come.
+        let tools = match vars.shift_remove("tools") {
+            Some(tools) => tools,
+            None => chat::tools(b.tools)?,
+        };
         let mut ctx: IndexMap<String, Value> = IndexMap::new();
-        ctx.insert("messages".into(), Value::from(messages));
-        ctx.insert("tools".into(), chat::tools(b.tools)?);
-        ctx.insert("documents".into(), Value::from(()));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::from(b.add_generation_prompt.unwrap_or(true)),
-        );
+        // transformers passes the special tokens under the kwargs: the kwargs win.
         for (key, tok) in [
             ("bos_token", &self.config.bos_token),
             ("eos_token", &self.config.eos_token),
             ("unk_token", &self.config.unk_token),
             ("pad_token", &self.config.pad_token),
         ] {
-            if let Some(t) = tok {
-                ctx.insert(key.into(), Value::from(t.as_str()));
+            if let Some(tok) = tok {
+                ctx.insert(key.into(), Value::from(tok.as_str()));
             }
         }
-        if let Some(kw) = b.chat_template_kwargs.filter(|k| *k != "null") {
-            let kw: IndexMap<String, Value> = serde_json::from_str(kw)
-                .map_err(|e| Error::Body(format!("chat_template_kwargs: {e}")))?;
-            ctx.extend(kw);
-        }
-        let tmpl = env
+        ctx.insert("messages".into(), Value::from(messages));
+        ctx.insert("tools".into(), tools);
+        ctx.insert("documents".into(), Value::from(()));
+        ctx.extend(vars);
+        let tmpl = t
+            .env
             .get_template(template::NAME)
             .map_err(|e| Error::Template(format!("{e:#}")))?;
-        tmpl.render(chat::obj(ctx))
-            .map_err(|e| Error::Template(format!("{e:#}")))
+        let mut text = tmpl
+            .render(chat::obj(ctx))
+            .map_err(|e| Error::Template(format!("{e:#}")))?;
+        if let Some(content) = final_text {
+            let tag = CONTINUE_TAG.trim();
+            let at = text
+                .rfind(tag)
+                .filter(|_| text.contains(content.trim_matches(py_space)))
+                .ok_or_else(|| {
+                    Error::Template(
+                        "continue_final_message: the final message does not appear in the \
+                         rendering"
+                            .into(),
+                    )
+                })?;
+            let spaced = text[at..].starts_with(CONTINUE_TAG);
+            text.truncate(at);
+            if !spaced {
+                // The template trimmed the message's trailing space.
+                text.truncate(text.trim_end_matches(py_space).len());
+            }
+        }
+        Ok(text)
     }
 
     fn encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding, Error> {
@@ -743,9 +931,13 @@ impl ModelTokens {
                 text_bytes: text.len,
             });
         }
-        // Keys: the tools and template kwargs, then each leading message, chained.
+        // Keys: what else reaches the template, then each leading message, chained.
         let mut h = xxh3_64(b.tools.unwrap_or("").as_bytes())
-            ^ xxh3_64(b.chat_template_kwargs.unwrap_or("").as_bytes()).rotate_left(1);
+            ^ xxh3_64(b.chat_template_kwargs.unwrap_or("").as_bytes()).rotate_left(1)
+            ^ xxh3_64(b.documents.unwrap_or("").as_bytes()).rotate_left(2)
+            ^ xxh3_64(b.reasoning_effort.as_deref().unwrap_or("").as_bytes()).rotate_left(3)
+            ^ u64::from(b.add_generation_prompt.unwrap_or(true))
+            ^ u64::from(b.continue_final_message.unwrap_or(false)) << 1;
         let keys: Vec<u64> = hashes
             .iter()
             .map(|m| {
