@@ -23,7 +23,10 @@
 //! Never on the request path: the sockets are read by background tasks that change a
 //! replica's indexes under their own locks.
 
+mod sequence;
 pub mod server_info;
+
+pub use sequence::{Sequence, Step, StreamState};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -47,81 +50,6 @@ const SOCKET_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_REPLAY: usize = 20_000;
 /// How often a subscriber checks that its replica is still in the registry while idle.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
-
-/// A stream's state; the gauge `inferlb_kv_events_state` reads 0, 1, 2.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamState {
-    Gone = 0,
-    Partial = 1,
-    Live = 2,
-}
-
-impl StreamState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StreamState::Gone => "gone",
-            StreamState::Partial => "partial",
-            StreamState::Live => "live",
-        }
-    }
-}
-
-/// What a sequence of batches says of a stream, without sockets: the next sequence number
-/// expected, and whether every batch since the publisher's first was seen. Pure.
-#[derive(Debug, Default)]
-pub struct Sequence {
-    next: Option<i64>,
-    complete: bool,
-}
-
-/// What to do with a batch.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Step {
-    /// The expected one (or the first): apply it.
-    Apply,
-    /// Already seen (a replay overlapping the live stream): skip it.
-    Seen,
-    /// Batches `from..seq` were missed: replay them, then apply this one.
-    Gap { from: i64 },
-}
-
-impl Sequence {
-    /// A fresh stream, complete when its first batch is the publisher's first (sequence 0).
-    pub fn step(&mut self, seq: i64) -> Step {
-        match self.next {
-            None => {
-                self.complete = seq == 0;
-                Step::Apply
-            }
-            Some(n) if seq < n => Step::Seen,
-            Some(n) if seq == n => Step::Apply,
-            Some(n) => Step::Gap { from: n },
-        }
-    }
-
-    /// `seq` was applied.
-    pub fn applied(&mut self, seq: i64) {
-        self.next = Some(seq + 1);
-    }
-
-    /// A gap was not healed: what came before is not known whole.
-    pub fn broken(&mut self) {
-        self.complete = false;
-    }
-
-    /// The cache was cleared: nothing before matters.
-    pub fn cleared(&mut self) {
-        self.complete = true;
-    }
-
-    pub fn state(&self) -> StreamState {
-        if self.complete {
-            StreamState::Live
-        } else {
-            StreamState::Partial
-        }
-    }
-}
 
 /// Starts and ends the subscribers as replicas with KV event endpoints come and go.
 pub struct KvEventWatcher {
@@ -239,7 +167,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             match seq.step(s) {
                 // A publisher that restarted while subscribed begins again at 0: what it
                 // held went with it.
-                Step::Seen if s == 0 && seq.next.is_some_and(|n| n > 1) => {
+                Step::Seen if s == 0 && seq.next().is_some_and(|n| n > 1) => {
                     restarted(&r, &mut seq);
                     if seq.step(s) != Step::Apply {
                         continue;
@@ -279,12 +207,12 @@ const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(10);
 /// batch applied is asked for again: a publisher that no longer has it restarted (its
 /// sequence begins at 0 again), so its cache is empty.
 async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
-    let Some(next) = seq.next else {
+    let Some(next) = seq.next() else {
         // The first connect: the blocks the buffer holds build the block index, but an old
         // reset in it clears no estimate (what was sent since is in the estimate).
         if let Some(batches) = replay(endpoint, 0).await {
             // Whole if it holds the publisher's first batch, or from a reset in it on.
-            seq.complete = batches.first().is_some_and(|(s, _)| *s == 0);
+            seq.joined(batches.first().is_some_and(|(s, _)| *s == 0));
             for (s, b) in &batches {
                 apply(r, b, seq, Replayed::Old);
                 seq.applied(*s);
@@ -484,54 +412,4 @@ fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>
         });
     }
     *state = Some(to);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// (sequence numbers seen, in order) → the steps and the final state
-    #[test]
-    fn a_stream_is_live_only_when_seen_whole() {
-        let rows: &[(&[i64], &[Step], StreamState)] = &[
-            (
-                &[0, 1, 2],
-                &[Step::Apply, Step::Apply, Step::Apply],
-                StreamState::Live,
-            ),
-            // joined late, no replay: what came before is unknown
-            (&[5, 6], &[Step::Apply, Step::Apply], StreamState::Partial),
-            (
-                &[0, 1, 1],
-                &[Step::Apply, Step::Apply, Step::Seen],
-                StreamState::Live,
-            ),
-            (
-                &[0, 3],
-                &[Step::Apply, Step::Gap { from: 1 }],
-                StreamState::Live,
-            ),
-        ];
-        for (seqs, want, state) in rows {
-            let mut s = Sequence::default();
-            let mut steps = vec![];
-            for &q in seqs.iter() {
-                let step = s.step(q);
-                if step != Step::Seen {
-                    s.applied(q);
-                }
-                steps.push(step);
-            }
-            assert_eq!(&steps, want, "{seqs:?}");
-            assert_eq!(s.state(), *state, "{seqs:?}");
-        }
-        let mut s = Sequence::default();
-        s.step(7);
-        s.applied(7);
-        assert_eq!(s.state(), StreamState::Partial);
-        s.cleared();
-        assert_eq!(s.state(), StreamState::Live, "a clear starts it clean");
-        s.broken();
-        assert_eq!(s.state(), StreamState::Partial, "an unhealed gap");
-    }
 }
