@@ -1,0 +1,180 @@
+//! The client's answer to a handed-over request: the decode's header and the events held
+//! before its first token, then the rest as it comes. Nothing is retried from here on.
+
+use std::sync::Arc;
+
+use pingora_core::{Error, ErrorType};
+use pingora_http::ResponseHeader;
+use pingora_proxy::Session;
+
+use super::exchange::release;
+use super::{Held, Plan, Started};
+use crate::cluster::Table;
+use crate::fleet::replica::Replica;
+use crate::protocol::usage::UsageReader;
+use crate::proxy::attempt::{Attempt, Choice};
+use crate::proxy::{Balancer, Ctx};
+use crate::routing::Route;
+use crate::telemetry::metrics::METRICS;
+
+impl Balancer {
+    /// The client's answer: the decode's header and what was held, then the rest as it comes.
+    pub(super) async fn stream(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        plan: &Plan,
+        s: Started,
+    ) -> pingora_core::Result<()> {
+        let Started {
+            decode,
+            prefill,
+            session: mut upstream,
+            header,
+            held,
+            in_flight,
+            kv,
+            prefill_leg,
+        } = s;
+        drop(in_flight);
+        let pulled = plan
+            .prompt_tokens
+            .saturating_sub(decode.cache.likely_cached(plan.prompt()).0);
+        METRICS
+            .pd_pull_tokens
+            .with_label_values(&[&decode.id])
+            .inc_by(pulled);
+        // Other instances learn the conversation's decode replica now.
+        if let (Some(c), Some(info)) = (&self.cluster, &ctx.info) {
+            for key in info.shape.served_key().into_iter().chain(ctx.session) {
+                c.pin(Table::Affinity, key, &decode.id);
+            }
+        }
+        let n = ctx.attempt.as_ref().map_or(0, |a| a.n) + 1;
+        ctx.attempt = Some(Attempt::start(
+            n,
+            Choice {
+                replica: decode.clone(),
+                route: Route::Pd,
+                // Nothing to prefill there: the guard records the prompt in its index once
+                // the first token passes (it pulled the KV).
+                prefill: Some(decode.queue_prefill(0)),
+                // Held by the decode leg's own guard (`Held::_kv`).
+                kv_tokens: 0,
+                predicted: 0,
+                predicted_exact: false,
+            },
+        ));
+        ctx.pd = Held {
+            _kv: Some(kv),
+            _prefill_leg: prefill_leg,
+            warm: None,
+        };
+        let length = header
+            .headers
+            .get("content-length")
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+        let sse = header
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
+        let resp = self.client_header(
+            &header,
+            ctx,
+            (&decode, Route::Pd),
+            prefill.as_ref(),
+            length.filter(|_| !sse),
+        );
+        session.write_response_header(resp, false).await?;
+        for chunk in held {
+            self.observe_response(Some(&chunk), false, ctx);
+            if session
+                .write_response_body(Some(chunk), false)
+                .await
+                .is_err()
+            {
+                return Err(client_left());
+            }
+        }
+        let read_timeout = self.conf.upstream.read_timeout;
+        loop {
+            let next = tokio::time::timeout(read_timeout, upstream.read_response_body()).await;
+            match next {
+                Ok(Ok(Some(chunk))) => {
+                    self.observe_response(Some(&chunk), false, ctx);
+                    if session
+                        .write_response_body(Some(chunk), false)
+                        .await
+                        .is_err()
+                    {
+                        // The client left: the decode's connection closes with this request.
+                        return Err(client_left());
+                    }
+                }
+                Ok(Ok(None)) => {
+                    self.observe_response(None, true, ctx);
+                    session.write_response_body(None, true).await?;
+                    release(upstream, &decode).await;
+                    return Ok(());
+                }
+                Ok(Err(e)) => {
+                    // Cut after the first byte: never retried. As on the proxy path,
+                    // `fail_to_proxy` ends a stream with its API's error event and leaves
+                    // the body unterminated, so the client sees it cut, never complete.
+                    return Err(e.into_up());
+                }
+                Err(_) => {
+                    let why = format!("replica {} went silent for {read_timeout:?}", decode.id);
+                    return Err(Error::explain(ErrorType::ReadTimedout, why).into_up());
+                }
+            }
+        }
+    }
+
+    /// The client's header from a leg's: its status and content headers, inferlb's own.
+    pub(super) fn client_header(
+        &self,
+        upstream: &ResponseHeader,
+        ctx: &Ctx,
+        (replica, route): (&Replica, Route),
+        prefill: Option<&Arc<Replica>>,
+        length: Option<usize>,
+    ) -> Box<ResponseHeader> {
+        let mut resp = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 5))
+            .expect("a status from a parsed header");
+        for (name, value) in upstream.headers.iter() {
+            let n = name.as_str();
+            let framing = matches!(
+                n,
+                "content-length"
+                    | "transfer-encoding"
+                    | "connection"
+                    | "keep-alive"
+                    | "te"
+                    | "trailer"
+                    | "upgrade"
+                    | "proxy-connection"
+            );
+            if !framing {
+                let _ = resp.append_header(name.clone(), value.clone());
+            }
+        }
+        let _ = match length {
+            Some(n) => resp.insert_header("content-length", n.to_string()),
+            None => resp.insert_header("transfer-encoding", "chunked"),
+        };
+        let _ = resp.insert_header("x-inferlb-replica", &*replica.id);
+        if let Some(p) = prefill {
+            let _ = resp.insert_header("x-inferlb-prefill", &*p.id);
+        }
+        let _ = resp.insert_header("x-inferlb-route", route.as_str());
+        let _ = resp.insert_header("x-request-id", ctx.request_id.clone());
+        Box::new(resp)
+    }
+}
+
+/// The client went away while its answer was being written.
+fn client_left() -> Box<Error> {
+    Error::explain(ErrorType::WriteError, "the client left during the answer").into_down()
+}

@@ -1,0 +1,206 @@
+//! Each leg's exchange: the vLLM prefill (one token, its `kv_transfer_params`), the decode up
+//! to its first token, and SGLang's two legs at once in a bootstrap room.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::value::RawValue;
+
+use super::exchange::{read_all, release, LegCtx, LegError};
+use super::{Background, Plan, Started};
+use crate::fleet::replica::Replica;
+use crate::protocol::handover::{self, Start, StreamStart};
+use crate::proxy::Balancer;
+use crate::telemetry::metrics::METRICS;
+
+impl Balancer {
+    /// SGLang: both legs at once, meeting in a fresh bootstrap room on the prefill server.
+    pub(super) async fn sglang_pair(
+        &self,
+        plan: &Plan,
+        p: &Arc<Replica>,
+        held: u64,
+        d: &Arc<Replica>,
+    ) -> Result<Box<Started>, (&'static str, LegError)> {
+        let Some(boot) = p.endpoint.bootstrap else {
+            let e = LegError::Connect(format!("prefill replica {} has no bootstrap_port", p.id));
+            return Err(("prefill", e));
+        };
+        let room = bootstrap_room(&plan.request_id);
+        let body = handover::sglang_legs(&plan.body, &boot.ip().to_string(), boot.port(), room)
+            .map_err(|_| ("prefill", LegError::NoParams))?;
+        let prefill = {
+            let (this, plan_header, body, p) = (
+                self.leg_ctx(self.conf.pd.prefill_timeout),
+                plan.header.clone(),
+                body.clone(),
+                p.clone(),
+            );
+            let links = plan.links.clone();
+            let request_id = plan.request_id.clone();
+            let prompt_tokens = plan.prompt_tokens;
+            let limit = self.conf.pd.prefill_timeout;
+            tokio::spawn(async move {
+                let _flight = p.start();
+                let queued = p.queue_prefill(prompt_tokens.saturating_sub(held));
+                let leg = this.exchange(&p, &plan_header, &request_id, body);
+                let (status, answer) = tokio::time::timeout(limit, leg)
+                    .await
+                    .map_err(|_| LegError::Broken("the prefill did not end in time".into()))??;
+                if !status.status.is_success() {
+                    return Err(LegError::Answered(status, answer));
+                }
+                queued.prefilled(&links);
+                Ok(())
+            })
+        };
+        let mut prefill = Background(prefill);
+        let decode = self.decode_leg(plan, d, body);
+        tokio::pin!(decode);
+        tokio::select! {
+            r = &mut decode => {
+                let mut s = r.map_err(|e| ("decode", e))?;
+                s.prefill = Some(p.clone());
+                s.prefill_leg = Some(prefill);
+                Ok(s)
+            }
+            r = &mut prefill.0 => {
+                // The prefill ended first: failed, the decode waits in vain; else it goes on.
+                match r {
+                    Ok(Ok(())) => {
+                        let mut s = decode.await.map_err(|e| ("decode", e))?;
+                        s.prefill = Some(p.clone());
+                        Ok(s)
+                    }
+                    Ok(Err(e)) => Err(("prefill", e)),
+                    Err(join) => Err(("prefill", LegError::Broken(join.to_string()))),
+                }
+            }
+        }
+    }
+
+    /// What a leg's exchange needs; `read_timeout` bounds each read of its answer.
+    pub(super) fn leg_ctx(&self, read_timeout: Duration) -> LegCtx {
+        LegCtx {
+            read_timeout,
+            networks: self.conf.admin.allowed_networks.clone(),
+        }
+    }
+
+    /// The vLLM prefill leg: one token, not streamed; its answer's `kv_transfer_params`.
+    pub(super) async fn prefill_leg(
+        &self,
+        plan: &Plan,
+        p: &Arc<Replica>,
+        held: u64,
+    ) -> Result<Box<RawValue>, LegError> {
+        let body =
+            handover::vllm_prefill(plan.family, &plan.body).map_err(|_| LegError::NoParams)?;
+        let _flight = p.start();
+        let queued = p.queue_prefill(plan.prompt_tokens.saturating_sub(held));
+        let leg = async {
+            // The prefill's first (and only) token may take as long as the prefill: its
+            // reads are bounded by the prefill's own timeout, the whole by the same below.
+            let limit = self.conf.pd.prefill_timeout;
+            let (header, mut s) = self
+                .leg_ctx(limit)
+                .exchange_keep(p, &plan.header, &plan.request_id, body)
+                .await?;
+            let answer = read_all(&mut s, limit).await?;
+            release(s, p).await;
+            Ok::<_, LegError>((header, answer))
+        };
+        let (header, answer) = tokio::time::timeout(self.conf.pd.prefill_timeout, leg)
+            .await
+            .map_err(|_| LegError::Broken("the prefill did not end in time".into()))??;
+        if !header.status.is_success() {
+            return Err(LegError::Answered(header, answer));
+        }
+        let params = handover::vllm_params(&answer).ok_or(LegError::NoParams)?;
+        METRICS
+            .pd_legs
+            .with_label_values(&[&p.id, "prefill", "ok"])
+            .inc();
+        queued.prefilled(&plan.links);
+        Ok(params)
+    }
+
+    /// A decode leg up to its first token (or its whole answer when it does not stream).
+    pub(super) async fn decode_leg(
+        &self,
+        plan: &Plan,
+        d: &Arc<Replica>,
+        body: Bytes,
+    ) -> Result<Box<Started>, LegError> {
+        let in_flight = d.start();
+        let kv = d.hold_kv(plan.prompt_tokens);
+        let (header, mut s) = self
+            .leg_ctx(self.conf.upstream.read_timeout)
+            .exchange_keep(d, &plan.header, &plan.request_id, body)
+            .await?;
+        if !header.status.is_success() {
+            let answer = read_all(&mut s, self.conf.upstream.read_timeout)
+                .await
+                .unwrap_or_default();
+            return Err(LegError::Answered(header, answer));
+        }
+        let sse = header
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let mut held = Vec::new();
+        if sse {
+            let mut start = StreamStart::default();
+            loop {
+                let chunk =
+                    tokio::time::timeout(self.conf.upstream.read_timeout, s.read_response_body())
+                        .await
+                        .map_err(|_| LegError::Broken("no first token in time".into()))?
+                        .map_err(|e| LegError::Broken(e.to_string()))?;
+                let Some(chunk) = chunk else {
+                    // Ended with nothing generated (a Responses stream whose pull failed
+                    // breaks off after its preamble): nothing of it reached the client.
+                    return Err(LegError::Broken("the stream ended before a token".into()));
+                };
+                let verdict = start.feed(&chunk);
+                held.push(chunk);
+                match verdict {
+                    Start::Held => {}
+                    Start::Flowing => break,
+                    Start::Failed => return Err(LegError::StreamFailed),
+                }
+            }
+        }
+        METRICS
+            .pd_legs
+            .with_label_values(&[&d.id, "decode", "ok"])
+            .inc();
+        Ok(Box::new(Started {
+            decode: d.clone(),
+            prefill: None,
+            session: s,
+            header,
+            held,
+            in_flight,
+            kv,
+            prefill_leg: None,
+        }))
+    }
+}
+
+/// A room number no other request of this process or another uses at once.
+fn bootstrap_room(request_id: &http::HeaderValue) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(request_id.as_bytes());
+    h.update(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    h.update(&std::process::id().to_le_bytes());
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.update(&t.to_le_bytes());
+    // SGLang reads the room as a signed 64-bit integer in places: keep it positive.
+    h.digest() >> 1
+}
