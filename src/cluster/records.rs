@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::sync::ClusterSync;
-use super::{encode, Change, Subject, Table};
+use super::wire::encode;
+use super::{Change, Subject, Table};
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::Replica;
 use crate::link::{Channel, Failed, Lane, Link};

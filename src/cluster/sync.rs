@@ -14,7 +14,8 @@ use pingora_core::services::background::BackgroundService;
 use tokio::sync::{mpsc, watch};
 
 use super::records::{drain_key, pin_key, removed_key, replica_key, save_indexes_every};
-use super::{decode, encode, encode_load, sender, Change, Cluster, LoadReport, Message, Peers};
+use super::wire::{decode, encode, encode_load, sender};
+use super::{Change, Cluster, LoadReport, Message, Peers};
 use crate::conf::netpolicy::Networks;
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
