@@ -16,7 +16,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 use tower::ServiceExt;
 
-use crate::{error, metrics_of, router as rank_router, App};
+use crate::endpoints::metrics_of;
+use crate::{error, router as rank_router, App};
 
 /// The header naming the engine (vLLM's name; header names are case-insensitive).
 pub const RANK_HEADER: &str = "x-data-parallel-rank";

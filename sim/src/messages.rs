@@ -14,11 +14,12 @@ use axum::Json;
 use serde_json::{json, Map, Value};
 
 use crate::engine::tokens;
-use crate::render::{self, Bad, GENERATION_PROMPT};
-use crate::{
-    decode, finish, gate, named_sse, prefill, prefilled, seed_of, sse_response, tag, App, Decoded,
-    Job, Leg, Usage, MAX_TOKENS,
+use crate::job::{
+    decode, finish, gate, named_sse, prefill, prefilled, seed_of, sse_response, tag, Decoded, Job,
+    Leg, Usage, MAX_TOKENS,
 };
+use crate::render::{self, Bad, GENERATION_PROMPT};
+use crate::App;
 
 /// An error in Anthropic's shape.
 fn error(status: StatusCode, message: &str) -> Response {

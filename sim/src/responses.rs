@@ -30,11 +30,12 @@ use lru::LruCache;
 use serde_json::{json, Map, Value};
 
 use crate::engine::token_text;
-use crate::render::{self, render_message, Bad, GENERATION_PROMPT};
-use crate::{
-    cut, decode, finish, gate, kv_load_failed, named_sse, now_secs, prefill, prefilled, seed_of,
-    sse_response, tag, App, Decoded, Job, Leg, Usage, MAX_TOKENS,
+use crate::job::{
+    cut, decode, finish, gate, kv_load_failed, named_sse, prefill, prefilled, seed_of,
+    sse_response, tag, Decoded, Job, Leg, Usage, MAX_TOKENS,
 };
+use crate::render::{self, render_message, Bad, GENERATION_PROMPT};
+use crate::{now_secs, App};
 
 /// An error in OpenAI's shape.
 fn oai_error(
