@@ -259,6 +259,66 @@ fn a_turn_its_decode_replica_mostly_holds_is_served_whole_there() {
     assert!(lb.metric("inferlb_pd_whole_total{reason=\"small_uncached\"}") >= 1.0);
 }
 
+/// A turn served whole on its decode replica has its answer's header held until the first
+/// token, as a decode leg's is: a replica lost during that prefill (it began the answer, then
+/// the connection closed) costs the client nothing, and the turn goes through the pools on
+/// the other decode replica.
+#[test]
+fn a_local_turn_whose_decode_replica_dies_before_its_first_token_goes_through_the_pools() {
+    let dir = tempfile::tempdir().expect("dir");
+    let p1 = sim(dir.path(), "p1", "producer", &[]);
+    let (d1, d2) = (
+        sim(dir.path(), "d1", "consumer", &[]),
+        sim(dir.path(), "d2", "consumer", &[]),
+    );
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = vec![
+        entry(&p1, "prefill"),
+        entry(&d1, "decode"),
+        entry(&d2, "decode"),
+    ];
+    conf.extra = "  pd: {local_prefill_tokens: 512, local_prefill_idle_tokens: 0}\n".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    let first = text_of("lost", 3000);
+    let turn1 = chat(&lb, &[("user", &first)], false);
+    assert_eq!((turn1.status, turn1.route.as_str()), (200, "pd"), "{}", turn1.text);
+    let (home, other) = if turn1.replica == "d1" {
+        (&d1, &d2)
+    } else {
+        (&d2, &d1)
+    };
+    home.fault(json!({"fault": "cut_before_token", "count": 1}));
+    let prefills = stat(&p1, "handover_prefill_requests");
+    let turn2 = chat(
+        &lb,
+        &[
+            ("user", &first),
+            ("assistant", &content(&turn1)),
+            ("user", &text_of("small", 100)),
+        ],
+        true,
+    );
+    assert_eq!(
+        (turn2.status, turn2.route.as_str(), turn2.replica.as_str()),
+        (200, "pd", other.id.as_str()),
+        "{}",
+        turn2.text
+    );
+    assert!(turn2.text.trim_end().ends_with("data: [DONE]"), "{}", turn2.text);
+    assert!(!turn2.text.contains("error"), "{}", turn2.text);
+    assert!(!content(&turn2).is_empty(), "{}", turn2.text);
+    assert_eq!(stat(&p1, "handover_prefill_requests"), prefills + 1);
+    assert!(
+        lb.metric(&format!(
+            "inferlb_pd_legs_total{{leg=\"local\",outcome=\"broken\",replica=\"{}\"}}",
+            home.id
+        )) >= 1.0,
+        "{}",
+        lb.metrics()
+    );
+}
+
 /// A decode replica that runs nothing prefills a turn of up to `local_prefill_idle_tokens`
 /// itself: no stream there to stall. The same turn, while it decodes another stream, goes
 /// through the prefill pool.

@@ -109,7 +109,11 @@ pub(crate) async fn gate(sim: &Sim) -> Result<Option<usize>, (StatusCode, &'stat
         _ => {}
     }
     sim.engine.counters.requests.fetch_add(1, Ordering::Relaxed);
-    Ok((fault == Fault::CutStream).then_some(3usize))
+    Ok(match fault {
+        Fault::CutStream => Some(3),
+        Fault::CutBeforeToken => Some(0),
+        _ => None,
+    })
 }
 
 /// The headers every answer to a request that ran carries.

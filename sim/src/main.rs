@@ -103,6 +103,9 @@ enum Fault {
     Error503,
     /// Stream a few tokens, then cut the connection.
     CutStream,
+    /// Send a stream's header, then cut the connection once its prefill is done, before the
+    /// first token (an engine lost during a prefill, after its server began the answer).
+    CutBeforeToken,
     /// Slow start from now: refuse for `seconds`, then /health fails for `unhealthy_seconds`.
     Restart,
 }

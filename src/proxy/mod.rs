@@ -273,10 +273,11 @@ impl ProxyHttp for Balancer {
             return Ok(true);
         }
         ctx.tokens = self.tokens_of(session.req_header().uri.path(), ctx).await;
+        // Before the pools' plan: a handed-over turn's decode leg asks for usage too.
+        self.ask_for_usage(session, ctx);
         if self.disaggregate(session, ctx).await? {
             return Ok(true);
         }
-        self.ask_for_usage(session, ctx);
         Ok(false)
     }
 

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use pingora_core::{Error, ErrorType};
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
@@ -11,8 +13,10 @@ use super::exchange::release;
 use super::{Held, Plan, Started};
 use crate::cluster::Table;
 use crate::fleet::replica::Replica;
+use crate::protocol::stream_usage::UsageStripper;
 use crate::protocol::usage::UsageReader;
 use crate::proxy::attempt::{Attempt, Choice};
+use crate::proxy::outcome::strip_usage;
 use crate::proxy::{Balancer, Ctx};
 use crate::routing::Route;
 use crate::telemetry::metrics::METRICS;
@@ -35,15 +39,18 @@ impl Balancer {
             in_flight,
             kv,
             prefill_leg,
+            local,
         } = s;
         drop(in_flight);
-        let pulled = plan
-            .prompt_tokens
-            .saturating_sub(decode.cache.likely_cached(plan.prompt()).0);
-        METRICS
-            .pd_pull_tokens
-            .with_label_values(&[&decode.id])
-            .inc_by(pulled);
+        if local.is_none() {
+            let pulled = plan
+                .prompt_tokens
+                .saturating_sub(decode.cache.likely_cached(plan.prompt()).0);
+            METRICS
+                .pd_pull_tokens
+                .with_label_values(&[&decode.id])
+                .inc_by(pulled);
+        }
         // Other instances learn the conversation's decode replica now.
         if let (Some(c), Some(info)) = (&self.cluster, &ctx.info) {
             for key in info.shape.served_key().into_iter().chain(ctx.session) {
@@ -51,17 +58,26 @@ impl Balancer {
             }
         }
         let n = ctx.attempt.as_ref().map_or(0, |a| a.n) + 1;
+        let route = match local {
+            Some(_) => Route::PdLocal,
+            None => Route::Pd,
+        };
+        // What the replica said it would find cached, for a turn it prefilled itself.
+        let predicted = match local {
+            Some(_) => plan.prompt_tokens.saturating_sub(plan.lacking),
+            None => 0,
+        };
         ctx.attempt = Some(Attempt::start(
             n,
             Choice {
                 replica: decode.clone(),
-                route: Route::Pd,
-                // Nothing to prefill there: the guard records the prompt in its index once
-                // the first token passes (it pulled the KV).
-                prefill: Some(decode.queue_prefill(0)),
+                route,
+                // A handed-over turn has nothing to prefill there: the guard records the
+                // prompt in its index once the first token passes (it pulled the KV).
+                prefill: Some(local.unwrap_or_else(|| decode.queue_prefill(0))),
                 // Held by the decode leg's own guard (`Held::_kv`).
                 kv_tokens: 0,
-                predicted: 0,
+                predicted,
                 predicted_exact: false,
             },
         ));
@@ -79,42 +95,30 @@ impl Balancer {
             .get("content-type")
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
+        if sse && ctx.usage_asked {
+            ctx.usage_stripper = Some(UsageStripper::default());
+        }
         let resp = self.client_header(
             &header,
             ctx,
-            (&decode, Route::Pd),
+            (&decode, route),
             prefill.as_ref(),
             length.filter(|_| !sse),
         );
         session.write_response_header(resp, false).await?;
         for chunk in held {
-            self.observe_response(Some(&chunk), false, ctx);
-            if session
-                .write_response_body(Some(chunk), false)
-                .await
-                .is_err()
-            {
-                return Err(client_left());
-            }
+            pass(self, session, ctx, Some(chunk)).await?;
         }
         let read_timeout = self.conf.upstream.read_timeout;
         loop {
             let next = tokio::time::timeout(read_timeout, upstream.read_response_body()).await;
             match next {
-                Ok(Ok(Some(chunk))) => {
-                    self.observe_response(Some(&chunk), false, ctx);
-                    if session
-                        .write_response_body(Some(chunk), false)
-                        .await
-                        .is_err()
-                    {
-                        // The client left: the decode's connection closes with this request.
-                        return Err(client_left());
-                    }
-                }
+                Ok(Ok(Some(chunk))) => pass(self, session, ctx, Some(chunk)).await?,
                 Ok(Ok(None)) => {
                     self.observe_response(None, true, ctx);
-                    session.write_response_body(None, true).await?;
+                    let mut tail = None;
+                    strip_usage(&mut tail, true, ctx);
+                    session.write_response_body(tail, true).await?;
                     release(upstream, &decode).await;
                     return Ok(());
                 }
@@ -172,6 +176,27 @@ impl Balancer {
         let _ = resp.insert_header("x-request-id", ctx.request_id.clone());
         Box::new(resp)
     }
+}
+
+/// One chunk of the answer to the client: read for its usage, the usage event inferlb asked
+/// for taken out, written.
+async fn pass(
+    lb: &Balancer,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    chunk: Option<Bytes>,
+) -> pingora_core::Result<()> {
+    lb.observe_response(chunk.as_ref(), false, ctx);
+    let mut body = chunk;
+    strip_usage(&mut body, false, ctx);
+    if body.is_none() {
+        return Ok(());
+    }
+    // On failure the client left: the decode's connection closes with this request.
+    session
+        .write_response_body(body, false)
+        .await
+        .map_err(|_| client_left())
 }
 
 /// The client went away while its answer was being written.

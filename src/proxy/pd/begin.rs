@@ -38,6 +38,7 @@ impl Tries {
         self.last = Some((r.id.clone(), why));
         match leg {
             "prefill" => self.prefill.push(r.clone()),
+            // "decode", "local"
             _ => self.decode.push(r.clone()),
         }
     }
@@ -98,6 +99,23 @@ impl Balancer {
     pub(super) async fn begin(&self, plan: &Plan, tries: &mut Tries) -> Begun {
         let mut params: Option<(Box<RawValue>, Arc<Replica>)> = None;
         let mut decode = Some(plan.decode.clone());
+        if plan.local.is_some() {
+            // Served whole on its decode replica; if that fails before the first token, the
+            // turn goes through the pools on another one.
+            let d = plan.decode.clone();
+            let queued = d.queue_prefill(plan.lacking);
+            match self.decode_leg(plan, &d, plan.body.clone(), "local").await {
+                Ok(mut s) => {
+                    s.local = Some(queued);
+                    return Begun::Started(s);
+                }
+                Err(e) if e.is_refusal() => return refused(d, e),
+                Err(e) => {
+                    tries.failed("local", &d, &e);
+                    decode = None;
+                }
+            }
+        }
         // Each pass is one leg or two: bounded by the attempts a request is allowed, twice.
         for _ in 0..self.max_attempts.saturating_mul(2).max(2) {
             let d = match decode.take().filter(|d| !contains(&tries.decode, d)) {
@@ -181,7 +199,7 @@ impl Balancer {
                 Ok(b) => b,
                 Err(_) => return Begun::Whole(d, "no_handover"),
             };
-            match self.decode_leg(plan, &d, body).await {
+            match self.decode_leg(plan, &d, body, "decode").await {
                 Ok(mut s) => {
                     s.prefill = Some(p.clone());
                     return Begun::Started(s);

@@ -57,7 +57,7 @@ impl Balancer {
             })
         };
         let mut prefill = Background(prefill);
-        let decode = self.decode_leg(plan, d, body);
+        let decode = self.decode_leg(plan, d, body, "decode");
         tokio::pin!(decode);
         tokio::select! {
             r = &mut decode => {
@@ -127,12 +127,14 @@ impl Balancer {
         Ok(params)
     }
 
-    /// A decode leg up to its first token (or its whole answer when it does not stream).
+    /// A decode leg up to its first token (or its whole answer when it does not stream);
+    /// `leg` names it in the metrics: `decode`, or `local` for a turn served whole there.
     pub(super) async fn decode_leg(
         &self,
         plan: &Plan,
         d: &Arc<Replica>,
         body: Bytes,
+        leg: &'static str,
     ) -> Result<Box<Started>, LegError> {
         let in_flight = d.start();
         let kv = d.hold_kv(plan.prompt_tokens);
@@ -173,10 +175,7 @@ impl Balancer {
                 }
             }
         }
-        METRICS
-            .pd_legs
-            .with_label_values(&[&d.id, "decode", "ok"])
-            .inc();
+        METRICS.pd_legs.with_label_values(&[&d.id, leg, "ok"]).inc();
         Ok(Box::new(Started {
             decode: d.clone(),
             prefill: None,
@@ -186,6 +185,7 @@ impl Balancer {
             in_flight,
             kv,
             prefill_leg: None,
+            local: None,
         }))
     }
 }

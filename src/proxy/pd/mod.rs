@@ -45,7 +45,7 @@ use crate::conf::Protocol;
 use crate::fleet::blocks::PromptTokens;
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::{HeldKv, InFlight, Prompt, Replica};
+use crate::fleet::replica::{HeldKv, InFlight, Prompt, QueuedPrefill, Replica};
 use crate::protocol::api::prompt::Link;
 use crate::protocol::api::shape::Shape;
 use crate::protocol::api::Family;
@@ -90,6 +90,11 @@ struct Plan {
     tick: u64,
     /// The decode replica chosen first.
     decode: Arc<Replica>,
+    /// Why the turn is served whole on `decode` (a `pd_whole` reason), which prefills what it
+    /// lacks itself; `None` when it goes through the pools.
+    local: Option<&'static str>,
+    /// The prompt's tokens `decode` likely lacks.
+    lacking: u64,
 }
 
 impl Plan {
@@ -111,6 +116,8 @@ struct Started {
     in_flight: InFlight,
     kv: HeldKv,
     prefill_leg: Option<Background>,
+    /// A turn served whole on the decode replica: its prefill, queued there.
+    local: Option<QueuedPrefill>,
 }
 
 /// What the legs before the client's first byte came to.
@@ -134,9 +141,9 @@ struct Tries {
 }
 
 impl Balancer {
-    /// Serves a request for a disaggregated model through its pools. `Ok(true)` when it was
-    /// answered here; `Ok(false)` when it goes on through the proxy, served whole (on the
-    /// replica `ctx.forced` names, when one was chosen).
+    /// Serves a request for a disaggregated model: through its pools, or whole on its decode
+    /// replica. `Ok(true)` when it was answered here; `Ok(false)` when it goes on through the
+    /// proxy, served whole (on the replica `ctx.forced` names, when one was chosen).
     pub(super) async fn disaggregate(
         &self,
         session: &mut Session,
@@ -144,6 +151,10 @@ impl Balancer {
     ) -> pingora_core::Result<bool> {
         let Some(plan) = self.plan(session, ctx) else {
             return Ok(false);
+        };
+        let route = match plan.local {
+            Some(_) => Route::PdLocal,
+            None => Route::Pd,
         };
         // The decode replica counts this request in flight from its choice on, through the
         // prefill leg: no other turn takes it for idle meanwhile.
@@ -204,7 +215,7 @@ impl Balancer {
                     1,
                     Choice {
                         replica: replica.clone(),
-                        route: Route::Pd,
+                        route,
                         prefill: None,
                         // A refusal holds nothing.
                         kv_tokens: 0,
@@ -213,21 +224,26 @@ impl Balancer {
                     },
                 ));
                 let resp =
-                    self.client_header(&header, ctx, (&replica, Route::Pd), None, Some(body.len()));
+                    self.client_header(&header, ctx, (&replica, route), None, Some(body.len()));
                 session.write_response_header(resp, false).await?;
                 session.write_response_body(Some(body), true).await?;
                 Ok(true)
             }
             Begun::Started(s) => {
+                let local = s.local.is_some();
                 self.stream(session, ctx, &plan, *s).await?;
+                if local && plan.protocol == Protocol::Vllm && self.conf.pd.warm_prefill {
+                    ctx.pd.warm = Some(Box::new(plan));
+                }
                 Ok(true)
             }
         }
     }
 
-    /// The plan for a request that goes through the pools, or `None` when it is served whole:
-    /// its model is not disaggregated, its API is not handed over by the pool's protocol, or
-    /// its decode replica lacks so little of the prompt that it prefills it (`ctx.forced`).
+    /// The plan for a request of a disaggregated pool, or `None` when it goes through the proxy:
+    /// its model is not disaggregated, or its API is not handed over by the pool's protocol.
+    /// A decode replica that lacks so little of the prompt that it prefills it serves the turn
+    /// whole (`Plan::local`).
     fn plan(&self, session: &Session, ctx: &mut Ctx) -> Option<Plan> {
         let info = ctx.info.as_ref()?;
         let req = session.req_header();
@@ -288,6 +304,8 @@ impl Balancer {
             session: ctx.session,
             tick: ask.tick,
             decode,
+            local: None,
+            lacking: uncached,
         };
         if whole && routing::pd::path(uncached, idle, local) == routing::pd::Path::Local {
             let reason = if uncached < local.tokens {
@@ -296,11 +314,12 @@ impl Balancer {
                 "idle_decode"
             };
             METRICS.pd_whole.with_label_values(&[reason]).inc();
-            ctx.forced = Some((plan.decode.clone(), Route::PdLocal));
-            if protocol == Protocol::Vllm && self.conf.pd.warm_prefill {
-                ctx.pd.warm = Some(Box::new(plan));
-            }
-            return None;
+            // Served here, not through the proxy: its answer's header is held until the first
+            // token, so a replica lost during the prefill fails over like a decode leg.
+            return Some(Plan {
+                local: Some(reason),
+                ..plan
+            });
         }
         Some(plan)
     }
