@@ -282,7 +282,12 @@ fn a_local_turn_whose_decode_replica_dies_before_its_first_token_goes_through_th
     let lb = Lb::start(dir.path(), &[], conf);
     let first = text_of("lost", 3000);
     let turn1 = chat(&lb, &[("user", &first)], false);
-    assert_eq!((turn1.status, turn1.route.as_str()), (200, "pd"), "{}", turn1.text);
+    assert_eq!(
+        (turn1.status, turn1.route.as_str()),
+        (200, "pd"),
+        "{}",
+        turn1.text
+    );
     let (home, other) = if turn1.replica == "d1" {
         (&d1, &d2)
     } else {
@@ -305,7 +310,11 @@ fn a_local_turn_whose_decode_replica_dies_before_its_first_token_goes_through_th
         "{}",
         turn2.text
     );
-    assert!(turn2.text.trim_end().ends_with("data: [DONE]"), "{}", turn2.text);
+    assert!(
+        turn2.text.trim_end().ends_with("data: [DONE]"),
+        "{}",
+        turn2.text
+    );
     assert!(!turn2.text.contains("error"), "{}", turn2.text);
     assert!(!content(&turn2).is_empty(), "{}", turn2.text);
     assert_eq!(stat(&p1, "handover_prefill_requests"), prefills + 1);
