@@ -170,9 +170,10 @@ pub struct Args {
         default_value = "inferlb-pd,inferlb-pd-sglang,inferlb-agg,vllm-router,smg"
     )]
     pd_fronts: String,
-    /// The simulator's speed factor in the P/D scene.
-    #[arg(long, default_value_t = 10.0)]
-    pd_speed: f64,
+    /// The simulator's speed factor in the P/D scene (default 2; smoke: 10). Faster shows the
+    /// machine's CPU in the modelled ITL: a millisecond of CPU is `speed` modelled ones.
+    #[arg(long)]
+    pd_speed: Option<f64>,
     /// `pd.local_prefill_tokens` values of the P/D scene's sweep (comma-separated; smoke: 0,1024).
     #[arg(long, default_value = "0,256,1024,4096")]
     pd_thresholds: String,
@@ -606,7 +607,10 @@ async fn main() {
     let pd = if a.no_pd {
         None
     } else {
-        let mut pc = scenarios::pd::PdConf::sized(a.smoke, a.pd_speed);
+        let mut pc = scenarios::pd::PdConf::sized(
+            a.smoke,
+            a.pd_speed.unwrap_or(if a.smoke { 10.0 } else { 2.0 }),
+        );
         for name in items(&a.pd_fronts) {
             match scenarios::pd::PdFront::parse(name) {
                 Some(f) => pc.fronts.push(f),
