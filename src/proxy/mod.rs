@@ -398,20 +398,16 @@ impl ProxyHttp for Balancer {
                 a.refused();
             }
         }
-        if resp.status.is_success() && ctx.route().is_some() {
-            let sse = resp
-                .headers
-                .get("content-type")
-                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-            ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
-            if sse && ctx.usage_asked {
-                ctx.usage_stripper = Some(UsageStripper::default());
-                // One event fewer: the length the replica framed it by no longer holds.
-                if resp.headers.contains_key("content-length") {
-                    resp.remove_header("content-length");
-                    let _ = resp.insert_header("transfer-encoding", "chunked");
-                }
-            }
+        // A stream whose usage inferlb asked for: one event fewer, so the length the replica
+        // framed it by no longer holds.
+        if resp.status.is_success()
+            && ctx.route().is_some()
+            && outcome::read_answer(ctx, resp)
+            && ctx.usage_asked
+            && resp.headers.contains_key("content-length")
+        {
+            resp.remove_header("content-length");
+            let _ = resp.insert_header("transfer-encoding", "chunked");
         }
         if ctx.route().is_some() {
             self.conversation_header(resp, ctx);

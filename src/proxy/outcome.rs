@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use pingora_core::Error;
+use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 
 use super::attempt::{Attempt, Choice};
@@ -18,8 +19,8 @@ use crate::fleet::registry::Registry;
 use crate::fleet::replica::{Check, Prediction, Prompt, Replica};
 use crate::protocol::api::prompt::Link;
 use crate::protocol::api::Family;
-use crate::protocol::stream_usage;
-use crate::protocol::usage::Usage;
+use crate::protocol::stream_usage::{self, UsageStripper};
+use crate::protocol::usage::{Usage, UsageReader};
 use crate::routing::{self, Route};
 use crate::telemetry::access;
 use crate::telemetry::metrics::{code_class, METRICS};
@@ -405,6 +406,20 @@ impl Balancer {
             log::info!(target: "access", "{line}");
         }
     }
+}
+
+/// An answer about to pass to the client: its usage is read as it passes, and the usage event
+/// inferlb asked for is taken out of a stream. Whether it streams (SSE).
+pub(super) fn read_answer(ctx: &mut Ctx, header: &ResponseHeader) -> bool {
+    let sse = header
+        .headers
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
+    if sse && ctx.usage_asked {
+        ctx.usage_stripper = Some(UsageStripper::default());
+    }
+    sse
 }
 
 /// The usage event inferlb asked for on the client's behalf, taken out of the stream as it

@@ -13,10 +13,8 @@ use super::exchange::release;
 use super::{Held, Plan, Started};
 use crate::cluster::Table;
 use crate::fleet::replica::Replica;
-use crate::protocol::stream_usage::UsageStripper;
-use crate::protocol::usage::UsageReader;
 use crate::proxy::attempt::{Attempt, Choice};
-use crate::proxy::outcome::strip_usage;
+use crate::proxy::outcome::{read_answer, strip_usage};
 use crate::proxy::{Balancer, Ctx};
 use crate::routing::Route;
 use crate::telemetry::metrics::METRICS;
@@ -90,14 +88,7 @@ impl Balancer {
             .headers
             .get("content-length")
             .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-        let sse = header
-            .headers
-            .get("content-type")
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
-        if sse && ctx.usage_asked {
-            ctx.usage_stripper = Some(UsageStripper::default());
-        }
+        let sse = read_answer(ctx, &header);
         let resp = self.client_header(
             &header,
             ctx,
