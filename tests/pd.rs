@@ -152,6 +152,8 @@ fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_re
         assert_eq!(a.status, 200, "{}", a.text);
         assert_eq!((a.route.as_str(), a.prefill.as_str()), ("pd", "p1"));
         assert!(!content(&a).is_empty(), "generated text: {}", a.text);
+        // The stream's usage was asked for by inferlb, not by the client: taken out again.
+        assert!(!stream || !a.text.contains("\"usage\""), "{}", a.text);
     }
     assert_eq!(stat(&p1, "handover_prefill_requests"), 2);
     let decoded = stat(&d1, "handover_decode_requests") + stat(&d2, "handover_decode_requests");
@@ -194,6 +196,10 @@ fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_re
         "only the new part moved, not the 3,000-token history: {moved}"
     );
     assert_eq!(stat(other, "kv_pulls"), before.1);
+    // A handed-over turn's cached count says what its decode pulled, not what its cache
+    // model held: no prediction is checked against it.
+    let predicted = lb.samples("inferlb_cache_predicted_tokens_total");
+    assert!(predicted.is_empty(), "{predicted:?}");
     // Usage is the decode leg's, once: the access log line's prompt tokens are the whole
     // prompt's, with the decode's cached count.
     let log = std::fs::read_to_string(dir.path().join("inferlb.log")).expect("log");
@@ -256,7 +262,25 @@ fn a_turn_its_decode_replica_mostly_holds_is_served_whole_there() {
         b.text
     );
     assert_eq!(stat(&p1, "handover_prefill_requests"), prefills);
-    assert!(lb.metric("inferlb_pd_whole_total{reason=\"small_uncached\"}") >= 1.0);
+    assert!(
+        !b.text.contains("\"usage\""),
+        "usage taken out again: {}",
+        b.text
+    );
+    assert_eq!(
+        lb.metric("inferlb_pd_whole_total{reason=\"small_uncached\"}"),
+        1.0
+    );
+    // The turn it prefilled itself is checked against what its cache model held: the
+    // 4,000-token history, found there.
+    let predicted = lb.metric("inferlb_cache_predicted_tokens_total{replica=\"d1\"}");
+    let reported = lb.metric("inferlb_cache_reported_tokens_total{replica=\"d1\"}");
+    assert!(
+        predicted >= 3000.0 && reported >= 3000.0,
+        "predicted {predicted}, reported {reported}"
+    );
+    let wrong = lb.samples("inferlb_cache_mispredictions_total");
+    assert!(wrong.is_empty(), "{wrong:?}");
 }
 
 /// A turn served whole on its decode replica has its answer's header held until the first
@@ -326,6 +350,9 @@ fn a_local_turn_whose_decode_replica_dies_before_its_first_token_goes_through_th
         "{}",
         lb.metrics()
     );
+    // Not served whole in the end: not counted so.
+    let whole = lb.samples("inferlb_pd_whole_total");
+    assert!(whole.is_empty(), "{whole:?}");
 }
 
 /// A decode replica that runs nothing prefills a turn of up to `local_prefill_idle_tokens`

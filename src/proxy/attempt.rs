@@ -18,8 +18,9 @@ pub struct Choice {
     /// The KV the request's context will hold there, in tokens: its decode load.
     pub kv_tokens: u64,
     /// Tokens of the prompt the cache model said the replica holds (checked against the
-    /// answer's usage).
-    pub predicted: u64,
+    /// answer's usage); `None` when the answer's cached count says nothing of its cache (a
+    /// handed-over turn's decode pulled what it lacked).
+    pub predicted: Option<u64>,
     /// `predicted` came from the replica's KV events, not the estimate.
     pub predicted_exact: bool,
 }
@@ -43,7 +44,7 @@ pub struct Attempt {
     pub route: Route,
     pub phase: Phase,
     /// See [`Choice::predicted`].
-    pub predicted: u64,
+    pub predicted: Option<u64>,
     pub predicted_exact: bool,
     /// When the links its replica held of the prompt were last recorded there, before its
     /// prefill recorded them again: for the check of the prediction.

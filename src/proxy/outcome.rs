@@ -15,6 +15,7 @@ use super::errors::{failure_of, reason, Seen};
 use super::failover::{self, Failed, Failure, Retry, Verdict};
 use super::{stored_key, Balancer, Ctx, NOT_CHAT};
 use crate::cluster::Table;
+use crate::fleet::index::Recency;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::{Check, Prediction, Prompt, Replica};
 use crate::protocol::api::prompt::Link;
@@ -97,7 +98,7 @@ impl Balancer {
             route: decision.route,
             prefill,
             kv_tokens: shape.prompt_tokens(),
-            predicted: cached,
+            predicted: Some(cached),
             predicted_exact: held.is_some_and(|c| c.cached_exact),
         })
     }
@@ -308,11 +309,11 @@ impl Balancer {
                                 r,
                                 ctx.family,
                                 links,
-                                Prediction {
-                                    tokens: a.predicted,
+                                a.predicted.map(|tokens| Prediction {
+                                    tokens,
                                     exact: a.predicted_exact,
                                     recency: &a.recency,
-                                },
+                                }),
                                 &u,
                             );
                         }
@@ -325,16 +326,26 @@ impl Balancer {
     /// What the replica's answer says of its cache against what its cache model predicted:
     /// the model learns from it (its ratio of bytes to tokens, what it wrongly held), and the
     /// metrics show both counts side by side. A prediction the replica's KV events made
-    /// corrects no estimate.
+    /// corrects no estimate. Without a prediction (a handed-over turn: its decode pulled what
+    /// it lacked, so its cached count says nothing of its cache) it learns only the ratio.
     fn check_prediction(
         &self,
         r: &Replica,
         family: Family,
         links: &[Link],
-        prediction: Prediction<'_>,
+        prediction: Option<Prediction<'_>>,
         u: &Usage,
     ) {
-        let cached = u.cached_reported.then_some(u.cached_tokens);
+        let cached = u
+            .cached_reported
+            .then_some(u.cached_tokens)
+            .filter(|_| prediction.is_some());
+        let none = Recency::default();
+        let prediction = prediction.unwrap_or(Prediction {
+            tokens: 0,
+            exact: false,
+            recency: &none,
+        });
         let check = r
             .cache
             .answered(family, links, prediction, u.prompt_tokens, cached);

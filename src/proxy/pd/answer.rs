@@ -60,11 +60,9 @@ impl Balancer {
             Some(_) => Route::PdLocal,
             None => Route::Pd,
         };
-        // What the replica said it would find cached, for a turn it prefilled itself.
-        let predicted = match local {
-            Some(_) => plan.prompt_tokens.saturating_sub(plan.lacking),
-            None => 0,
-        };
+        // What its cache model held of a turn it prefilled itself; a handed-over turn's
+        // cached count says what it pulled, not what it held.
+        let predicted = local.is_some().then_some(plan.cached);
         ctx.attempt = Some(Attempt::start(
             n,
             Choice {
@@ -76,7 +74,7 @@ impl Balancer {
                 // Held by the decode leg's own guard (`Held::_kv`).
                 kv_tokens: 0,
                 predicted,
-                predicted_exact: false,
+                predicted_exact: predicted.is_some() && plan.cached_exact,
             },
         ));
         ctx.pd = Held {

@@ -8,7 +8,7 @@ use serde_json::value::RawValue;
 
 use super::exchange::LegError;
 use super::{Begun, Plan, Tries};
-use crate::conf::Protocol;
+use crate::conf::{Protocol, Role};
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::Replica;
@@ -99,12 +99,25 @@ impl Balancer {
     pub(super) async fn begin(&self, plan: &Plan, tries: &mut Tries) -> Begun {
         let mut params: Option<(Box<RawValue>, Arc<Replica>)> = None;
         let mut decode = Some(plan.decode.clone());
+        // The decode replica chosen counts this request in flight from its choice on, through
+        // the prefill leg (no other turn takes it for idle meanwhile), and its decode leg
+        // takes that place over.
+        let mut chosen = Some(plan.decode.start());
+        let mut place = |d: &Arc<Replica>| {
+            chosen
+                .take()
+                .filter(|c| Arc::ptr_eq(c.replica(), d))
+                .unwrap_or_else(|| d.start())
+        };
         if plan.local.is_some() {
             // Served whole on its decode replica; if that fails before the first token, the
             // turn goes through the pools on another one.
             let d = plan.decode.clone();
             let queued = d.queue_prefill(plan.lacking);
-            match self.decode_leg(plan, &d, plan.body.clone(), "local").await {
+            match self
+                .decode_leg(plan, (&d, place(&d)), plan.body.clone(), "local")
+                .await
+            {
                 Ok(mut s) => {
                     s.local = Some(queued);
                     return Begun::Started(s);
@@ -112,6 +125,10 @@ impl Balancer {
                 Err(e) if e.is_refusal() => return refused(d, e),
                 Err(e) => {
                     tries.failed("local", &d, &e);
+                    // A `both` replica that failed is not asked to prefill it either.
+                    if d.role == Role::Both {
+                        tries.prefill.push(d.clone());
+                    }
                     decode = None;
                 }
             }
@@ -165,7 +182,7 @@ impl Balancer {
                     return Begun::Whole(d, "same_replica");
                 }
                 if plan.protocol == Protocol::Sglang {
-                    match self.sglang_pair(plan, &p, held, &d).await {
+                    match self.sglang_pair(plan, &p, held, (&d, place(&d))).await {
                         Ok(s) => return Begun::Started(s),
                         Err((leg, e)) if e.is_refusal() => {
                             let r = if leg == "prefill" { p } else { d };
@@ -199,7 +216,7 @@ impl Balancer {
                 Ok(b) => b,
                 Err(_) => return Begun::Whole(d, "no_handover"),
             };
-            match self.decode_leg(plan, &d, body, "decode").await {
+            match self.decode_leg(plan, (&d, place(&d)), body, "decode").await {
                 Ok(mut s) => {
                     s.prefill = Some(p.clone());
                     return Begun::Started(s);

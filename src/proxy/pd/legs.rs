@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 
 use super::exchange::{read_all, release, LegCtx, LegError};
 use super::{Background, Plan, Started};
-use crate::fleet::replica::Replica;
+use crate::fleet::replica::{InFlight, Replica};
 use crate::protocol::handover::{self, Start, StreamStart};
 use crate::proxy::Balancer;
 use crate::telemetry::metrics::METRICS;
@@ -22,7 +22,7 @@ impl Balancer {
         plan: &Plan,
         p: &Arc<Replica>,
         held: u64,
-        d: &Arc<Replica>,
+        (d, in_flight): (&Arc<Replica>, InFlight),
     ) -> Result<Box<Started>, (&'static str, LegError)> {
         let Some(boot) = p.endpoint.bootstrap else {
             let e = LegError::Connect(format!("prefill replica {} has no bootstrap_port", p.id));
@@ -57,7 +57,7 @@ impl Balancer {
             })
         };
         let mut prefill = Background(prefill);
-        let decode = self.decode_leg(plan, d, body, "decode");
+        let decode = self.decode_leg(plan, (d, in_flight), body, "decode");
         tokio::pin!(decode);
         tokio::select! {
             r = &mut decode => {
@@ -132,11 +132,10 @@ impl Balancer {
     pub(super) async fn decode_leg(
         &self,
         plan: &Plan,
-        d: &Arc<Replica>,
+        (d, in_flight): (&Arc<Replica>, InFlight),
         body: Bytes,
         leg: &'static str,
     ) -> Result<Box<Started>, LegError> {
-        let in_flight = d.start();
         let kv = d.hold_kv(plan.prompt_tokens);
         let (header, mut s) = self
             .leg_ctx(self.conf.upstream.read_timeout)

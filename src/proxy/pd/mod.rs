@@ -93,8 +93,13 @@ struct Plan {
     /// Why the turn is served whole on `decode` (a `pd_whole` reason), which prefills what it
     /// lacks itself; `None` when it goes through the pools.
     local: Option<&'static str>,
-    /// The prompt's tokens `decode` likely lacks.
+    /// The prompt's tokens `decode` likely lacks (its home, the conversation's last replica,
+    /// counted as holding the history).
     lacking: u64,
+    /// The prompt's tokens `decode`'s cache model holds, and whether its KV events said so:
+    /// the prediction a turn served whole there is checked against.
+    cached: u64,
+    cached_exact: bool,
 }
 
 impl Plan {
@@ -156,9 +161,6 @@ impl Balancer {
             Some(_) => Route::PdLocal,
             None => Route::Pd,
         };
-        // The decode replica counts this request in flight from its choice on, through the
-        // prefill leg: no other turn takes it for idle meanwhile.
-        let chosen = plan.decode.start();
         // Its prefill is counted on the replicas it goes to from here, not as in transit.
         ctx.overload.routed();
         let tail_pending = ctx.body.tail_pending(session);
@@ -181,7 +183,6 @@ impl Balancer {
                 _ = gone => None,
             }
         };
-        drop(chosen);
         ctx.failovers += tries.failovers;
         if tries.last.is_some() {
             ctx.last_failure = tries.last.take();
@@ -219,7 +220,7 @@ impl Balancer {
                         prefill: None,
                         // A refusal holds nothing.
                         kv_tokens: 0,
-                        predicted: 0,
+                        predicted: None,
                         predicted_exact: false,
                     },
                 ));
@@ -231,6 +232,9 @@ impl Balancer {
             }
             Begun::Started(s) => {
                 let local = s.local.is_some();
+                if let (true, Some(reason)) = (local, plan.local) {
+                    METRICS.pd_whole.with_label_values(&[reason]).inc();
+                }
                 self.stream(session, ctx, &plan, *s).await?;
                 if local && plan.protocol == Protocol::Vllm && self.conf.pd.warm_prefill {
                     ctx.pd.warm = Some(Box::new(plan));
@@ -306,6 +310,8 @@ impl Balancer {
             decode,
             local: None,
             lacking: uncached,
+            cached: chosen.cached_tokens,
+            cached_exact: chosen.cached_exact,
         };
         if whole && routing::pd::path(uncached, idle, local) == routing::pd::Path::Local {
             let reason = if uncached < local.tokens {
@@ -313,7 +319,6 @@ impl Balancer {
             } else {
                 "idle_decode"
             };
-            METRICS.pd_whole.with_label_values(&[reason]).inc();
             // Served here, not through the proxy: its answer's header is held until the first
             // token, so a replica lost during the prefill fails over like a decode leg.
             return Some(Plan {
