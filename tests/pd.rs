@@ -355,6 +355,64 @@ fn a_local_turn_whose_decode_replica_dies_before_its_first_token_goes_through_th
     assert!(whole.is_empty(), "{whole:?}");
 }
 
+/// A local turn that fails on a `both` replica is not prefilled there again: with no other
+/// prefill replica, it is served whole on a decode replica, counted as its prefill failed.
+#[test]
+fn a_local_turn_failed_on_a_both_replica_is_not_prefilled_there_again() {
+    let dir = tempfile::tempdir().expect("dir");
+    let b1 = sim(dir.path(), "b1", "both", &[]);
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let mut conf = test_conf();
+    conf.routing = Some("prefill_cost".into());
+    conf.replicas = vec![entry(&b1, "both"), entry(&d1, "decode")];
+    conf.extra = "  pd: {local_prefill_tokens: 512, local_prefill_idle_tokens: 0}\n".into();
+    let lb = Lb::start(dir.path(), &[], conf);
+    // The first turn on b1: the only prefill replica, and with d1 drained the only decode one.
+    lb.admin("POST", "/admin/replicas/d1/drain");
+    let first = text_of("both", 3000);
+    let turn1 = chat(&lb, &[("user", &first)], false);
+    assert_eq!(
+        (turn1.status, turn1.replica.as_str()),
+        (200, "b1"),
+        "{}",
+        turn1.text
+    );
+    lb.admin("POST", "/admin/replicas/d1/undrain");
+    assert!(
+        wait_until(Duration::from_secs(10), || lb.replica_state("d1")["live"]
+            == true),
+        "d1 back"
+    );
+    b1.fault(json!({"fault": "cut_before_token", "count": 1}));
+    let prefills = stat(&b1, "handover_prefill_requests");
+    let turn2 = chat(
+        &lb,
+        &[
+            ("user", &first),
+            ("assistant", &content(&turn1)),
+            ("user", &text_of("small", 100)),
+        ],
+        true,
+    );
+    assert_eq!(
+        (turn2.status, turn2.route.as_str(), turn2.replica.as_str()),
+        (200, "pd-local", "d1"),
+        "{}",
+        turn2.text
+    );
+    assert!(!content(&turn2).is_empty(), "{}", turn2.text);
+    assert!(!turn2.text.contains("error"), "{}", turn2.text);
+    assert_eq!(stat(&b1, "handover_prefill_requests"), prefills);
+    assert_eq!(
+        lb.metric("inferlb_pd_legs_total{leg=\"local\",outcome=\"broken\",replica=\"b1\"}"),
+        1.0
+    );
+    assert_eq!(
+        lb.metric("inferlb_pd_whole_total{reason=\"prefill_failed\"}"),
+        1.0
+    );
+}
+
 /// A decode replica that runs nothing prefills a turn of up to `local_prefill_idle_tokens`
 /// itself: no stream there to stall. The same turn, while it decodes another stream, goes
 /// through the prefill pool.

@@ -8,10 +8,10 @@ use serde_json::value::RawValue;
 
 use super::exchange::LegError;
 use super::{Begun, Plan, Tries};
-use crate::conf::{Protocol, Role};
+use crate::conf::Protocol;
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::Replica;
+use crate::fleet::replica::{InFlight, Replica};
 use crate::protocol::handover;
 use crate::proxy::Balancer;
 use crate::routing::{self, Ask};
@@ -102,20 +102,15 @@ impl Balancer {
         // The decode replica chosen counts this request in flight from its choice on, through
         // the prefill leg (no other turn takes it for idle meanwhile), and its decode leg
         // takes that place over.
-        let mut chosen = Some(plan.decode.start());
-        let mut place = |d: &Arc<Replica>| {
-            chosen
-                .take()
-                .filter(|c| Arc::ptr_eq(c.replica(), d))
-                .unwrap_or_else(|| d.start())
-        };
+        // A decode replica chosen on failover is held the same way, from its pass's start.
+        let mut held = Some(plan.decode.start());
         if plan.local.is_some() {
             // Served whole on its decode replica; if that fails before the first token, the
             // turn goes through the pools on another one.
             let d = plan.decode.clone();
             let queued = d.queue_prefill(plan.lacking);
             match self
-                .decode_leg(plan, (&d, place(&d)), plan.body.clone(), "local")
+                .decode_leg(plan, (&d, place(&mut held, &d)), plan.body.clone(), "local")
                 .await
             {
                 Ok(mut s) => {
@@ -125,8 +120,9 @@ impl Balancer {
                 Err(e) if e.is_refusal() => return refused(d, e),
                 Err(e) => {
                     tries.failed("local", &d, &e);
-                    // A `both` replica that failed is not asked to prefill it either.
-                    if d.role == Role::Both {
+                    // A `both` replica that failed is not asked to prefill it either: its
+                    // prefill failed (no token came).
+                    if d.role.prefills() {
                         tries.prefill.push(d.clone());
                     }
                     decode = None;
@@ -144,8 +140,13 @@ impl Balancer {
                     }
                 },
             };
+            if !held.as_ref().is_some_and(|c| Arc::ptr_eq(c.replica(), &d)) {
+                held = Some(d.start());
+            }
             if params.is_none() || plan.protocol == Protocol::Sglang {
-                let Some((p, held)) = self.pick(Leg::Prefill, plan, &tries.prefill) else {
+                let Some((p, cached)) = self.pick(Leg::Prefill, plan, &tries.prefill) else {
+                    // A prefill failed: a prefill leg, the pull of its KV, or a local turn on a
+                    // `both` replica (before its first token: in its prefill).
                     let failed = !tries.prefill.is_empty();
                     if !failed && !NO_PREFILL.swap(true, Ordering::Relaxed) {
                         log::warn!(
@@ -182,7 +183,10 @@ impl Balancer {
                     return Begun::Whole(d, "same_replica");
                 }
                 if plan.protocol == Protocol::Sglang {
-                    match self.sglang_pair(plan, &p, held, (&d, place(&d))).await {
+                    match self
+                        .sglang_pair(plan, &p, cached, (&d, place(&mut held, &d)))
+                        .await
+                    {
                         Ok(s) => return Begun::Started(s),
                         Err((leg, e)) if e.is_refusal() => {
                             let r = if leg == "prefill" { p } else { d };
@@ -197,7 +201,7 @@ impl Balancer {
                         }
                     }
                 }
-                match self.prefill_leg(plan, &p, held).await {
+                match self.prefill_leg(plan, &p, cached).await {
                     Ok(k) => params = Some((k, p)),
                     Err(LegError::NoParams) => {
                         log::warn!("pd: prefill replica {} answered without kv_transfer_params (no KV connector?): serving whole", p.id);
@@ -216,7 +220,10 @@ impl Balancer {
                 Ok(b) => b,
                 Err(_) => return Begun::Whole(d, "no_handover"),
             };
-            match self.decode_leg(plan, (&d, place(&d)), body, "decode").await {
+            match self
+                .decode_leg(plan, (&d, place(&mut held, &d)), body, "decode")
+                .await
+            {
                 Ok(mut s) => {
                     s.prefill = Some(p.clone());
                     return Begun::Started(s);
@@ -241,6 +248,14 @@ impl Balancer {
             no_replica_left("prefill or decode", tries.last.as_ref()),
         )
     }
+}
+
+/// The decode replica's place in flight for its leg: the one held for it since its choice,
+/// or a new one.
+fn place(held: &mut Option<InFlight>, d: &Arc<Replica>) -> InFlight {
+    held.take()
+        .filter(|c| Arc::ptr_eq(c.replica(), d))
+        .unwrap_or_else(|| d.start())
 }
 
 fn refused(r: Arc<Replica>, e: LegError) -> Begun {
