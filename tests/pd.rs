@@ -112,6 +112,19 @@ fn long_stream(lb: &Lb) -> reqwest::blocking::Response {
     long
 }
 
+/// A conversation's second turn, streamed: its first message, `turn1`'s answer, and `next`.
+fn next_turn(lb: &Lb, first: &str, turn1: &Answer, next: &str) -> Answer {
+    chat(
+        lb,
+        &[
+            ("user", first),
+            ("assistant", &content(turn1)),
+            ("user", next),
+        ],
+        true,
+    )
+}
+
 /// The generated text of a chat answer, streamed or not.
 fn content(a: &Answer) -> String {
     if let Ok(v) = serde_json::from_str::<Value>(&a.text) {
@@ -171,15 +184,7 @@ fn vllm_handover_streams_through_both_legs_and_the_next_turn_keeps_its_decode_re
         stat(other, "kv_pulls"),
     );
     let next = text_of("next", 600);
-    let turn2 = chat(
-        &lb,
-        &[
-            ("user", &first),
-            ("assistant", &content(&turn1)),
-            ("user", &next),
-        ],
-        true,
-    );
+    let turn2 = next_turn(&lb, &first, &turn1, &next);
     assert_eq!(
         (turn2.status, turn2.route.as_str()),
         (200, "pd"),
@@ -246,15 +251,7 @@ fn a_turn_its_decode_replica_mostly_holds_is_served_whole_there() {
     assert_eq!((a.status, a.route.as_str()), (200, "pd"), "{}", a.text);
     let prefills = stat(&p1, "handover_prefill_requests");
     // 100 new tokens on a history d1 holds: below 512, no prefill hop, no KV moved.
-    let b = chat(
-        &lb,
-        &[
-            ("user", &first),
-            ("assistant", &content(&a)),
-            ("user", &text_of("small", 100)),
-        ],
-        true,
-    );
+    let b = next_turn(&lb, &first, &a, &text_of("small", 100));
     assert_eq!(
         (b.status, b.route.as_str(), b.replica.as_str()),
         (200, "pd-local", "d1"),
@@ -319,15 +316,7 @@ fn a_local_turn_whose_decode_replica_dies_before_its_first_token_goes_through_th
     };
     home.fault(json!({"fault": "cut_before_token", "count": 1}));
     let prefills = stat(&p1, "handover_prefill_requests");
-    let turn2 = chat(
-        &lb,
-        &[
-            ("user", &first),
-            ("assistant", &content(&turn1)),
-            ("user", &text_of("small", 100)),
-        ],
-        true,
-    );
+    let turn2 = next_turn(&lb, &first, &turn1, &text_of("small", 100));
     assert_eq!(
         (turn2.status, turn2.route.as_str(), turn2.replica.as_str()),
         (200, "pd", other.id.as_str()),
@@ -385,15 +374,7 @@ fn a_local_turn_failed_on_a_both_replica_is_not_prefilled_there_again() {
     );
     b1.fault(json!({"fault": "cut_before_token", "count": 1}));
     let prefills = stat(&b1, "handover_prefill_requests");
-    let turn2 = chat(
-        &lb,
-        &[
-            ("user", &first),
-            ("assistant", &content(&turn1)),
-            ("user", &text_of("small", 100)),
-        ],
-        true,
-    );
+    let turn2 = next_turn(&lb, &first, &turn1, &text_of("small", 100));
     assert_eq!(
         (turn2.status, turn2.route.as_str(), turn2.replica.as_str()),
         (200, "pd-local", "d1"),
@@ -604,15 +585,7 @@ fn a_decode_that_cannot_be_reached_gets_the_same_kv_on_another_replica() {
     };
     home.stop();
     let prefills = stat(&p1, "handover_prefill_requests");
-    let turn2 = chat(
-        &lb,
-        &[
-            ("user", &first),
-            ("assistant", &content(&turn1)),
-            ("user", &text_of("more", 600)),
-        ],
-        true,
-    );
+    let turn2 = next_turn(&lb, &first, &turn1, &text_of("more", 600));
     assert_eq!(
         (turn2.status, turn2.route.as_str()),
         (200, "pd"),
