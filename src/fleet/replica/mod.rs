@@ -266,7 +266,7 @@ mod tests {
         }
     }
 
-    fn replica(id: &str, address: &str) -> Replica {
+    pub(super) fn replica(id: &str, address: &str) -> Replica {
         let conf = ReplicaConf {
             id: id.into(),
             address: address.into(),
