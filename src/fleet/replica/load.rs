@@ -59,63 +59,77 @@ impl Load {
     }
 }
 
-/// How far a replica's prefill has gone into the requests this process queued on it: since
-/// when it has had one waiting without a pause, the uncached tokens of those released since
-/// then, and its prefill rate, learned from the first bytes of requests that found nothing
-/// of this process's queued before them.
+/// How far a replica's prefill has gone into the requests this process queued on it, as a
+/// fluid queue: the uncached tokens of that queue it had done at the last arrival or first
+/// byte, and its prefill rate since. Each event settles what was done then, at most the queue
+/// as it stood, so time the replica spent with nothing of ours to prefill is not credited to
+/// a request that arrives later; a first byte takes its request's tokens off what was done.
 #[derive(Default)]
 struct Progress {
-    busy_since: Option<Instant>,
-    released: u64,
-    /// Uncached tokens prefilled a second; 0 until learned.
-    tokens_per_s: f64,
+    done: u64,
+    at: Option<Instant>,
+    /// The replica's last prefill rates (uncached tokens a second), each from a request that
+    /// found nothing of ours left to prefill there; the median is the rate, so one sample
+    /// far off (a prompt the cache model took for uncached and the replica held) moves it
+    /// little.
+    rates: [f64; RATE_SAMPLES],
+    samples: usize,
 }
 
-impl Progress {
-    /// Tokens of the queue prefilled already (see [`prefilled_meanwhile`]).
-    fn credit(&self, queued: u64, now: Instant) -> u64 {
-        let Some(since) = self.busy_since else {
-            return 0;
-        };
-        let elapsed = now.saturating_duration_since(since).as_secs_f64();
-        prefilled_meanwhile(self.tokens_per_s, elapsed, self.released, queued)
-    }
-
-    /// A request that started a busy period had its prefill (`tokens`) over in `seconds`.
-    fn learn(&mut self, tokens: u64, seconds: f64) {
-        if tokens < MIN_RATE_SAMPLE_TOKENS || seconds <= 0.0 {
-            return;
-        }
-        let sample = tokens as f64 / seconds;
-        self.tokens_per_s = if self.tokens_per_s == 0.0 {
-            sample
-        } else {
-            self.tokens_per_s * 0.875 + sample * 0.125
-        };
-    }
-}
+/// The prefill rates a replica's median is taken over.
+const RATE_SAMPLES: usize = 9;
 
 /// A request's first byte also takes a decode step and the network: a prefill shorter than
 /// this says more of those than of the rate.
 const MIN_RATE_SAMPLE_TOKENS: u64 = 1024;
 
-/// Of `queued` uncached tokens waiting on a replica that has been prefilling for `elapsed`
-/// seconds at `tokens_per_s`, how many are done already: the work since the busy period
-/// began less what was released meanwhile (requests past their first byte), at most the
-/// queue. The queue counts each request whole until its first byte; without this a replica
-/// half way through a long prefill looks as busy as when it began, and a continuation moves
-/// off its holder for a queue that is nearly over. 0 while the rate is unknown.
-pub(crate) fn prefilled_meanwhile(
-    tokens_per_s: f64,
-    elapsed: f64,
-    released: u64,
-    queued: u64,
-) -> u64 {
-    if !(tokens_per_s > 0.0 && elapsed > 0.0) {
-        return 0;
+impl Progress {
+    /// The rate: the median of the samples; 0 until one has come.
+    fn rate(&self) -> f64 {
+        let n = self.samples.min(RATE_SAMPLES);
+        let mut r = self.rates[..n].to_vec();
+        r.sort_by(f64::total_cmp);
+        r.get(n / 2).copied().unwrap_or(0.0)
     }
-    let work = (tokens_per_s * elapsed).min(u64::MAX as f64) as u64;
-    work.saturating_sub(released).min(queued)
+
+    /// Of `queued` tokens (the queue since the last event), how many are done at `now`.
+    fn done_by(&self, queued: u64, now: Instant) -> u64 {
+        let elapsed = self
+            .at
+            .map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
+        prefilled_meanwhile(self.rate(), elapsed, self.done, queued)
+    }
+
+    /// The queue changes at `now` from `queued` tokens: what was done is settled first.
+    /// Gives whether nothing of the queue was left to prefill.
+    fn settle(&mut self, queued: u64, now: Instant) -> bool {
+        self.done = self.done_by(queued, now);
+        self.at = Some(now);
+        self.done >= queued
+    }
+
+    /// A request that found nothing of ours left to prefill had its `tokens` done in `seconds`.
+    fn learn(&mut self, tokens: u64, seconds: f64) {
+        if tokens < MIN_RATE_SAMPLE_TOKENS || seconds <= 0.0 {
+            return;
+        }
+        self.rates[self.samples % RATE_SAMPLES] = tokens as f64 / seconds;
+        self.samples = self.samples.wrapping_add(1);
+    }
+}
+
+/// Of `queued` uncached tokens, with `done` of them done at the last event, how many are
+/// done after `elapsed` more seconds at `tokens_per_s`: at most the queue. The queue counts
+/// each request whole until its first byte; without this a replica half way through a long
+/// prefill looks as busy as when it began, and a continuation leaves its holder for a queue
+/// that is nearly over.
+fn prefilled_meanwhile(tokens_per_s: f64, elapsed: f64, done: u64, queued: u64) -> u64 {
+    let more = if tokens_per_s > 0.0 && elapsed > 0.0 {
+        (tokens_per_s * elapsed).min(u64::MAX as f64) as u64
+    } else {
+        0
+    };
+    done.saturating_add(more).min(queued)
 }
 
 impl Replica {
@@ -166,21 +180,30 @@ impl Replica {
     /// when the replica reports more requests waiting than that, the others at the mean size.
     pub fn queued_tokens(&self) -> u64 {
         let l = &self.load;
-        let own = l.queued_tokens.load(Ordering::Relaxed);
-        let done = l.progress().credit(own, Instant::now());
-        let seen = own
-            .saturating_sub(done)
-            .saturating_add(l.peer_queued_tokens.load(Ordering::Relaxed));
-        if !l.reported.load(Ordering::Relaxed) {
-            return seen;
-        }
-        let known = (l.waiting.load(Ordering::Relaxed) as u64)
-            .saturating_add(l.peer_waiting.load(Ordering::Relaxed));
-        let others = l
-            .reported_waiting
-            .load(Ordering::Relaxed)
-            .saturating_sub(known);
-        seen.saturating_add(others.saturating_mul(l.mean_uncached.load(Ordering::Relaxed)))
+        let peers = l.peer_queued_tokens.load(Ordering::Relaxed);
+        let others = if l.reported.load(Ordering::Relaxed) {
+            let known = (l.waiting.load(Ordering::Relaxed) as u64)
+                .saturating_add(l.peer_waiting.load(Ordering::Relaxed));
+            l.reported_waiting
+                .load(Ordering::Relaxed)
+                .saturating_sub(known)
+        } else {
+            0
+        };
+        let own = {
+            let progress = l.progress();
+            let own = l.queued_tokens.load(Ordering::Relaxed);
+            // Credited only while this process's requests are all the queue it knows of:
+            // work the replica did for another instance's or client's request would be
+            // taken off twice, since their counts fall as they are served.
+            if peers == 0 && others == 0 {
+                own - progress.done_by(own, Instant::now())
+            } else {
+                own
+            }
+        };
+        own.saturating_add(peers)
+            .saturating_add(others.saturating_mul(l.mean_uncached.load(Ordering::Relaxed)))
     }
 
     /// Requests it runs: past their first byte here or at a peer instance, or as it reports,
@@ -276,12 +299,8 @@ impl Replica {
         let l = &self.load;
         let now = Instant::now();
         let mut progress = l.progress();
-        l.queued_tokens.fetch_add(uncached, Ordering::Relaxed);
-        let first = l.waiting.fetch_add(1, Ordering::Relaxed) == 0;
-        if first {
-            progress.busy_since = Some(now);
-            progress.released = 0;
-        }
+        let idle = progress.settle(l.queued_tokens.fetch_add(uncached, Ordering::Relaxed), now);
+        l.waiting.fetch_add(1, Ordering::Relaxed);
         drop(progress);
         // A mean over roughly the last 16 requests.
         let mean = l.mean_uncached.load(Ordering::Relaxed);
@@ -296,7 +315,7 @@ impl Replica {
             replica: self.clone(),
             tokens: uncached,
             sent: now,
-            first,
+            first: idle,
         }
     }
 }
@@ -319,8 +338,8 @@ pub struct QueuedPrefill {
     replica: Arc<Replica>,
     tokens: u64,
     sent: Instant,
-    /// Nothing of this process's was queued there before it: its first byte times its own
-    /// prefill, the replica's rate.
+    /// Nothing of this process's was left to prefill there when it came: its first byte
+    /// times its own prefill, the replica's rate.
     first: bool,
 }
 
@@ -346,13 +365,12 @@ impl Drop for QueuedPrefill {
     fn drop(&mut self) {
         let l = &self.replica.load;
         let mut progress = l.progress();
-        l.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
-        if l.waiting.fetch_sub(1, Ordering::Relaxed) == 1 {
-            progress.busy_since = None;
-            progress.released = 0;
-        } else {
-            progress.released = progress.released.saturating_add(self.tokens);
-        }
+        progress.settle(
+            l.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed),
+            Instant::now(),
+        );
+        progress.done = progress.done.saturating_sub(self.tokens);
+        l.waiting.fetch_sub(1, Ordering::Relaxed);
         drop(progress);
         self.replica.changed();
     }
@@ -383,85 +401,129 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
-    use super::{prefilled_meanwhile, Progress};
+    use super::{prefilled_meanwhile, Progress, RATE_SAMPLES};
+    use crate::fleet::replica::Replica;
 
     #[test]
-    fn a_queue_is_credited_the_work_done_since_it_began_less_what_was_released() {
-        // (tokens a second, seconds busy, released, queued) → credited
+    fn a_queue_is_credited_the_work_done_since_its_last_event_at_most_the_queue() {
+        // (tokens a second, seconds since the last event, done then, queued) → done now
         let rows: &[(f64, f64, u64, u64, u64)] = &[
-            // the rate unknown: nothing
+            // the rate unknown: what was settled only
             (0.0, 1.0, 0, 40_000, 0),
+            (0.0, 1.0, 5_000, 40_000, 5_000),
             // half a 40k prefill done
             (20_000.0, 1.0, 0, 40_000, 20_000),
-            // a 10k request released meanwhile: its work is not credited twice
-            (20_000.0, 1.0, 10_000, 30_000, 10_000),
+            (20_000.0, 1.0, 10_000, 40_000, 30_000),
             // never more than the queue
             (20_000.0, 10.0, 0, 40_000, 40_000),
-            // released more than the rate says was done (a slower replica): nothing
-            (1_000.0, 1.0, 5_000, 10_000, 0),
             // no time, or a rate that is not a number
             (20_000.0, 0.0, 0, 40_000, 0),
             (f64::NAN, 1.0, 0, 40_000, 0),
             (f64::INFINITY, 1.0, 0, 40_000, 40_000),
         ];
-        for &(rate, seconds, released, queued, want) in rows {
+        for &(rate, seconds, done, queued, want) in rows {
             assert_eq!(
-                prefilled_meanwhile(rate, seconds, released, queued),
+                prefilled_meanwhile(rate, seconds, done, queued),
                 want,
-                "{rate} t/s, {seconds} s, {released} released, {queued} queued"
+                "{rate} t/s, {seconds} s, {done} done, {queued} queued"
             );
         }
     }
 
     #[test]
-    fn the_rate_is_learned_from_long_enough_prefills_and_moves_slowly() {
+    fn the_rate_is_the_median_of_long_enough_prefills() {
         let mut p = Progress::default();
         // (tokens, seconds) → the rate after it
         let rows: &[(u64, f64, f64, &str)] = &[
             (512, 0.01, 0.0, "a short prefill says little of the rate"),
             (20_000, 1.0, 20_000.0, "the first sample"),
+            (40_000, 0.0, 20_000.0, "no time: no sample"),
+            (30_000, 1.0, 30_000.0, "the median of two: the upper"),
+            (24_000, 1.0, 24_000.0, "of three"),
             (
-                40_000,
+                800_000,
                 1.0,
-                22_500.0,
-                "an eighth of the way to a new sample",
+                30_000.0,
+                "one far off moves it to a neighbour, not to it",
             ),
-            (40_000, 0.0, 22_500.0, "no time: no sample"),
         ];
         for &(tokens, seconds, want, why) in rows {
             p.learn(tokens, seconds);
-            assert_eq!(p.tokens_per_s, want, "{why}");
+            assert_eq!(p.rate(), want, "{why}");
         }
+        for _ in 0..RATE_SAMPLES {
+            p.learn(10_000, 1.0);
+        }
+        assert_eq!(p.rate(), 10_000.0, "the oldest samples go");
+    }
+
+    fn replica_at(rate: f64) -> Arc<Replica> {
+        let r = Arc::new(super::super::tests::replica("a", "127.0.0.1:1"));
+        r.load.progress().learn((rate * 10.0) as u64, 10.0);
+        r
+    }
+
+    /// Moves the replica's last event `seconds` back, as if that long had passed.
+    fn age(r: &Replica, seconds: u64) {
+        let mut p = r.load.progress();
+        p.at = p.at.map(|at| at - Duration::from_secs(seconds));
     }
 
     #[test]
-    fn a_busy_period_begins_with_the_first_queued_and_ends_with_the_last_released() {
-        let r = Arc::new(super::super::tests::replica("a", "127.0.0.1:1"));
-        r.load.progress().tokens_per_s = 10_000.0;
-        let a = r.queue_prefill(30_000);
-        let since = r
-            .load
-            .progress()
-            .busy_since
-            .expect("busy from its first request");
+    fn a_long_prefill_under_way_counts_what_is_left_of_it() {
+        let r = replica_at(10_000.0);
+        let a = r.queue_prefill(40_000);
+        assert!(a.first, "nothing was queued before it");
+        assert!(r.queued_tokens() > 39_000);
+        age(&r, 3);
+        // 30k of it done: about 10k left (less the test's own time).
+        let left = r.queued_tokens();
+        assert!((9_000..=10_000).contains(&left), "{left}");
         let b = r.queue_prefill(20_000);
-        assert_eq!(r.load.progress().busy_since, Some(since), "the same period");
-        assert!(!b.first && a.first);
+        assert!(!b.first, "a's prefill was not over");
         drop(a);
-        assert_eq!(r.load.progress().released, 30_000);
-        // 2 s into the period at 10k a second: 20k done, 30k of it a's, released: none of b.
-        let later = since + Duration::from_secs(2);
-        assert_eq!(r.load.progress().credit(20_000, later), 0);
-        // 4 s in: 10k of b's 20k done.
-        let later = since + Duration::from_secs(4);
-        assert_eq!(r.load.progress().credit(20_000, later), 10_000);
+        age(&r, 100);
+        assert_eq!(r.queued_tokens(), 0, "b's done too, at most the queue");
         drop(b);
-        let p = r.load.progress();
-        assert_eq!((p.busy_since, p.released), (None, 0));
-        assert_eq!(p.credit(0, Instant::now()), 0);
-        drop(p);
         assert_eq!(r.queued_tokens(), 0);
+    }
+
+    #[test]
+    fn time_with_nothing_left_to_prefill_is_not_credited_to_a_later_request() {
+        let r = replica_at(1_000.0);
+        // A short request whose guard lives on (a whole answer, not streamed): its prefill
+        // is over long before its first byte.
+        let short = r.queue_prefill(2_000);
+        age(&r, 100);
+        assert_eq!(r.queued_tokens(), 0);
+        let long = r.queue_prefill(40_000);
+        assert!(long.first, "nothing of ours was left to prefill there");
+        let left = r.queued_tokens();
+        assert!(
+            left >= 39_000,
+            "the 98 s idle are not credited to it: {left}"
+        );
+        drop(short);
+        let left = r.queued_tokens();
+        assert!(
+            left >= 39_000,
+            "the short one's tokens were its own: {left}"
+        );
+        drop(long);
+    }
+
+    #[test]
+    fn another_instances_queue_turns_the_credit_off() {
+        let r = replica_at(10_000.0);
+        let a = r.queue_prefill(40_000);
+        age(&r, 100);
+        assert_eq!(r.queued_tokens(), 0);
+        r.load
+            .peer_queued_tokens
+            .store(5_000, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(r.queued_tokens(), 45_000);
+        drop(a);
     }
 }
