@@ -247,6 +247,16 @@ fn items(list: &str) -> Vec<&str> {
         .collect()
 }
 
+/// smg's virtual environment: `--smg-venv`, else `INFERLB_SMG_VENV`, else `venv-smg` beside the
+/// peers' venv (where `make peers` puts both).
+fn smg_venv(a: &Args, peers_venv: &std::path::Path) -> PathBuf {
+    a.smg_venv.clone().unwrap_or_else(|| {
+        std::env::var_os("INFERLB_SMG_VENV")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| peers_venv.parent().unwrap_or(peers_venv).join("venv-smg"))
+    })
+}
+
 /// Scenario sizes; `smoke` shrinks them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Sizes {
@@ -460,11 +470,7 @@ async fn main() {
                 None => eprintln!("[kv-events] unknown workload {name}: skipped"),
             }
         }
-        let smg_venv = a.smg_venv.clone().unwrap_or_else(|| {
-            std::env::var_os("INFERLB_SMG_VENV")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| venv.parent().unwrap_or(&venv).join("venv-smg"))
-        });
+        let smg_venv = smg_venv(&a, &venv);
         let kc = scenarios::kv_events::KvConf {
             trace: a.trace.clone(),
             requests: a.kv_requests,
@@ -627,10 +633,8 @@ async fn main() {
         pc.local_prefill_idle_tokens = a.pd_local_prefill_idle_tokens;
         pc.warm_prefill = a.pd_warm_prefill;
         pc.decode_step_tokens = Some(a.pd_decode_max_num_batched_tokens).filter(|n| *n > 0);
+        pc.smg_venv = smg_venv(&a, &venv);
         pc.peers_venv = venv.clone();
-        if let Some(v) = &a.smg_venv {
-            pc.smg_venv = v.clone();
-        }
         pc.logs = a.out.join("logs");
         pc.trace = a.trace.clone();
         if let Some(n) = a.pd_trace_requests {
