@@ -151,7 +151,7 @@ fn parser_keys() -> BTreeMap<String, Default> {
     );
     walk::<crate::conf::tls::RawTls>("inferlb.tls", &mut keys, None);
     walk::<super::admin::RawAdmin>("inferlb.admin", &mut keys, None);
-    walk::<super::section::RawCluster>("inferlb.cluster", &mut keys, None);
+    walk::<super::cluster::RawCluster>("inferlb.cluster", &mut keys, None);
     walk::<RawOverload>("inferlb.overload", &mut keys, None);
     walk::<RawBudget>("inferlb.overload.budget", &mut keys, None);
     walk::<RawKey>("inferlb.overload.keys[]", &mut keys, None);

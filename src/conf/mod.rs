@@ -18,6 +18,7 @@ use pingora_core::server::configuration::ServerConf;
 use serde_yaml::{Mapping, Value};
 
 mod admin;
+mod cluster;
 #[cfg(test)]
 mod doc_check;
 mod mode;
@@ -31,6 +32,7 @@ mod section;
 pub mod tls;
 
 pub use admin::{read_token, AdminConf, Token, TokenSource};
+pub use cluster::ClusterConf;
 pub use mode::Mode;
 pub use pd::{PdConf, Protocol, Role};
 pub use replica::{check_replica, split_address, Discover, KvEndpoints, KvEvents, ReplicaConf};
@@ -92,46 +94,6 @@ pub struct Config {
     /// Per model, the directory of its tokenizer (`tokenizer.json`, `tokenizer_config.json`):
     /// its prompts' token ids are what the replicas' KV events name.
     pub tokenizers: std::collections::BTreeMap<String, PathBuf>,
-}
-
-#[derive(Debug, Clone)]
-pub struct ClusterConf {
-    /// Without a password: that comes from `redis_password`.
-    pub redis_url: String,
-    pub redis_password: Option<Arc<crate::conf::secrets::Secret>>,
-    /// PEM: the CA a `rediss://` server's certificate is checked against (else the system's).
-    pub redis_ca: Option<Arc<Vec<u8>>>,
-    pub instance_id: String,
-    /// How long a shared pin lives in Redis without being renewed.
-    pub pin_ttl: Duration,
-}
-
-impl ClusterConf {
-    /// The Redis client, for every user of the cluster's Redis (shared state, shared budgets):
-    /// the URL, the password as it is now, and TLS trusting `redis_ca` for `rediss://`.
-    pub fn client(&self) -> redis::RedisResult<redis::Client> {
-        use redis::IntoConnectionInfo;
-        let mut info = self.redis_url.as_str().into_connection_info()?;
-        if let Some(p) = &self.redis_password {
-            let settings = info
-                .redis_settings()
-                .clone()
-                .set_password(p.current().as_str());
-            info = info.set_redis_settings(settings);
-        }
-        if !matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }) {
-            return redis::Client::open(info);
-        }
-        // rustls needs its process-wide provider (ring, as Pingora's) before a handshake.
-        pingora_core::tls::install_default_crypto_provider();
-        redis::Client::build_with_tls(
-            info,
-            redis::TlsCertificates {
-                client_tls: None,
-                root_cert: self.redis_ca.as_ref().map(|c| c.to_vec()),
-            },
-        )
-    }
 }
 
 /// Where discovered replicas come from: how often, and which DNS server (None: the system's).
@@ -285,12 +247,15 @@ fn pingora_keys() -> BTreeSet<String> {
     }
 }
 
-/// An instance id for a cluster whose conf names none: the host name and the pid.
-pub fn default_instance_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into());
-    format!("{host}-{}", std::process::id())
+/// A positive number of seconds below about 116 days, for `inferlb.{key}`.
+fn seconds(key: &str, v: f64) -> Result<Duration, String> {
+    if v.is_finite() && v > 0.0 && v < 1e7 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(format!(
+            "inferlb.{key} must be a positive number of seconds, got {v}"
+        ))
+    }
 }
 
 #[cfg(test)]

@@ -1,21 +1,17 @@
 //! The `inferlb:` section: parsed as written ([`RawSection`], with its defaults), then validated
 //! once into the [`Config`] the rest of the program trusts. Every bad value is refused with its
 //! key named (`inferlb.health.path: ...`); a replica entry is checked by `replica`, the
-//! `overload:` part by `crate::conf::overload`.
+//! `overload:` part by `crate::conf::overload`, the `cluster:` part by `crate::conf::cluster`.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use super::Mode;
-use super::{
-    check_replica, ClusterConf, Config, DiscoveryConf, HealthConf, ReplicaConf, UpstreamConf,
-};
-use crate::conf::secrets::Secret;
+use super::{check_replica, seconds, Config, DiscoveryConf, HealthConf, ReplicaConf, UpstreamConf};
 
 /// The `inferlb:` section as written; see the README for each key. Serialised only by the test
 /// that checks docs/configuration.md against these keys and defaults (client keys redacted).
@@ -47,7 +43,7 @@ pub(super) struct RawSection {
     stored_responses_capacity: usize,
     stored_lookup_timeout_seconds: f64,
     load_poll_interval_seconds: f64,
-    cluster: Option<RawCluster>,
+    cluster: Option<super::cluster::RawCluster>,
     discovery_interval_seconds: f64,
     discovery_nameserver: Option<String>,
     overload: Option<crate::conf::overload::RawOverload>,
@@ -148,26 +144,6 @@ impl Default for RawUpstream {
     }
 }
 
-#[derive(Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawCluster {
-    redis_url: String,
-    #[serde(default)]
-    instance_id: Option<String>,
-    #[serde(default = "default_pin_ttl")]
-    pin_ttl_seconds: f64,
-    #[serde(default)]
-    redis_password_file: Option<PathBuf>,
-    #[serde(default)]
-    redis_password_env: Option<String>,
-    #[serde(default)]
-    redis_ca_file: Option<PathBuf>,
-}
-
-fn default_pin_ttl() -> f64 {
-    86_400.0
-}
-
 /// How often secret files are read again: as the TLS certificate's, 0.1 s to a day.
 fn reload_interval(r: f64) -> Result<Duration, String> {
     if !(r.is_finite() && (0.1..=86_400.0).contains(&r)) {
@@ -176,95 +152,6 @@ fn reload_interval(r: f64) -> Result<Duration, String> {
         ));
     }
     Ok(Duration::from_secs_f64(r))
-}
-
-/// The Redis URL checked (no password in it: the conf is not where a secret goes), its
-/// password from a file or the environment, and the CA a `rediss://` server is checked
-/// against. A message never quotes a URL that may hold a password.
-/// A Redis password, and the PEM of the CA a `rediss://` server is checked against.
-type RedisSecrets = (Option<Arc<Secret>>, Option<Arc<Vec<u8>>>);
-
-fn redis_secrets(c: &RawCluster) -> Result<RedisSecrets, String> {
-    use redis::IntoConnectionInfo;
-    let key = "inferlb.cluster";
-    let shown = if c.redis_url.contains('@') {
-        "(not shown: it has an '@')".to_string()
-    } else {
-        format!("{:?}", c.redis_url)
-    };
-    let info = c
-        .redis_url
-        .as_str()
-        .into_connection_info()
-        .map_err(|e| format!("{key}.redis_url: {shown}: {e}"))?;
-    if info.redis_settings().password().is_some() {
-        return Err(format!(
-            "{key}.redis_url: a password in the URL; put it in {key}.redis_password_file or \
-             {key}.redis_password_env instead"
-        ));
-    }
-    let tls = match info.addr() {
-        redis::ConnectionAddr::TcpTls { insecure: true, .. } => {
-            return Err(format!(
-                "{key}.redis_url: #insecure skips the server's certificate check; trust its CA \
-                 with {key}.redis_ca_file instead"
-            ))
-        }
-        a => matches!(a, redis::ConnectionAddr::TcpTls { .. }),
-    };
-    let password = match (&c.redis_password_file, &c.redis_password_env) {
-        (None, None) => None,
-        (Some(p), None) => {
-            Some(Secret::from_file(p).map_err(|e| format!("{key}.redis_password_file: {e}"))?)
-        }
-        (None, Some(n)) => {
-            Some(Secret::from_env(n).map_err(|e| format!("{key}.redis_password_env: {e}"))?)
-        }
-        (Some(_), Some(_)) => {
-            return Err(format!(
-                "{key}: redis_password_file or redis_password_env, not both"
-            ))
-        }
-    };
-    let ca = match &c.redis_ca_file {
-        None => None,
-        Some(_) if !tls => {
-            return Err(format!(
-                "{key}.redis_ca_file: only with a rediss:// (TLS) URL"
-            ))
-        }
-        Some(p) => {
-            use rustls_pki_types::pem::PemObject;
-            let pem = std::fs::read(p)
-                .map_err(|e| format!("{key}.redis_ca_file: cannot read {}: {e}", p.display()))?;
-            let certs = rustls_pki_types::CertificateDer::pem_slice_iter(&pem)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| {
-                    format!(
-                        "{key}.redis_ca_file: {}: not PEM certificates: {e}",
-                        p.display()
-                    )
-                })?;
-            if certs.is_empty() {
-                return Err(format!(
-                    "{key}.redis_ca_file: {}: no certificate in it",
-                    p.display()
-                ));
-            }
-            Some(Arc::new(pem))
-        }
-    };
-    Ok((password, ca))
-}
-
-fn seconds(key: &str, v: f64) -> Result<Duration, String> {
-    if v.is_finite() && v > 0.0 && v < 1e7 {
-        Ok(Duration::from_secs_f64(v))
-    } else {
-        Err(format!(
-            "inferlb.{key} must be a positive number of seconds, got {v}"
-        ))
-    }
 }
 
 fn upstream_tls(u: &RawUpstream) -> Result<crate::conf::tls::UpstreamTls, String> {
@@ -387,28 +274,11 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
     if raw.stored_responses_capacity == 0 {
         return Err("inferlb.stored_responses_capacity must be positive".into());
     }
-    let cluster = match &raw.cluster {
-        None => None,
-        Some(c) => {
-            let (redis_password, redis_ca) = redis_secrets(c)?;
-            let instance_id = match c.instance_id.as_deref().map(str::trim) {
-                None | Some("") => super::default_instance_id(),
-                Some(id) if id.contains(['|', '#']) || id.contains(char::is_whitespace) => {
-                    return Err(format!(
-                        "inferlb.cluster.instance_id: {id:?} may not contain '|', '#' or spaces"
-                    ))
-                }
-                Some(id) => id.to_string(),
-            };
-            Some(ClusterConf {
-                redis_url: c.redis_url.clone(),
-                redis_password,
-                redis_ca,
-                instance_id,
-                pin_ttl: seconds("cluster.pin_ttl_seconds", c.pin_ttl_seconds)?,
-            })
-        }
-    };
+    let cluster = raw
+        .cluster
+        .as_ref()
+        .map(super::cluster::validate)
+        .transpose()?;
     let discovery = DiscoveryConf {
         interval: seconds("discovery_interval_seconds", raw.discovery_interval_seconds)?,
         nameserver: match raw.discovery_nameserver.as_deref() {

@@ -6,6 +6,7 @@ mod admission;
 pub mod answers;
 mod attempt;
 mod conversation;
+mod ctx;
 mod errors;
 pub mod failover;
 mod outcome;
@@ -13,6 +14,8 @@ mod pd;
 
 use attempt::{Attempt, Choice};
 pub mod request;
+
+pub use ctx::Ctx;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -29,13 +32,10 @@ use crate::cluster::Cluster;
 use crate::conf::Config;
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
-use crate::fleet::replica::{Replica, RANK_HEADER};
+use crate::fleet::replica::RANK_HEADER;
 use crate::protocol::api::shape::Shape;
-use crate::protocol::api::{Family, RequestInfo};
-use crate::protocol::body::BodyReplay;
-use crate::protocol::stream_usage::UsageStripper;
-use crate::protocol::usage::{Usage, UsageReader};
-use crate::routing::{Route, Router};
+use crate::protocol::api::Family;
+use crate::routing::Router;
 use crate::telemetry::metrics::METRICS;
 use errors::{failure_of, reason, Seen};
 use failover::Failure;
@@ -110,69 +110,6 @@ impl Balancer {
 /// How long a cut HTTP/2 stream waits for its error event to leave before the reset.
 const H2_FLUSH_WAIT: Duration = Duration::from_millis(50);
 
-/// One request's life.
-pub struct Ctx {
-    arrived: Instant,
-    /// The request's id, as sent to the replica and the client (see [`request::request_id`]).
-    request_id: http::HeaderValue,
-    family: Family,
-    body: BodyReplay,
-    /// The body forwarded is not the one the client sent (see [`request::without_steering`]).
-    body_replaced: bool,
-    info: Option<RequestInfo>,
-    /// The prompt's token ids, when its model has a tokenizer and a replica of it publishes
-    /// its KV events.
-    tokens: Option<Arc<crate::fleet::blocks::PromptTokens>>,
-    /// The session key from the configured session header.
-    session: Option<u64>,
-    /// The replica that stores the response this request is about, and that response's id.
-    owner: Option<Arc<Replica>>,
-    stored_id: Option<String>,
-    /// This answer's stored response id was recorded.
-    id_learnt: bool,
-    /// Replicas given up on, in order: no later attempt of this request goes to them.
-    tried: Vec<Arc<Replica>>,
-    /// The current (or last) try; each try replaces it whole.
-    attempt: Option<Attempt>,
-    /// Set once the first response byte went to the client: nothing is retried after it.
-    first_byte_at: Option<Instant>,
-    failovers: u32,
-    /// The replica whose failure made the last failover, and why: what a client is told when
-    /// no replica is left.
-    last_failure: Option<(Arc<str>, &'static str)>,
-    usage_reader: Option<UsageReader>,
-    usage: Option<Usage>,
-    /// The stream's usage was asked for on the client's behalf: its usage event is taken out
-    /// of the answer again (see [`crate::protocol::stream_usage`]).
-    usage_asked: bool,
-    usage_stripper: Option<UsageStripper>,
-    /// Its place under overload protection (its key's budget, its prefill in transit).
-    overload: crate::overload::Pass,
-    /// The replica a disaggregated pool's request is served whole on, and why, until it fails.
-    forced: Option<(Arc<Replica>, Route)>,
-    /// A disaggregated request's decode KV and pending leg, held until it ends.
-    pd: pd::Held,
-    /// A Responses exchange the balancer's store expands and keeps.
-    conversation: Option<conversation::Conversation>,
-}
-
-impl Ctx {
-    /// The request id as text: always visible ASCII.
-    fn id(&self) -> &str {
-        self.request_id.to_str().unwrap_or("-")
-    }
-
-    /// The replica the current attempt holds a place on.
-    fn current(&self) -> Option<&Arc<Replica>> {
-        self.attempt.as_ref().and_then(Attempt::current)
-    }
-
-    /// Why the last attempt's replica was chosen.
-    fn route(&self) -> Option<Route> {
-        self.attempt.as_ref().map(|a| a.route)
-    }
-}
-
 static NOT_CHAT: Shape = Shape::Other { key: 0 };
 
 #[async_trait]
@@ -180,32 +117,7 @@ impl ProxyHttp for Balancer {
     type CTX = Ctx;
 
     fn new_ctx(&self) -> Ctx {
-        Ctx {
-            arrived: Instant::now(),
-            request_id: http::HeaderValue::from_static(""),
-            family: Family::Chat,
-            body: BodyReplay::default(),
-            body_replaced: false,
-            info: None,
-            tokens: None,
-            session: None,
-            owner: None,
-            stored_id: None,
-            id_learnt: false,
-            tried: Vec::new(),
-            attempt: None,
-            first_byte_at: None,
-            failovers: 0,
-            last_failure: None,
-            usage_reader: None,
-            usage: None,
-            usage_asked: false,
-            usage_stripper: None,
-            overload: Default::default(),
-            forced: None,
-            pd: Default::default(),
-            conversation: None,
-        }
+        Ctx::new()
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
