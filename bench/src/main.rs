@@ -202,8 +202,8 @@ pub struct Args {
     /// Prefill load of the P/D scene's replay, percent of 4 replicas' cold prefill.
     #[arg(long, default_value_t = 40.0)]
     pd_trace_load: f64,
-    /// The virtual environment holding smg, SGLang's gateway (default: target/venv-smg, where
-    /// `make peers` installs it).
+    /// The virtual environment holding smg, SGLang's gateway (default: `INFERLB_SMG_VENV`, else
+    /// `venv-smg` beside the peers' venv, where `make peers` installs it).
     #[arg(long)]
     smg_venv: Option<PathBuf>,
     /// Run only the KV-events bench and exit: the trace on 4 replicas with a real tokenizer and

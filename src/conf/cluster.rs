@@ -171,7 +171,7 @@ fn redis_secrets(c: &RawCluster) -> Result<RedisSecrets, String> {
 }
 
 /// An instance id for a cluster whose conf names none: the host name and the pid.
-pub fn default_instance_id() -> String {
+fn default_instance_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "localhost".into());

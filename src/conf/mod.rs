@@ -6,7 +6,8 @@
 //!
 //! Here: the validated types, the split of the file into Pingora's `ServerConf` (its keys
 //! checked, inferlb's defaults for it) and the `inferlb:` section, which `section` parses and
-//! validates; one replica entry's checks are in `replica`.
+//! validates; one replica entry's checks are in `replica`, the `cluster:` section's (and its
+//! Redis client) in `cluster`.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

@@ -18,11 +18,11 @@ use super::{conversation, pd};
 /// One request's life.
 pub struct Ctx {
     pub(super) arrived: Instant,
-    /// The request's id, as sent to the replica and the client (see [`request::request_id`]).
+    /// The request's id, as sent to the replica and the client (see [`super::request::request_id`]).
     pub(super) request_id: http::HeaderValue,
     pub(super) family: Family,
     pub(super) body: BodyReplay,
-    /// The body forwarded is not the one the client sent (see [`request::without_steering`]).
+    /// The body forwarded is not the one the client sent (see [`super::request::without_steering`]).
     pub(super) body_replaced: bool,
     pub(super) info: Option<RequestInfo>,
     /// The prompt's token ids, when its model has a tokenizer and a replica of it publishes
