@@ -13,9 +13,12 @@
 //!   rest every `decode_interval` on the request's own clock. Decoding costs the prefill
 //!   resource nothing, so a long prefill never delays anyone's next token, and decode load
 //!   never delays a prefill. At most `max_batch` requests are admitted at once (queued for
-//!   prefill, prefilling or decoding); the rest wait for a slot. The cache lookup happens on
-//!   admission. A request dropped before its prefill ran still leaves its booking on the
-//!   resource.
+//!   prefill, prefilling or decoding); the rest wait for a slot. A request is booked on the
+//!   resource on admission, and its cache lookup counts the blocks the prefills booked ahead
+//!   of it will have cached by the time its own starts, as vLLM looks a request up when it
+//!   schedules it (so a request queued behind another sharing its prefix finds that prefix).
+//!   A request dropped before its prefill ran still leaves its booking on the resource, but
+//!   not its blocks.
 //! - `chunked`, as vLLM's default (v1) scheduler with chunked prefill: the engine runs in
 //!   steps. Each step has a budget of `max_num_batched_tokens` tokens; every decoding request
 //!   takes one token of it first, and what remains goes to prefills in arrival order, a long
@@ -219,6 +222,11 @@ pub struct Engine {
     cache: Mutex<LruCache<u64, ()>>,
     /// `fcfs`: when the shared prefill resource is next free.
     prefill_free_at: Mutex<Instant>,
+    /// `fcfs`: the blocks of requests booked on the prefill resource whose prefill is not
+    /// over, with how many such requests hold each. They are in the cache by the time a
+    /// request booked later starts its prefill, so its lookup counts them: vLLM looks a
+    /// request up when it schedules it, after the requests ahead of it, not when it arrives.
+    booked: Mutex<HashMap<u64, u32>>,
     /// `fcfs`: admission slots.
     batch: Arc<Semaphore>,
     /// The stepped schedulers' requests.
@@ -247,6 +255,8 @@ enum SeqKind {
         prompt_tokens: usize,
         next: Instant,
         _permit: Option<OwnedSemaphorePermit>,
+        /// Its blocks count in [`Engine::booked`] (from its booking to the end of its prefill).
+        booked: bool,
     },
     Stepped {
         id: u64,
@@ -289,6 +299,7 @@ impl Engine {
                 NonZeroUsize::new(Self::blocks_of(&conf)).unwrap_or(NonZeroUsize::MIN),
             )),
             prefill_free_at: Mutex::new(Instant::now()),
+            booked: Mutex::new(HashMap::new()),
             batch: Arc::new(Semaphore::new(conf.max_batch.max(1))),
             steps: Mutex::new(Steps::default()),
             wake: Notify::new(),
@@ -526,6 +537,55 @@ impl Engine {
         (start, *free_at)
     }
 
+    /// `fcfs`: books the prefill of a prompt of `hashes` (`prompt_tokens` long) on the shared
+    /// resource, its blocks among those booked: it starts when those ahead are done, so what
+    /// it finds cached then is what the cache holds now or their prefills put there. Returns
+    /// when it starts, when it completes, and its cached tokens.
+    fn book_after_those_ahead(
+        &self,
+        hashes: &[u64],
+        prompt_tokens: usize,
+    ) -> (Instant, Instant, usize) {
+        // Held across the booking, so requests are looked up and booked in one order.
+        let Ok(mut booked) = self.booked.lock() else {
+            let (start, done) = self.book_prefill(prompt_tokens);
+            return (start, done, 0);
+        };
+        let blocks = {
+            let Ok(mut cache) = self.cache.lock() else {
+                drop(booked);
+                let (start, done) = self.book_prefill(prompt_tokens);
+                return (start, done, 0);
+            };
+            hashes
+                .iter()
+                .take_while(|h| cache.get(*h).is_some() || booked.contains_key(*h))
+                .count()
+        };
+        let cached = (blocks * self.conf.block_tokens).min(prompt_tokens.saturating_sub(1));
+        let (start, done) = self.book_prefill(prompt_tokens - cached);
+        for h in hashes {
+            *booked.entry(*h).or_default() += 1;
+        }
+        (start, done, cached)
+    }
+
+    /// `fcfs`: a booked prefill is over, or will never be: its blocks no longer count as
+    /// booked by it.
+    fn unbook(&self, hashes: &[u64]) {
+        let Ok(mut booked) = self.booked.lock() else {
+            return;
+        };
+        for h in hashes {
+            if let Some(n) = booked.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    booked.remove(h);
+                }
+            }
+        }
+    }
+
     /// Uncached prompt tokens not prefilled yet, over every request in the engine (in `fcfs`,
     /// those booked on the prefill resource).
     pub fn prefill_backlog(&self) -> u64 {
@@ -587,6 +647,7 @@ impl Engine {
                 prompt_tokens,
                 next: Instant::now(),
                 _permit: None,
+                booked: false,
             },
         };
         // The semaphore is never closed.
@@ -597,23 +658,26 @@ impl Engine {
             .await
             .expect("batch semaphore open");
         let SeqKind::Fcfs {
-            hashes, _permit, ..
+            hashes,
+            _permit,
+            booked,
+            ..
         } = &mut seq.kind
         else {
             unreachable!("an fcfs request");
         };
         *_permit = Some(permit);
-        let cached = self
-            .lookup_hashes(hashes, true)
-            .min(prompt_tokens.saturating_sub(1));
-        let (start, done) = self.book_prefill(prompt_tokens - cached);
+        let (start, done, cached) = self.book_after_those_ahead(hashes, prompt_tokens);
+        *booked = true;
         if start > Instant::now() {
             tokio::time::sleep_until(start).await;
         }
         seq.set_phase(Phase::Prefilling);
         tokio::time::sleep_until(done).await;
-        if let SeqKind::Fcfs { hashes, .. } = &seq.kind {
+        if let SeqKind::Fcfs { hashes, booked, .. } = &mut seq.kind {
             self.insert_blocks(hashes, 0, prompt);
+            self.unbook(hashes);
+            *booked = false;
         }
         seq.set_phase(Phase::Decoding);
         let c = &self.counters;
@@ -893,8 +957,15 @@ impl Drop for Seq<'_> {
         let e = self.engine;
         match &mut self.kind {
             SeqKind::Fcfs {
-                phase, hashes, kv, ..
+                phase,
+                hashes,
+                kv,
+                booked,
+                ..
             } => {
+                if *booked {
+                    e.unbook(hashes);
+                }
                 let c = &e.counters;
                 match phase {
                     Phase::Waiting => {
@@ -1107,6 +1178,42 @@ mod tests {
         let (b0, b) = e.book_prefill(500);
         assert_eq!((a0, a - start), (start, Duration::from_secs(1)));
         assert_eq!((b0, b - start), (a, Duration::from_millis(1500)));
+    }
+
+    /// A request queued behind another that shares its prefix finds that prefix cached when
+    /// its own prefill starts, as vLLM looks a request up when it schedules it; one that
+    /// arrives after a request was dropped before its prefill does not count its blocks.
+    #[tokio::test(start_paused = true)]
+    async fn fcfs_looks_a_request_up_after_the_prefills_booked_ahead_of_it() {
+        let e = Arc::new(Engine::new(EngineConf {
+            max_batch: 8,
+            ..conf(Scheduler::Fcfs)
+        }));
+        let t0 = Instant::now();
+        // 800 shared tokens, then 200 of each one's own: 1 s of prefill cold.
+        let with_tail = |tag: u8| {
+            let mut p = prompt(0, 800);
+            p.extend(prompt(tag, 200));
+            p
+        };
+        let leader = request(&e, with_tail(1), 1);
+        tokio::time::sleep_until(t0 + Duration::from_millis(300)).await;
+        let (seq, tokens, cached) = e.prefill(&with_tail(2), 1).await;
+        assert_eq!((tokens, cached), (1000, 800));
+        // Its 200 uncached tokens after the leader's 1000: 1.2 s from the start.
+        assert_eq!(Instant::now() - t0, Duration::from_millis(1200));
+        assert_eq!(leader.await.expect("leader").len(), 1);
+        drop(seq);
+        // A prompt booked and dropped before its prefill: its blocks never come.
+        let gone = {
+            let e = e.clone();
+            tokio::spawn(async move { e.prefill(&prompt(7, 1000), 1).await.2 })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        gone.abort();
+        let _ = gone.await;
+        let (_, _, cached) = e.prefill(&prompt(7, 1000), 1).await;
+        assert_eq!(cached, 0);
     }
 
     #[tokio::test(start_paused = true)]
