@@ -1,8 +1,8 @@
 //! Micro-benchmarks of the request path's own work (`cargo bench --bench hot_path`): reading a
 //! body into its prompt chain, for every API family and three sizes; classify plus tokenize of
 //! a chat body, cold and as a conversation's next turn (the tokenizer's message cache warm);
-//! and one routing decision over 2, 16 and 128 replicas with a prefix index of 1M chunks, with
-//! its p50/p99 printed.
+//! and one routing decision over 2, 16 and 128 replicas with a prefix index of 1M chunks and
+//! four prompts pending on each, with its p50/p99 printed.
 
 use std::cell::OnceCell;
 use std::hint::black_box;
@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use inferlb::conf::Mode;
 use inferlb::fleet::index::PrefixIndex;
+use inferlb::fleet::replica::Pending;
 use inferlb::protocol::api::prompt::Link;
 use inferlb::protocol::api::{classify, Family};
 use inferlb::protocol::tokens::Tokenizers;
@@ -162,8 +163,9 @@ fn classify_and_tokenize(c: &mut Criterion) {
     g.finish();
 }
 
-/// Per replica, 1M indexed chunks over the fleet, and `links` held by the middle replica.
-fn fleet(replicas: usize, links: &[Link]) -> Vec<PrefixIndex> {
+/// Per replica, 1M indexed chunks over the fleet, and `links` held by the middle replica; and
+/// per replica four prompts pending, one of them sharing the first half of `links`.
+fn fleet(replicas: usize, links: &[Link]) -> (Vec<PrefixIndex>, Vec<Pending>) {
     let per = 1_000_000 / replicas;
     let index: Vec<PrefixIndex> = (0..replicas)
         .map(|r| {
@@ -182,7 +184,24 @@ fn fleet(replicas: usize, links: &[Link]) -> Vec<PrefixIndex> {
         })
         .collect();
     index[replicas / 2].record(links);
-    index
+    let pending = (0..replicas)
+        .map(|r| {
+            let p = Pending::default();
+            p.add(&links[..links.len() / 2]);
+            for k in 0..3u64 {
+                let other: Vec<Link> = links
+                    .iter()
+                    .map(|l| Link {
+                        hash: l.hash ^ (r as u64 * 4 + k + 1),
+                        ..*l
+                    })
+                    .collect();
+                p.add(&other);
+            }
+            p
+        })
+        .collect();
+    (index, pending)
 }
 
 /// One routing decision, timed call by call (criterion's mean comes from the same calls), so
@@ -204,7 +223,7 @@ fn decision(c: &mut Criterion) {
             let policy = Router::new(mode, Some(4));
             let mut each: Vec<Duration> = Vec::new();
             g.bench_function(BenchmarkId::new(name, replicas), |bench| {
-                let index: &Vec<PrefixIndex> = index.get_or_init(|| fleet(replicas, &links));
+                let (index, pending) = index.get_or_init(|| fleet(replicas, &links));
                 let decide = || {
                     let candidates: Vec<Candidate> = ids
                         .iter()
@@ -220,6 +239,11 @@ fn decision(c: &mut Criterion) {
                                 0
                             },
                             cached_exact: false,
+                            pending_tokens: if mode == Mode::PrefillCost {
+                                pending[i].shared_tokens(&links)
+                            } else {
+                                0
+                            },
                             queued_tokens: (i as u64 % 5) * 1000,
                             running: i % 4,
                             kv_tokens: 0,

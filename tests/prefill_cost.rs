@@ -85,6 +85,47 @@ fn a_same_prefix_burst_splits_and_an_agent_loop_stays_home() {
     }
 }
 
+/// A request sharing the prefix of one still prefilling waits for it there and finds the
+/// prefix cached, rather than prefilling it again on a replica whose queue is shorter. Here
+/// one replica prefills 20k tokens of another prompt, the other the 40k-token leader: the
+/// follower's queue cost is lower on the first, but waiting for the leader then prefilling
+/// its own few tokens ends sooner (and puts no second copy of the prefix in a cache).
+#[test]
+fn a_follower_rides_on_the_prefill_of_the_prefix_it_shares() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_a, _b, lb) = cluster(dir.path(), &["--prefill-tokens-per-s", "20000"], conf());
+    let port = lb.port;
+    let send = |messages: Vec<(String, String)>| {
+        std::thread::spawn(move || {
+            let refs: Vec<(&str, &str)> = messages
+                .iter()
+                .map(|(r, c)| (r.as_str(), c.as_str()))
+                .collect();
+            routed_chat_on(port, &refs).0
+        })
+    };
+    let other = send(vec![("user".into(), text_of("another prompt", 20_000))]);
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    let doc = text_of("a shared document", 40_000);
+    let leader = send(vec![
+        ("system".into(), doc.clone()),
+        ("user".into(), "first question".into()),
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    let (replica, route, resp) = routed_chat(&lb, &[("system", &doc), ("user", "second question")]);
+    let (other, leader) = (other.join().expect("other"), leader.join().expect("leader"));
+    assert_ne!(other, leader, "the leader went to the idle replica");
+    assert_eq!(
+        (replica.as_str(), route.as_str()),
+        (leader.as_str(), "prefix"),
+        "the follower waits for the leader's prefill"
+    );
+    let cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(cached >= 39_000, "it found the leader's prefix: {resp}");
+}
+
 #[test]
 fn a_fork_of_a_long_history_goes_to_the_replica_that_holds_it() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use inferlb::conf::Mode;
+use inferlb::fleet::replica::Pending;
 use inferlb::protocol::api::{classify as classify_in, Family, RequestInfo};
 use inferlb::routing::{Candidate, Route, Router};
 
@@ -19,6 +20,8 @@ struct CostBench {
     served: HashMap<u64, String>,
     /// Prompts sent whose prefill is not over: recorded in the index at `drain`.
     prefilling: Vec<(usize, Vec<inferlb::protocol::api::prompt::Link>)>,
+    /// The same prompts as each replica's pending list.
+    pending: Vec<Pending>,
     tick: u64,
 }
 
@@ -34,6 +37,7 @@ impl CostBench {
             running: vec![0; n],
             served: HashMap::new(),
             prefilling: vec![],
+            pending: (0..n).map(|_| Pending::default()).collect(),
             tick: 0,
         }
     }
@@ -53,6 +57,7 @@ impl CostBench {
                 in_flight: self.running[i],
                 cached_tokens: self.index[i].cached_tokens(links),
                 cached_exact: false,
+                pending_tokens: self.pending[i].shared_tokens(links),
                 queued_tokens: self.queued[i],
                 running: 0,
                 kv_tokens: 0,
@@ -75,7 +80,9 @@ impl CostBench {
             .iter()
             .position(|id| id == d.replica)
             .expect("known");
+        // Queued as a cold prefill, riding or not, as the balancer does.
         self.queued[i] += info.shape.prompt_tokens() - candidates[i].cached_tokens;
+        self.pending[i].add(links);
         self.running[i] += 1;
         self.prefilling.push((i, links.to_vec()));
         if let Some(k) = info.shape.served_key() {
@@ -90,6 +97,9 @@ impl CostBench {
             self.index[i].record(&links);
         }
         self.queued.iter_mut().for_each(|q| *q = 0);
+        self.pending
+            .iter_mut()
+            .for_each(|p| *p = Pending::default());
         self.running.iter_mut().for_each(|r| *r = 0);
     }
 }

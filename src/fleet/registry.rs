@@ -133,10 +133,11 @@ impl Registry {
             .filter(|r| leg.takes(r.role) && model.is_none_or(|m| r.serves(m)))
             .map(|r| {
                 let fresh = !tried.iter().any(|t| Arc::ptr_eq(t, r));
-                let cached = if prompt.links.is_empty() {
-                    (0, CacheSource::Estimate)
+                let (cached, pending) = if prompt.links.is_empty() {
+                    ((0, CacheSource::Estimate), 0)
                 } else {
-                    r.cache.likely_cached(prompt)
+                    let pending = r.cache.pending.shared_tokens(prompt.links);
+                    (r.cache.likely_cached(prompt), pending)
                 };
                 Candidate {
                     id: &r.id,
@@ -145,6 +146,7 @@ impl Registry {
                     in_flight: r.in_flight_everywhere(),
                     cached_tokens: cached.0,
                     cached_exact: cached.1 == CacheSource::Events,
+                    pending_tokens: pending,
                     queued_tokens: r.queued_tokens(),
                     running: r.running(),
                     kv_tokens: r.kv_tokens(),

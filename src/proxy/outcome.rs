@@ -90,9 +90,13 @@ impl Balancer {
             };
             METRICS.cache_source.with_label_values(&[source]).inc();
         }
-        // Overload protection reads queued prefill whatever the policy.
-        let prefill = (cost || self.overload.is_some())
-            .then(|| replica.queue_prefill(shape.prompt_tokens().saturating_sub(cached)));
+        // Overload protection reads queued prefill whatever the policy. A request that rides
+        // on a pending prompt's prefill is queued as if it did not: the next request of a
+        // burst must not find this replica cheaper for it.
+        let rides = held.is_some_and(|c| c.pending_tokens > c.cached_tokens);
+        let prefill = (cost || self.overload.is_some()).then(|| {
+            replica.queue_prompt(shape.prompt_tokens().saturating_sub(cached), links, rides)
+        });
         Some(Choice {
             replica,
             route: decision.route,

@@ -114,6 +114,7 @@ mod tests {
             in_flight: running,
             cached_tokens: cached,
             cached_exact: false,
+            pending_tokens: 0,
             queued_tokens: 0,
             running,
             kv_tokens: kv,

@@ -6,7 +6,9 @@
 //! This one sum pins a continuation (its home holds most of the prompt), moves it when the
 //! home's queue costs more than a cold prefill elsewhere, and spreads a same-prefix burst by
 //! itself: the second request of a burst sees the first one's queued prefill, and a replica
-//! counts as holding a prompt only once its prefill is over (the caller records it then).
+//! counts as holding a prompt only once its prefill is over (the caller records it then), or
+//! for a request that would wait less behind that prefill than it would prefill elsewhere
+//! (`riders`).
 
 use std::sync::Arc;
 
@@ -75,6 +77,53 @@ pub fn home<F: Fn(u64) -> Option<Arc<str>>>(ask: &Ask<'_, F>) -> Option<(Arc<str
     })
 }
 
+/// The replicas a request may ride on, with the tokens it would find there: those where a
+/// request queued earlier, whose prefill is not over, shares more of its prompt than the
+/// replica holds, and where waiting for that prefill (the replica's whole queue) and then
+/// prefilling the rest ends strictly sooner than a prefill of what it lacks on any other
+/// replica, after that one's queue. Such a replica counts as holding the shared prefix.
+///
+/// A follower that arrives while its leader still queues or prefills then finds the leader's
+/// blocks in the cache (a replica looks its cache up when it schedules a request, after the
+/// requests ahead of it) instead of prefilling them again elsewhere: a second copy that costs
+/// prefill now and evicts what others would have found later. A same-prefix burst on idle
+/// replicas still spreads: the second request's wait behind the first's prefill equals the
+/// cold prefill of the shared part elsewhere, not less, and the caller counts a rider's
+/// queued prefill as a cold one, so the next request does not ride after it either.
+fn riders<'a>(
+    prompt_tokens: u64,
+    available: &[&Candidate<'a>],
+    held: impl Fn(&Candidate<'a>) -> u64,
+) -> Vec<(&'a str, u64)> {
+    if available.iter().all(|c| c.pending_tokens <= held(c)) {
+        return Vec::new();
+    }
+    let wait = |c: &Candidate<'a>, has: u64| {
+        c.queued_tokens
+            .saturating_add(prompt_tokens.saturating_sub(has))
+    };
+    // The soonest and second soonest cold ends, for the least over every other replica.
+    let (mut first, mut second) = ((u64::MAX, ""), u64::MAX);
+    for c in available {
+        let w = wait(c, held(c));
+        if w < first.0 {
+            second = first.0;
+            first = (w, c.id);
+        } else if w < second {
+            second = w;
+        }
+    }
+    available
+        .iter()
+        .filter(|c| c.pending_tokens > held(c))
+        .filter(|c| {
+            let elsewhere = if c.id == first.1 { second } else { first.0 };
+            wait(c, c.pending_tokens) < elsewhere
+        })
+        .map(|c| (c.id, c.pending_tokens))
+        .collect()
+}
+
 /// `home`: the replica an exact continuation (or the session) names, and the tokens of the
 /// prefix it served; `available` is never empty.
 fn decide<'c, 'a>(
@@ -85,9 +134,14 @@ fn decide<'c, 'a>(
 ) -> (&'c Candidate<'a>, Route) {
     // The home's served prefix counts unless the replica's own events speak for it: they
     // know what it evicted since.
-    let cached = |c: &Candidate<'a>| match home {
+    let held = |c: &Candidate<'a>| match home {
         Some((id, tokens)) if id == c.id && !c.cached_exact => c.cached_tokens.max(tokens),
         _ => c.cached_tokens,
+    };
+    let rides = riders(prompt_tokens, available, held);
+    let cached = |c: &Candidate<'a>| match rides.iter().find(|(id, _)| *id == c.id) {
+        Some((_, pending)) => *pending,
+        None => held(c),
     };
     let cheapest = available
         .iter()
@@ -130,6 +184,7 @@ mod tests {
             in_flight: 0,
             cached_tokens: 0,
             cached_exact: false,
+            pending_tokens: 0,
             queued_tokens,
             running: 0,
             kv_tokens,
@@ -154,6 +209,7 @@ mod tests {
             in_flight: 0,
             cached_tokens: cached,
             cached_exact: false,
+            pending_tokens: 0,
             queued_tokens: 0,
             running: 0,
             kv_tokens,
@@ -211,5 +267,107 @@ mod tests {
         }
         let (most, least) = (took[0].max(took[1]), took[0].min(took[1]));
         assert!(most <= 10 && most + least == 16, "split {took:?}");
+    }
+
+    fn queued(id: &'static str, queued_tokens: u64, pending_tokens: u64) -> Candidate<'static> {
+        Candidate {
+            queued_tokens,
+            pending_tokens,
+            ..replica(id, 0, 0)
+        }
+    }
+
+    /// (replicas as (queued, pending), prompt) → the replica chosen and whether it rode: a
+    /// follower rides on a pending prefill only where waiting for it ends strictly sooner than
+    /// a cold prefill anywhere else.
+    #[test]
+    fn a_follower_rides_on_a_pending_prefill_only_when_that_is_sooner() {
+        const P: u64 = 41_000;
+        type Fleet = &'static [(&'static str, u64, u64)];
+        let table: &[(Fleet, &str, bool)] = &[
+            // Its leader (40k) is half done on a, b idle: waiting 20k then 1k beats 41k.
+            (&[("a", 20_000, 40_000), ("b", 0, 0)], "a", true),
+            // The leader was just queued: waiting for it is no sooner than a cold prefill on
+            // b, so the burst spreads.
+            (&[("a", 40_000, 40_000), ("b", 0, 0)], "b", false),
+            // The leader queues behind another 100k: cold on b is sooner.
+            (&[("a", 140_000, 40_000), ("b", 0, 0)], "b", false),
+            // Every replica is as busy; the one with the leader is the one to wait at.
+            (
+                &[("a", 40_000, 0), ("b", 40_000, 40_000), ("c", 40_000, 0)],
+                "b",
+                true,
+            ),
+            // Two leaders: the sooner ends first.
+            (
+                &[
+                    ("a", 40_000, 40_000),
+                    ("b", 30_000, 40_000),
+                    ("c", 80_000, 0),
+                ],
+                "b",
+                true,
+            ),
+            // What it shares is no more than it holds: nothing to ride on.
+            (&[("a", 0, 0), ("b", 20_000, 0)], "a", false),
+        ];
+        for (fleet, expect, rode) in table {
+            let cs: Vec<Candidate> = fleet
+                .iter()
+                .map(|(id, q, pending)| queued(id, *q, *pending))
+                .collect();
+            let refs: Vec<&Candidate> = cs.iter().collect();
+            let (chosen, route) = super::decide(P, None, &refs, 0);
+            assert_eq!(chosen.id, *expect, "{fleet:?}");
+            let riders = super::riders(P, &refs, |c| c.cached_tokens);
+            assert_eq!(
+                riders.iter().any(|(id, _)| *id == chosen.id),
+                *rode,
+                "{fleet:?}: {riders:?}"
+            );
+            if *rode {
+                assert_eq!(route, super::Route::Prefix, "{fleet:?}");
+            }
+        }
+    }
+
+    /// A same-prefix burst sent before any prefill is over, each request queued as a cold
+    /// prefill where it goes (as the caller does, riding or not), and the prompts pending: it
+    /// spreads over 2, 3 and 4 replicas as evenly as 16 divides, and the requests after the first round ride
+    /// on the first round's prefills.
+    #[test]
+    fn a_same_prefix_burst_spreads_and_the_rest_ride_on_the_first_round() {
+        const PREFIX: u64 = 30_000;
+        const PROMPT: u64 = 30_200;
+        let ids = ["a", "b", "c", "d"];
+        for n in 2..=4 {
+            let mut queue = vec![0u64; n];
+            let mut pending = vec![0u64; n];
+            let mut took = vec![0u32; n];
+            let mut rode = 0;
+            for tick in 0..16 {
+                let cs: Vec<Candidate> = (0..n)
+                    .map(|i| queued(ids[i], queue[i], pending[i]))
+                    .collect();
+                let refs: Vec<&Candidate> = cs.iter().collect();
+                let (chosen, _) = super::decide(PROMPT, None, &refs, tick);
+                let i = ids.iter().position(|id| *id == chosen.id).expect("an id");
+                if super::riders(PROMPT, &refs, |c| c.cached_tokens)
+                    .iter()
+                    .any(|(id, _)| *id == chosen.id)
+                {
+                    rode += 1;
+                }
+                queue[i] += PROMPT;
+                pending[i] = PREFIX;
+                took[i] += 1;
+            }
+            let (most, least) = (took.iter().max(), took.iter().min());
+            assert!(
+                most.zip(least).is_some_and(|(m, l)| m - l <= 1),
+                "{n} replicas: {took:?}"
+            );
+            assert!(rode >= 16 - n as u32 - 1, "{n} replicas: {rode} rode");
+        }
     }
 }

@@ -164,8 +164,13 @@ impl LbApi for Lb {
 
 /// A chat request sent through the balancer, answered 200: which replica, why, and the body.
 pub fn routed_chat(lb: &Lb, messages: &[(&str, &str)]) -> (String, String, serde_json::Value) {
+    routed_chat_on(lb.port, messages)
+}
+
+/// [`routed_chat`] through the balancer on `port` (from a thread that does not hold the `Lb`).
+pub fn routed_chat_on(port: u16, messages: &[(&str, &str)]) -> (String, String, serde_json::Value) {
     let r = http()
-        .post(lb.url("/v1/chat/completions"))
+        .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
         .json(&chat_body(messages, false, 2))
         .send()
         .expect("send");

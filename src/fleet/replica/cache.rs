@@ -6,9 +6,12 @@
 //! only what was stored since, or on a first connect what the replay buffer still had (less than
 //! the replica may hold, never more). While the publisher is gone the estimate answers alone:
 //! the block index may still hold blocks evicted meanwhile, until the reconnect's replay tells.
+//! Beside both, the prompts it was sent whose prefill is not over ([`Pending`]): what it will
+//! hold.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
+use super::pending::Pending;
 use crate::fleet::blocks::{BlockIndex, PromptTokens};
 use crate::fleet::index::{PrefixIndex, Recency, BYTES_PER_TOKEN};
 use crate::protocol::api::prompt::Link;
@@ -162,6 +165,8 @@ pub struct CacheModel {
     family_ratios: [Ratio; 4],
     /// Evictions seen since the last confirmed prediction.
     evictions_seen: AtomicU64,
+    /// Prompts sent to it whose prefill is not over: what it will hold.
+    pub pending: Pending,
 }
 
 impl CacheModel {
@@ -176,6 +181,7 @@ impl CacheModel {
             ratio: Ratio::default(),
             family_ratios: Default::default(),
             evictions_seen: AtomicU64::new(0),
+            pending: Pending::default(),
         }
     }
 

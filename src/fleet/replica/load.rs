@@ -14,6 +14,7 @@ use std::time::Instant;
 use super::Replica;
 use crate::fleet::events::Listener;
 use crate::fleet::index::Recency;
+use crate::protocol::api::prompt::Link;
 
 /// The most requests waiting or running a replica's report counts for (`crate::fleet::poll` reads
 /// its `/metrics` with this bound).
@@ -315,6 +316,21 @@ impl Replica {
 
     /// Counts `uncached` prompt tokens as queued on it until the guard is released or drops.
     pub fn queue_prefill(self: &Arc<Self>, uncached: u64) -> QueuedPrefill {
+        self.queue_prompt(uncached, &[], false)
+    }
+
+    /// Like [`Replica::queue_prefill`], for a prompt of `links`, which count as pending on it
+    /// (a request sharing their prefix may ride on this one's prefill) until the guard is
+    /// released or drops. `rides`: this request was sent to ride on a pending prompt, so its
+    /// first byte says nothing of the replica's prefill rate (its `uncached` counts what it
+    /// would lack without the other's prefill, not what the replica prefills for it).
+    pub fn queue_prompt(
+        self: &Arc<Self>,
+        uncached: u64,
+        links: &[Link],
+        rides: bool,
+    ) -> QueuedPrefill {
+        let pending = self.cache.pending.add(links);
         let l = &self.load;
         let now = Instant::now();
         let mut progress = l.progress();
@@ -334,7 +350,8 @@ impl Replica {
             replica: self.clone(),
             tokens: uncached,
             sent: now,
-            first: idle,
+            first: idle && !rides,
+            pending,
         }
     }
 }
@@ -360,6 +377,8 @@ pub struct QueuedPrefill {
     /// Nothing of this process's was left to prefill there when it came: its first byte
     /// times its own prefill, the replica's rate.
     first: bool,
+    /// Its prompt's key among the replica's pending prompts, when it counts there.
+    pending: Option<u64>,
 }
 
 impl QueuedPrefill {
@@ -367,7 +386,7 @@ impl QueuedPrefill {
     /// when the links it held already were last recorded (see [`CacheModel::answered`]).
     ///
     /// [`CacheModel::answered`]: crate::fleet::replica::CacheModel::answered
-    pub fn prefilled(self, links: &[crate::protocol::api::prompt::Link]) -> Recency {
+    pub fn prefilled(self, links: &[Link]) -> Recency {
         if self.first {
             let seconds = self.sent.elapsed().as_secs_f64();
             self.replica.load.progress().learn(self.tokens, seconds);
@@ -382,6 +401,9 @@ impl QueuedPrefill {
 
 impl Drop for QueuedPrefill {
     fn drop(&mut self) {
+        if let Some(key) = self.pending {
+            self.replica.cache.pending.remove(key);
+        }
         let l = &self.replica.load;
         let mut progress = l.progress();
         progress.settle(

@@ -24,6 +24,7 @@ mod cache;
 mod endpoint;
 mod health;
 mod load;
+mod pending;
 
 pub use cache::{
     CacheModel, CacheSource, Check, Freshness, Prediction, Prompt, DEFAULT_CACHE_TOKENS,
@@ -32,6 +33,7 @@ pub use endpoint::{Endpoint, RANK_HEADER};
 pub use health::{Health, HealthState};
 use load::Load;
 pub use load::{HeldKv, InFlight, QueuedPrefill, MAX_REPORTED_REQUESTS};
+pub use pending::Pending;
 
 pub struct Replica {
     /// The configured id: metrics, logs, headers and the affinity table name it.
