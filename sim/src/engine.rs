@@ -18,7 +18,7 @@
 //!   of it will have cached by the time its own starts, as vLLM looks a request up when it
 //!   schedules it (so a request queued behind another sharing its prefix finds that prefix).
 //!   A request dropped before its prefill ran still leaves its booking on the resource, but
-//!   not its blocks.
+//!   not its blocks (see `Engine::booked` for the approximations).
 //! - `chunked`, as vLLM's default (v1) scheduler with chunked prefill: the engine runs in
 //!   steps. Each step has a budget of `max_num_batched_tokens` tokens; every decoding request
 //!   takes one token of it first, and what remains goes to prefills in arrival order, a long
@@ -226,6 +226,10 @@ pub struct Engine {
     /// over, with how many such requests hold each. They are in the cache by the time a
     /// request booked later starts its prefill, so its lookup counts them: vLLM looks a
     /// request up when it schedules it, after the requests ahead of it, not when it arrives.
+    /// Two approximations: a request dropped before its prefill is over takes its blocks out
+    /// (those booked after it no longer count them), but one booked meanwhile keeps the
+    /// shorter prefill it counted, and caches the blocks itself at its end; and a block
+    /// counted as cached at booking may be evicted before the prefill starts.
     booked: Mutex<HashMap<u64, u32>>,
     /// `fcfs`: admission slots.
     batch: Arc<Semaphore>,
@@ -540,22 +544,23 @@ impl Engine {
     /// `fcfs`: books the prefill of a prompt of `hashes` (`prompt_tokens` long) on the shared
     /// resource, its blocks among those booked: it starts when those ahead are done, so what
     /// it finds cached then is what the cache holds now or their prefills put there. Returns
-    /// when it starts, when it completes, and its cached tokens.
+    /// when it starts, when it completes, its cached tokens, and whether its blocks count as
+    /// booked (not when a lock was poisoned: then it is booked cold, apart).
     fn book_after_those_ahead(
         &self,
         hashes: &[u64],
         prompt_tokens: usize,
-    ) -> (Instant, Instant, usize) {
+    ) -> (Instant, Instant, usize, bool) {
         // Held across the booking, so requests are looked up and booked in one order.
         let Ok(mut booked) = self.booked.lock() else {
             let (start, done) = self.book_prefill(prompt_tokens);
-            return (start, done, 0);
+            return (start, done, 0, false);
         };
         let blocks = {
             let Ok(mut cache) = self.cache.lock() else {
                 drop(booked);
                 let (start, done) = self.book_prefill(prompt_tokens);
-                return (start, done, 0);
+                return (start, done, 0, false);
             };
             hashes
                 .iter()
@@ -567,7 +572,7 @@ impl Engine {
         for h in hashes {
             *booked.entry(*h).or_default() += 1;
         }
-        (start, done, cached)
+        (start, done, cached, true)
     }
 
     /// `fcfs`: a booked prefill is over, or will never be: its blocks no longer count as
@@ -667,8 +672,8 @@ impl Engine {
             unreachable!("an fcfs request");
         };
         *_permit = Some(permit);
-        let (start, done, cached) = self.book_after_those_ahead(hashes, prompt_tokens);
-        *booked = true;
+        let (start, done, cached, counted) = self.book_after_those_ahead(hashes, prompt_tokens);
+        *booked = counted;
         if start > Instant::now() {
             tokio::time::sleep_until(start).await;
         }
@@ -1204,12 +1209,15 @@ mod tests {
         assert_eq!(Instant::now() - t0, Duration::from_millis(1200));
         assert_eq!(leader.await.expect("leader").len(), 1);
         drop(seq);
-        // A prompt booked and dropped before its prefill: its blocks never come.
+        // A prompt booked behind another and dropped while it waits: its blocks never come.
+        let _blocker = request(&e, prompt(8, 1000), 1);
+        tokio::time::sleep(Duration::from_millis(1)).await;
         let gone = {
             let e = e.clone();
             tokio::spawn(async move { e.prefill(&prompt(7, 1000), 1).await.2 })
         };
         tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(gauges(&e).1, 1, "it waits behind the blocker");
         gone.abort();
         let _ = gone.await;
         let (_, _, cached) = e.prefill(&prompt(7, 1000), 1).await;

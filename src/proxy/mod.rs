@@ -194,6 +194,11 @@ impl ProxyHttp for Balancer {
     }
 
     async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        // A retry: the last attempt's prefill will not run, so the choice must not see it
+        // queued (or its prompt pending) on the replica it left.
+        if let Some(a) = &mut ctx.attempt {
+            a.refused();
+        }
         let mut chosen = self.choose(ctx);
         // A replica at an address outside admin.allowed_networks (one shared by an instance
         // with another conf) is passed over as if it refused the connection; each is tried once.

@@ -93,9 +93,10 @@ impl Balancer {
         // Overload protection reads queued prefill whatever the policy. A request that rides
         // on a pending prompt's prefill is queued as if it did not: the next request of a
         // burst must not find this replica cheaper for it.
-        let rides = held.is_some_and(|c| c.pending_tokens > c.cached_tokens);
+        let shares_pending = held.is_some_and(|c| c.pending_tokens > c.cached_tokens);
         let prefill = (cost || self.overload.is_some()).then(|| {
-            replica.queue_prompt(shape.prompt_tokens().saturating_sub(cached), links, rides)
+            let uncached = shape.prompt_tokens().saturating_sub(cached);
+            replica.queue_prompt(uncached, links, shares_pending)
         });
         Some(Choice {
             replica,

@@ -84,8 +84,9 @@ pub struct Candidate<'a> {
     pub cached_tokens: u64,
     /// `cached_tokens` came from the replica's own KV events, not the estimate.
     pub cached_exact: bool,
-    /// Tokens of this request's prompt that a request queued on it, whose prefill is not over,
-    /// shares: it will hold them once that prefill ends (filled in like `cached_tokens`).
+    /// Tokens of this request's prompt that a request this instance queued on it, whose
+    /// prefill is not over, shares: it will hold them once that prefill ends (filled in like
+    /// `cached_tokens`; requests handed over between prefill and decode pools are not counted).
     pub pending_tokens: u64,
     /// Prefill tokens already queued on it: requests that have not produced a first token.
     pub queued_tokens: u64,

@@ -310,6 +310,27 @@ mod tests {
             ),
             // What it shares is no more than it holds: nothing to ride on.
             (&[("a", 0, 0), ("b", 20_000, 0)], "a", false),
+            // Two others tie for the soonest cold end: the leader's replica is sooner still.
+            (
+                &[("a", 10_000, 0), ("b", 30_000, 40_000), ("c", 10_000, 0)],
+                "b",
+                true,
+            ),
+            // ...and not when it only ties with them.
+            (
+                &[("a", 0, 0), ("b", 40_000, 40_000), ("c", 5_000, 0)],
+                "a",
+                false,
+            ),
+            // Its own cold end is the soonest (the leader is credited as done): it is weighed
+            // against the second soonest.
+            (
+                &[("a", 10_000, 0), ("b", 0, 40_000), ("c", 10_000, 0)],
+                "b",
+                true,
+            ),
+            // Alone, it rides on whatever is pending there.
+            (&[("a", 40_000, 40_000)], "a", true),
         ];
         for (fleet, expect, rode) in table {
             let cs: Vec<Candidate> = fleet

@@ -321,14 +321,15 @@ impl Replica {
 
     /// Like [`Replica::queue_prefill`], for a prompt of `links`, which count as pending on it
     /// (a request sharing their prefix may ride on this one's prefill) until the guard is
-    /// released or drops. `rides`: this request was sent to ride on a pending prompt, so its
-    /// first byte says nothing of the replica's prefill rate (its `uncached` counts what it
-    /// would lack without the other's prefill, not what the replica prefills for it).
+    /// released or drops. `shares_pending`: a prompt pending there shares more of this one
+    /// than the replica holds, so the replica will find that part cached and its first byte
+    /// says nothing of its prefill rate (`uncached` counts what it would lack without the
+    /// other's prefill, not what it prefills).
     pub fn queue_prompt(
         self: &Arc<Self>,
         uncached: u64,
         links: &[Link],
-        rides: bool,
+        shares_pending: bool,
     ) -> QueuedPrefill {
         let pending = self.cache.pending.add(links);
         let l = &self.load;
@@ -350,7 +351,7 @@ impl Replica {
             replica: self.clone(),
             tokens: uncached,
             sent: now,
-            first: idle && !rides,
+            first: idle && !shares_pending,
             pending,
         }
     }

@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::fleet::index::BYTES_PER_TOKEN;
 use crate::protocol::api::prompt::Link;
 
-/// The most prompts a replica keeps pending: more waiting than this on one replica is a queue
-/// no follower would gain by joining, and the lookup stays short.
+/// The most prompts a replica keeps pending: more than this without a first byte on one
+/// replica (a request answered whole, not streamed, counts until its answer) is a queue no
+/// follower would gain by joining, and the lookup stays short.
 const MAX_PENDING: usize = 256;
 
 #[derive(Default)]
@@ -30,12 +31,13 @@ impl Pending {
         if links.is_empty() {
             return None;
         }
+        let links: Arc<[Link]> = Arc::from(links);
         let mut prompts = self.prompts.lock().unwrap_or_else(PoisonError::into_inner);
         if prompts.len() >= MAX_PENDING {
             return None;
         }
         let key = self.next.fetch_add(1, Ordering::Relaxed);
-        prompts.push((key, Arc::from(links)));
+        prompts.push((key, links));
         Some(key)
     }
 
@@ -78,6 +80,10 @@ impl Pending {
 /// the links are equal up to some index and differ from there on.
 fn shared_links(a: &[Link], b: &[Link]) -> usize {
     let (mut lo, mut hi) = (0, a.len().min(b.len()));
+    // Most pending prompts share nothing with a request: one compare says so.
+    if hi == 0 || a[0].hash != b[0].hash {
+        return 0;
+    }
     while lo < hi {
         let mid = lo + (hi - lo) / 2;
         if a[mid].hash == b[mid].hash {
