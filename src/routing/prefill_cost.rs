@@ -8,7 +8,7 @@
 //! itself: the second request of a burst sees the first one's queued prefill, and a replica
 //! counts as holding a prompt only once its prefill is over (the caller records it then), or
 //! for a request that would wait less behind that prefill than it would prefill elsewhere
-//! (`riders`).
+//! (`holding`).
 
 use std::sync::Arc;
 
@@ -77,11 +77,12 @@ pub fn home<F: Fn(u64) -> Option<Arc<str>>>(ask: &Ask<'_, F>) -> Option<(Arc<str
     })
 }
 
-/// The replicas a request may ride on, with the tokens it would find there: those where a
-/// request queued earlier, whose prefill is not over, shares more of its prompt than the
-/// replica holds, and where waiting for that prefill (the replica's whole queue) and then
-/// prefilling the rest ends strictly sooner than a prefill of what it lacks on any other
-/// replica, after that one's queue. Such a replica counts as holding the shared prefix.
+/// For each of `available`, in order, the tokens of the prompt it counts as holding: `held`,
+/// or more where the request may ride on a pending prefill. That is where a request queued
+/// earlier, whose prefill is not over, shares more of its prompt than the replica holds, and
+/// where waiting for that prefill (the replica's whole queue) and then prefilling the rest
+/// ends strictly sooner than a prefill of what it lacks on any other replica, after that
+/// one's queue. There the shared prefix counts as held.
 ///
 /// A follower that arrives while its leader still queues or prefills then finds the leader's
 /// blocks in the cache (a replica looks its cache up when it schedules a request, after the
@@ -90,37 +91,41 @@ pub fn home<F: Fn(u64) -> Option<Arc<str>>>(ask: &Ask<'_, F>) -> Option<(Arc<str
 /// replicas still spreads: the second request's wait behind the first's prefill equals the
 /// cold prefill of the shared part elsewhere, not less, and the caller counts a rider's
 /// queued prefill as a cold one, so the next request does not ride after it either.
-fn riders<'a>(
-    prompt_tokens: u64,
-    available: &[&Candidate<'a>],
-    held: impl Fn(&Candidate<'a>) -> u64,
-) -> Vec<(&'a str, u64)> {
-    if available.iter().all(|c| c.pending_tokens <= held(c)) {
-        return Vec::new();
+fn holding(prompt_tokens: u64, available: &[&Candidate<'_>], held: &[u64]) -> Vec<u64> {
+    if available
+        .iter()
+        .zip(held)
+        .all(|(c, h)| c.pending_tokens <= *h)
+    {
+        return held.to_vec();
     }
-    let wait = |c: &Candidate<'a>, has: u64| {
+    let wait = |c: &Candidate<'_>, has: u64| {
         c.queued_tokens
             .saturating_add(prompt_tokens.saturating_sub(has))
     };
     // The soonest and second soonest cold ends, for the least over every other replica.
-    let (mut first, mut second) = ((u64::MAX, ""), u64::MAX);
-    for c in available {
-        let w = wait(c, held(c));
+    let (mut first, mut second) = ((u64::MAX, usize::MAX), u64::MAX);
+    for (i, (c, h)) in available.iter().zip(held).enumerate() {
+        let w = wait(c, *h);
         if w < first.0 {
             second = first.0;
-            first = (w, c.id);
+            first = (w, i);
         } else if w < second {
             second = w;
         }
     }
     available
         .iter()
-        .filter(|c| c.pending_tokens > held(c))
-        .filter(|c| {
-            let elsewhere = if c.id == first.1 { second } else { first.0 };
-            wait(c, c.pending_tokens) < elsewhere
+        .zip(held)
+        .enumerate()
+        .map(|(i, (c, h))| {
+            let elsewhere = if i == first.1 { second } else { first.0 };
+            if c.pending_tokens > *h && wait(c, c.pending_tokens) < elsewhere {
+                c.pending_tokens
+            } else {
+                *h
+            }
         })
-        .map(|c| (c.id, c.pending_tokens))
         .collect()
 }
 
@@ -134,36 +139,35 @@ fn decide<'c, 'a>(
 ) -> (&'c Candidate<'a>, Route) {
     // The home's served prefix counts unless the replica's own events speak for it: they
     // know what it evicted since.
-    let held = |c: &Candidate<'a>| match home {
-        Some((id, tokens)) if id == c.id && !c.cached_exact => c.cached_tokens.max(tokens),
-        _ => c.cached_tokens,
-    };
-    let rides = riders(prompt_tokens, available, held);
-    let cached = |c: &Candidate<'a>| match rides.iter().find(|(id, _)| *id == c.id) {
-        Some((_, pending)) => *pending,
-        None => held(c),
-    };
-    let cheapest = available
+    let held: Vec<u64> = available
         .iter()
-        .map(|c| cost(c, prompt_tokens, cached(c)))
-        .min()
-        .unwrap_or(0);
-    let tied: Vec<&'c Candidate<'a>> = available
-        .iter()
-        .copied()
-        .filter(|c| cost(c, prompt_tokens, cached(c)) == cheapest)
+        .map(|c| match home {
+            Some((id, tokens)) if id == c.id && !c.cached_exact => c.cached_tokens.max(tokens),
+            _ => c.cached_tokens,
+        })
         .collect();
+    let cached = holding(prompt_tokens, available, &held);
+    let costs: Vec<u64> = available
+        .iter()
+        .zip(&cached)
+        .map(|(c, h)| cost(c, prompt_tokens, *h))
+        .collect();
+    let cheapest = costs.iter().copied().min().unwrap_or(0);
+    let tied = || (0..available.len()).filter(|i| costs[*i] == cheapest);
     // Among equals, the warmest, then the least busy, ties in turn.
-    let warmest = tied.iter().map(|c| cached(c)).max().unwrap_or(0);
-    let warm: Vec<&'c Candidate<'a>> = tied.into_iter().filter(|c| cached(c) == warmest).collect();
+    let warmest = tied().map(|i| cached[i]).max().unwrap_or(0);
+    let warm: Vec<&'c Candidate<'a>> = tied()
+        .filter(|i| cached[*i] == warmest)
+        .map(|i| available[i])
+        .collect();
     let chosen = least_busy(&warm, tick);
-    let best_cache = available.iter().map(|c| cached(c)).max().unwrap_or(0);
+    let best_cache = cached.iter().copied().max().unwrap_or(0);
     let route = match home {
         Some((id, _)) if id == chosen.id => Route::Pinned,
         Some((id, _)) if !available.iter().any(|c| c.id == id) => Route::Repinned,
         Some(_) => Route::Spilled,
         None if best_cache == 0 => Route::Spread,
-        None if cached(chosen) == best_cache => Route::Prefix,
+        None if warmest == best_cache => Route::Prefix,
         None => Route::Spilled,
     };
     (chosen, route)
@@ -269,6 +273,14 @@ mod tests {
         assert!(most <= 10 && most + least == 16, "split {took:?}");
     }
 
+    /// Whether the replica `id` counts as holding more than its cache for this prompt.
+    fn rides(prompt: u64, available: &[&Candidate], id: &str) -> bool {
+        let held: Vec<u64> = available.iter().map(|c| c.cached_tokens).collect();
+        let holding = super::holding(prompt, available, &held);
+        let i = available.iter().position(|c| c.id == id).expect("an id");
+        holding[i] > held[i]
+    }
+
     fn queued(id: &'static str, queued_tokens: u64, pending_tokens: u64) -> Candidate<'static> {
         Candidate {
             queued_tokens,
@@ -340,12 +352,7 @@ mod tests {
             let refs: Vec<&Candidate> = cs.iter().collect();
             let (chosen, route) = super::decide(P, None, &refs, 0);
             assert_eq!(chosen.id, *expect, "{fleet:?}");
-            let riders = super::riders(P, &refs, |c| c.cached_tokens);
-            assert_eq!(
-                riders.iter().any(|(id, _)| *id == chosen.id),
-                *rode,
-                "{fleet:?}: {riders:?}"
-            );
+            assert_eq!(rides(P, &refs, chosen.id), *rode, "{fleet:?}");
             if *rode {
                 assert_eq!(route, super::Route::Prefix, "{fleet:?}");
             }
@@ -354,8 +361,8 @@ mod tests {
 
     /// A same-prefix burst sent before any prefill is over, each request queued as a cold
     /// prefill where it goes (as the caller does, riding or not), and the prompts pending: it
-    /// spreads over 2, 3 and 4 replicas as evenly as 16 divides, and the requests after the first round ride
-    /// on the first round's prefills.
+    /// spreads over 2, 3 and 4 replicas as evenly as 16 divides, and the requests after the
+    /// first round ride on the first round's prefills.
     #[test]
     fn a_same_prefix_burst_spreads_and_the_rest_ride_on_the_first_round() {
         const PREFIX: u64 = 30_000;
@@ -373,10 +380,7 @@ mod tests {
                 let refs: Vec<&Candidate> = cs.iter().collect();
                 let (chosen, _) = super::decide(PROMPT, None, &refs, tick);
                 let i = ids.iter().position(|id| *id == chosen.id).expect("an id");
-                if super::riders(PROMPT, &refs, |c| c.cached_tokens)
-                    .iter()
-                    .any(|(id, _)| *id == chosen.id)
-                {
+                if rides(PROMPT, &refs, chosen.id) {
                     rode += 1;
                 }
                 queue[i] += PROMPT;
