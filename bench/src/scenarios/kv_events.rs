@@ -574,6 +574,8 @@ struct Sent {
     ttft_ms: f64,
     usage: Option<(u64, u64)>,
     replica: Option<String>,
+    /// `x-inferlb-route`, through inferlb: why it went there.
+    route: Option<String>,
 }
 
 /// One run: fresh fleet, the replay with the workload's direct requests or restart.
@@ -641,6 +643,7 @@ async fn run(
                     ttft_ms: o.ttft.unwrap_or(o.total).as_secs_f64() * 1e3 * speed,
                     usage: o.usage,
                     replica: o.replica,
+                    route: o.route,
                 }
             })
         })
@@ -1126,6 +1129,7 @@ mod tests {
             ttft_ms: 0.0,
             usage: None,
             replica: None,
+            route: None,
         };
         let floors = [5000.0, 100.0, 3000.0, f64::NAN];
         let all = [
