@@ -88,10 +88,11 @@ pub fn home<F: Fn(u64) -> Option<Arc<str>>>(ask: &Ask<'_, F>) -> Option<(Arc<str
 /// blocks in the cache (a replica looks its cache up when it schedules a request, after the
 /// requests ahead of it) instead of prefilling them again elsewhere: a second copy that costs
 /// prefill now and evicts what others would have found later. A same-prefix burst on idle
-/// replicas still spreads: the second request's wait behind the first's prefill equals the
-/// cold prefill of the shared part elsewhere, not less, and the caller counts a rider's
+/// replicas still spreads: the second request's wait behind the first's prefill is at least
+/// the cold prefill of the shared part elsewhere, never less, and the caller counts a rider's
 /// queued prefill as a cold one, so the next request does not ride after it either.
 fn holding(prompt_tokens: u64, available: &[&Candidate<'_>], held: &[u64]) -> Vec<u64> {
+    debug_assert_eq!(available.len(), held.len());
     if available
         .iter()
         .zip(held)
@@ -103,7 +104,9 @@ fn holding(prompt_tokens: u64, available: &[&Candidate<'_>], held: &[u64]) -> Ve
         c.queued_tokens
             .saturating_add(prompt_tokens.saturating_sub(has))
     };
-    // The soonest and second soonest cold ends, for the least over every other replica.
+    // The soonest and second soonest cold ends, for the least over every other replica. (A
+    // replica whose own cold end is the soonest rides whenever something is pending there,
+    // as what it shares is at most the prompt: `second` only keeps the rule exact.)
     let (mut first, mut second) = ((u64::MAX, usize::MAX), u64::MAX);
     for (i, (c, h)) in available.iter().zip(held).enumerate() {
         let w = wait(c, *h);
@@ -334,8 +337,8 @@ mod tests {
                 "a",
                 false,
             ),
-            // Its own cold end is the soonest (the leader is credited as done): it is weighed
-            // against the second soonest.
+            // Its own cold end is the soonest (the leader is credited as done): it rides, and
+            // is weighed against the others, not against itself.
             (
                 &[("a", 10_000, 0), ("b", 0, 40_000), ("c", 10_000, 0)],
                 "b",
