@@ -1,6 +1,7 @@
 //! `prefill_cost` routing against real simulated replicas: a same-prefix burst still splits,
 //! an agent loop stays on its warm replica, a fork of a long history goes home while home is
-//! idle, and each replica's cache size is learnt from its `/metrics`.
+//! idle, a follower rides on the prefill of the prefix it shares, and each replica's cache
+//! size is learnt from its `/metrics`.
 
 mod common;
 
