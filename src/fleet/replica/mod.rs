@@ -25,6 +25,7 @@ mod endpoint;
 mod health;
 mod load;
 mod pending;
+mod progress;
 
 pub use cache::{
     CacheModel, CacheSource, Check, Freshness, Prediction, Prompt, DEFAULT_CACHE_TOKENS,
