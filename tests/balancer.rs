@@ -312,6 +312,97 @@ fn a_stream_cut_after_its_first_bytes_is_not_retried_and_ends_for_the_client() {
     assert_eq!(failover_lines(&lb), 0);
 }
 
+/// The data events of a stream, and whether it ended cleanly with `[DONE]` and no error event.
+fn stream_whole(r: reqwest::blocking::Response) -> (Vec<String>, bool) {
+    let (events, err) = sse_events(r);
+    let datas: Vec<String> = events.into_iter().map(|(_, d)| d).collect();
+    let whole = err.is_none()
+        && datas.last().map(String::as_str) == Some("[DONE]")
+        && !datas.iter().any(|d| d.contains("\"error\""));
+    (datas, whole)
+}
+
+/// A replica lost during a prefill has sent its stream's header and nothing else: the client
+/// holds a 200 and no byte of the answer, so the stream goes on, whole, from the other
+/// replica. When that one breaks the same way, the stream ends with an error event, never
+/// hangs and never looks complete. (Completions: the simulator's `cut_before_token` sends a
+/// chat stream's role chunk before it cuts, which vLLM sends only with the first token.)
+#[test]
+fn a_stream_cut_before_its_first_token_goes_on_from_another_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, lb) = cluster(dir.path(), &[], test_conf());
+    a.fault(json!({"fault": "cut_before_token", "count": 1}));
+    // Whichever replica the routing picks first, the faulted one is picked within a few.
+    let mut resumed = None;
+    for i in 0..4 {
+        let r = post(
+            &lb,
+            "/v1/completions",
+            &json!({"prompt": format!("resume me {i}"), "max_tokens": 8, "stream": true}),
+        );
+        assert_eq!(r.status(), 200, "request {i}");
+        let first = header(&r, "x-inferlb-replica");
+        let (datas, whole) = stream_whole(r);
+        assert!(whole, "request {i} (header from {first}): {datas:?}");
+        // Exactly one answer: its 8 tokens once, one end.
+        let tokens = datas
+            .iter()
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter(|v| {
+                v["choices"][0]["text"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+            })
+            .count();
+        assert_eq!(tokens, 8, "request {i}: {datas:?}");
+        assert_eq!(datas.iter().filter(|d| *d == "[DONE]").count(), 1);
+        if first == "gpu0" {
+            resumed = Some(i);
+            break;
+        }
+    }
+    assert!(resumed.is_some(), "gpu0 was never chosen");
+    assert_eq!(a.stats()["requests"].as_u64(), Some(1), "gpu0 took it once");
+    assert_eq!(
+        lb.metric(r#"inferlb_failovers_total{reason="connection_closed",replica="gpu0"}"#),
+        1.0,
+        "{}",
+        lb.metrics()
+    );
+    assert_eq!(lb.metric("inferlb_stream_errors_total"), 0.0);
+    assert_eq!(failover_lines(&lb), 1);
+    let log = lb.proc.log_text();
+    assert!(!log.contains("Fail to proxy"), "{log}");
+
+    // Both break before their first token: no replica is left, the stream ends in an error.
+    for s in [&a, &b] {
+        s.fault(json!({"fault": "cut_before_token", "count": 1}));
+    }
+    // gpu0 was demoted by the cut: wait for its health check to readmit it.
+    let readmitted = wait_until(Duration::from_secs(30), || {
+        lb.metric(r#"inferlb_replica_up{replica="gpu0"}"#) == 1.0
+    });
+    assert!(readmitted, "{}", lb.metrics());
+    let served = |s: &Sim| s.stats()["requests"].as_u64().unwrap_or(0);
+    let before = served(&a) + served(&b);
+    let r = post(
+        &lb,
+        "/v1/completions",
+        &json!({"prompt": "cut twice", "max_tokens": 8, "stream": true}),
+    );
+    assert_eq!(r.status(), 200);
+    let (datas, whole) = stream_whole(r);
+    assert!(!whole, "{datas:?}");
+    let last: Value = serde_json::from_str(datas.last().expect("an event")).expect("json");
+    assert!(last["error"]["message"].is_string(), "{datas:?}");
+    assert_eq!(
+        served(&a) + served(&b),
+        before + 2,
+        "each replica tried once"
+    );
+    assert_eq!(lb.metric("inferlb_stream_errors_total"), 1.0);
+}
+
 #[test]
 fn sse_is_relayed_event_by_event() {
     let dir = tempfile::tempdir().unwrap();

@@ -41,6 +41,9 @@ pub struct Ctx {
     pub(super) attempt: Option<Attempt>,
     /// Set once the first response byte went to the client: nothing is retried after it.
     pub(super) first_byte_at: Option<Instant>,
+    /// Its stream broke before its first byte and ended whole on another replica
+    /// ([`super::resume`]): served, though Pingora saw the first replica's error.
+    pub(super) resumed: bool,
     pub(super) failovers: u32,
     /// The replica whose failure made the last failover, and why: what a client is told when
     /// no replica is left.
@@ -79,6 +82,7 @@ impl Ctx {
             tried: Vec::new(),
             attempt: None,
             first_byte_at: None,
+            resumed: false,
             failovers: 0,
             last_failure: None,
             usage_reader: None,

@@ -11,6 +11,7 @@ mod errors;
 pub mod failover;
 mod outcome;
 mod pd;
+mod resume;
 
 use attempt::{Attempt, Choice};
 pub mod request;
@@ -382,6 +383,11 @@ impl ProxyHttp for Balancer {
         matches!(context, ProxyWarnLogContext::UpstreamRetry)
     }
 
+    fn suppress_error_log(&self, _session: &Session, ctx: &Ctx, _error: &Error) -> bool {
+        // A stream resumed elsewhere was served: its failover line says what broke.
+        ctx.resumed
+    }
+
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
         if let (pingora_core::ErrorSource::Upstream, Some(r)) = (e.esource(), ctx.current()) {
             METRICS
@@ -394,14 +400,27 @@ impl ProxyHttp for Balancer {
             can_reuse_downstream: false,
         };
         if session.response_written().is_some() {
+            let mut message = None;
+            if self.resumable(session, e, ctx) {
+                match self.resume(session, e, ctx).await {
+                    // Ended whole. Pingora closes an HTTP/1.1 connection next, though its
+                    // header (sent before the first replica broke) promised no close: a client
+                    // reusing it at once may meet the close, as after any cut stream.
+                    resume::Resumed::Served => return done,
+                    resume::Resumed::ClientGone => return done,
+                    resume::Resumed::GaveUp(why) => message = Some(why),
+                }
+            }
             // The stream already began: end it with an error event the client can see. The
             // body is left unterminated on purpose: Pingora closes this connection next, and a
             // cleanly ended response would invite the client to reuse it and lose its next
             // request in that race.
             METRICS.stream_errors.inc();
             if ctx.info.as_ref().is_some_and(|i| i.stream) {
-                let replica = ctx.current().map_or("none", |r| &*r.id);
-                let message = format!("replica {replica}'s stream broke ({})", reason(e));
+                let message = message.unwrap_or_else(|| {
+                    let replica = ctx.current().map_or("none", |r| &*r.id);
+                    format!("replica {replica}'s stream broke ({})", reason(e))
+                });
                 let event = answers::stream_error_event(ctx.family, &message);
                 let _ = session.write_response_body(Some(event), false).await;
                 if session.as_downstream().is_http2() {

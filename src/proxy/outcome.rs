@@ -388,7 +388,7 @@ impl Balancer {
                 .with_label_values(&[replica, route, code_class(status)])
                 .inc();
         }
-        let served_whole = e.is_none() && (200..300).contains(&status);
+        let served_whole = (e.is_none() || ctx.resumed) && (200..300).contains(&status);
         let key = ctx.info.as_ref().and_then(|i| i.shape.served_key());
         // Shared with the cluster at decision time already (see `choose`).
         if let (true, Some(r)) = (served_whole, served_by.as_ref()) {

@@ -162,6 +162,10 @@ pub struct KvRun {
     /// The p90 floor over the same requests (see [`Reference`]).
     pub ttft_p90_floor_ms: f64,
     pub front_errors: usize,
+    /// Of `front_errors`, streams that broke after their 200 and before their first token: a
+    /// front that holds the answer's header until then, or resumes such a stream, could still
+    /// have served them.
+    pub front_errors_before_token: usize,
     pub direct_errors: usize,
     /// Answers through the front that carried a usage (the hit rate's denominator).
     pub answers_with_usage: usize,
@@ -571,7 +575,10 @@ struct Sent {
     direct: bool,
     failed: bool,
     status: u16,
+    /// To its first token, or to its end when none came.
     ttft_ms: f64,
+    /// A token came: a request that failed without one was cut before its first token.
+    token: bool,
     usage: Option<(u64, u64)>,
     replica: Option<String>,
     /// `x-inferlb-route`, through inferlb: why it went there.
@@ -641,6 +648,7 @@ async fn run(
                     failed: o.failed,
                     status: o.status,
                     ttft_ms: o.ttft.unwrap_or(o.total).as_secs_f64() * 1e3 * speed,
+                    token: o.ttft.is_some(),
                     usage: o.usage,
                     replica: o.replica,
                     route: o.route,
@@ -713,6 +721,7 @@ async fn run(
         r.front_requests += 1;
         if s.failed {
             r.front_errors += 1;
+            r.front_errors_before_token += usize::from(!s.token && s.status == 200);
             *r.error_statuses.entry(s.status).or_insert(0) += 1;
             continue;
         }
@@ -914,12 +923,13 @@ pub async fn kv_events(client: &reqwest::Client, kc: &KvConf) -> Option<KvResult
                     match r.await {
                         Ok(r) => {
                             eprintln!(
-                            "[kv-events]   hit rate front {:.1}%, all {:.1}%, TTFT p50 {:.0} ms p90 {:.0} ms, errors front {} direct {}, {:.1} s",
+                            "[kv-events]   hit rate front {:.1}%, all {:.1}%, TTFT p50 {:.0} ms p90 {:.0} ms, errors front {} ({} before a token) direct {}, {:.1} s",
                             r.front_hit_rate * 100.0,
                             r.all_hit_rate * 100.0,
                             r.ttft_p50_ms,
                             r.ttft_p90_ms,
                             r.front_errors,
+                            r.front_errors_before_token,
                             r.direct_errors,
                             r.wall_seconds
                         );
@@ -1054,10 +1064,10 @@ pub fn write(r: &KvResult, out: &Path) -> String {
             row.direct_errors
         ));
     }
-    md.push_str("\nEach run:\n\n| workload | cache | front | run | through front | direct | hit (front) | hit (all) | p50 | p90 | errors front/direct | answers with usage | lookups events/estimate | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("\nEach run:\n\n| workload | cache | front | run | through front | direct | hit (front) | hit (all) | p50 | p90 | errors front (before a token)/direct | answers with usage | lookups events/estimate | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for x in &r.runs {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.2}% | {:.2}% | {:.0} | {:.0} | {}/{} | {} | {}/{} | {:.1} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.2}% | {:.2}% | {:.0} | {:.0} | {} ({})/{} | {} | {}/{} | {:.1} |\n",
             x.workload,
             x.cache_tokens,
             x.front,
@@ -1069,6 +1079,7 @@ pub fn write(r: &KvResult, out: &Path) -> String {
             x.ttft_p50_ms,
             x.ttft_p90_ms,
             x.front_errors,
+            x.front_errors_before_token,
             x.direct_errors,
             x.answers_with_usage,
             x.lookups_events,
@@ -1127,6 +1138,7 @@ mod tests {
             failed,
             status: 200,
             ttft_ms: 0.0,
+            token: true,
             usage: None,
             replica: None,
             route: None,

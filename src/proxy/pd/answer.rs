@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::{Error, ErrorType};
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
@@ -31,7 +32,7 @@ impl Balancer {
         let Started {
             decode,
             prefill,
-            session: mut upstream,
+            session: upstream,
             header,
             held,
             in_flight,
@@ -95,6 +96,21 @@ impl Balancer {
             length.filter(|_| !sse),
         );
         session.write_response_header(resp, false).await?;
+        self.relay(session, ctx, (upstream, &decode), held).await
+    }
+
+    /// An answer whose header the client has: the events held until its first token, then
+    /// the rest as it comes, to its end (the connection back to the pool). Nothing is
+    /// retried from here on: a cut or a silence is an error for `fail_to_proxy`, which ends a
+    /// stream with its API's error event and leaves the body unterminated, so the client sees
+    /// it cut, never complete.
+    pub(in crate::proxy) async fn relay(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        (mut upstream, replica): (HttpSession, &Replica),
+        held: Vec<Bytes>,
+    ) -> pingora_core::Result<()> {
         for chunk in held {
             pass(self, session, ctx, Some(chunk)).await?;
         }
@@ -107,18 +123,16 @@ impl Balancer {
                     self.observe_response(None, true, ctx);
                     let mut tail = None;
                     strip_usage(&mut tail, true, ctx);
-                    session.write_response_body(tail, true).await?;
-                    release(upstream, &decode).await;
+                    session
+                        .write_response_body(tail, true)
+                        .await
+                        .map_err(|_| client_left())?;
+                    release(upstream, replica).await;
                     return Ok(());
                 }
-                Ok(Err(e)) => {
-                    // Cut after the first byte: never retried. As on the proxy path,
-                    // `fail_to_proxy` ends a stream with its API's error event and leaves
-                    // the body unterminated, so the client sees it cut, never complete.
-                    return Err(e.into_up());
-                }
+                Ok(Err(e)) => return Err(e.into_up()),
                 Err(_) => {
-                    let why = format!("replica {} went silent for {read_timeout:?}", decode.id);
+                    let why = format!("replica {} went silent for {read_timeout:?}", replica.id);
                     return Err(Error::explain(ErrorType::ReadTimedout, why).into_up());
                 }
             }

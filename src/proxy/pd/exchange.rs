@@ -1,6 +1,7 @@
 //! A leg's exchange with a replica, over Pingora's connector (so TLS, SNI and the trusted roots
 //! are the data path's): its request head as the proxy path makes one, the answer's header, and
-//! bounded reads of its body. What can go wrong, as [`LegError`].
+//! bounded reads of its body, held up to a stream's first token. What can go wrong, as
+//! [`LegError`]. A stream resumed on another replica ([`crate::proxy::resume`]) is one too.
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -13,6 +14,7 @@ use pingora_core::ErrorType;
 use pingora_http::{RequestHeader, ResponseHeader};
 
 use crate::fleet::replica::Replica;
+use crate::protocol::handover::{Start, StreamStart};
 
 /// One connector (and connection pool) for both legs of every disaggregated request.
 static CONNECTOR: LazyLock<Connector> = LazyLock::new(|| Connector::new(None));
@@ -22,13 +24,16 @@ const MAX_ANSWER_BYTES: usize = 8 << 20;
 
 /// Why a leg failed.
 #[derive(Debug)]
-pub(super) enum LegError {
+pub(in crate::proxy) enum LegError {
     /// No connection: the replica is demoted.
     Connect(String),
     /// Not connected to at all: outside `admin.allowed_networks` (no fault of the replica's).
     NotAllowed(String),
-    /// Its connection broke or went silent before an answer.
+    /// Its connection broke before an answer.
     Broken(String),
+    /// It said nothing for the read timeout: still working, perhaps (a proxy path's read
+    /// timeout never fails over; a leg's fails over without demoting it).
+    TimedOut(String),
     /// It answered with this status (and this body): 4xx goes to the client as it is.
     Answered(Box<ResponseHeader>, Bytes),
     /// Its stream's first event was an error (a failed KV pull).
@@ -43,6 +48,7 @@ impl std::fmt::Display for LegError {
             LegError::Connect(why) => write!(f, "no connection: {why}"),
             LegError::NotAllowed(why) => write!(f, "not connected to: {why}"),
             LegError::Broken(why) => write!(f, "broken: {why}"),
+            LegError::TimedOut(why) => write!(f, "silent: {why}"),
             LegError::Answered(h, _) => write!(f, "answered {}", h.status.as_u16()),
             LegError::StreamFailed => f.write_str("its stream's first event was an error"),
             LegError::NoParams => f.write_str("no kv_transfer_params in the answer"),
@@ -51,11 +57,12 @@ impl std::fmt::Display for LegError {
 }
 
 impl LegError {
-    pub(super) fn reason(&self) -> &'static str {
+    pub(in crate::proxy) fn reason(&self) -> &'static str {
         match self {
             LegError::Connect(_) => "connect",
             LegError::NotAllowed(_) => "not_allowed",
             LegError::Broken(_) => "broken",
+            LegError::TimedOut(_) => "read_timeout",
             LegError::Answered(h, _) if h.status.is_server_error() => "http_5xx",
             LegError::Answered(..) => "http_4xx",
             LegError::StreamFailed => "stream_error",
@@ -71,15 +78,15 @@ impl LegError {
 
 /// What a leg's exchange needs from the balancer, owned (an SGLang prefill leg runs apart).
 #[derive(Clone)]
-pub(super) struct LegCtx {
-    pub(super) read_timeout: Duration,
-    pub(super) networks: crate::conf::netpolicy::Networks,
+pub(in crate::proxy) struct LegCtx {
+    pub(in crate::proxy) read_timeout: Duration,
+    pub(in crate::proxy) networks: crate::conf::netpolicy::Networks,
 }
 
 impl LegCtx {
     /// Sends `body` to `r` as the client's request (its path, content headers, the request
     /// id; inferlb's key for it, never the client's) and reads the answer's header.
-    pub(super) async fn exchange_keep(
+    pub(in crate::proxy) async fn exchange_keep(
         &self,
         r: &Replica,
         client: &RequestHeader,
@@ -123,6 +130,9 @@ impl LegCtx {
                         ) =>
                 {
                     continue
+                }
+                Err(e) if e.etype() == &ErrorType::ReadTimedout => {
+                    return Err(LegError::TimedOut(e.to_string()))
                 }
                 Err(e) => return Err(LegError::Broken(e.to_string())),
             }
@@ -217,8 +227,59 @@ pub(super) async fn read_all(s: &mut HttpSession, timeout: Duration) -> Result<B
     Ok(Bytes::from(body))
 }
 
+/// Reads an SSE answer up to its first token and returns what came until then, to be passed
+/// on once the answer is known to flow. A stream that ends or breaks first, or whose first
+/// event is the replica's own error, produced nothing for the client: another replica may
+/// serve it.
+pub(in crate::proxy) async fn first_token(
+    s: &mut HttpSession,
+    timeout: Duration,
+) -> Result<Vec<Bytes>, LegError> {
+    let mut start = StreamStart::default();
+    let mut held = Vec::new();
+    loop {
+        let chunk = tokio::time::timeout(timeout, s.read_response_body())
+            .await
+            .map_err(|_| LegError::TimedOut("no first token in time".into()))?
+            .map_err(|e| LegError::Broken(e.to_string()))?;
+        let Some(chunk) = chunk else {
+            // Ended with nothing generated (a Responses stream whose pull failed breaks off
+            // after its preamble): nothing of it reached the client.
+            return Err(LegError::Broken("the stream ended before a token".into()));
+        };
+        let verdict = start.feed(&chunk);
+        held.push(chunk);
+        match verdict {
+            Start::Held => {}
+            Start::Flowing => return Ok(held),
+            Start::Failed => return Err(LegError::StreamFailed),
+        }
+    }
+}
+
+/// `work`, unless the client hangs up first (`None`). The whole body is read: the next read
+/// ends only when the client hangs up. A large chunked body's terminator is still Pingora's
+/// to read (`tail_pending`): then, as in the overload queue, the hang-up goes unwatched until
+/// the answer is written.
+pub(in crate::proxy) async fn unless_client_leaves<T>(
+    session: &mut pingora_proxy::Session,
+    tail_pending: bool,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    let downstream = session.as_downstream_mut();
+    let gone = async {
+        if tail_pending || downstream.read_body_or_idle(true).await.is_ok() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        t = work => Some(t),
+        _ = gone => None,
+    }
+}
+
 /// A connection whose answer ended goes back to the pool.
-pub(super) async fn release(mut s: HttpSession, r: &Replica) {
+pub(in crate::proxy) async fn release(mut s: HttpSession, r: &Replica) {
     if s.response_done() {
         CONNECTOR
             .release_http_session(s, &r.endpoint.peer, r.endpoint.peer.options.idle_timeout)

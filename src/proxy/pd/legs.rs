@@ -8,10 +8,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
-use super::exchange::{read_all, release, LegCtx, LegError};
+use super::exchange::{first_token, read_all, release, LegCtx, LegError};
 use super::{Background, Plan, Started};
 use crate::fleet::replica::{InFlight, Replica};
-use crate::protocol::handover::{self, Start, StreamStart};
+use crate::protocol::handover;
 use crate::proxy::Balancer;
 use crate::telemetry::metrics::METRICS;
 
@@ -82,7 +82,7 @@ impl Balancer {
     }
 
     /// What a leg's exchange needs; `read_timeout` bounds each read of its answer.
-    pub(super) fn leg_ctx(&self, read_timeout: Duration) -> LegCtx {
+    pub(in crate::proxy) fn leg_ctx(&self, read_timeout: Duration) -> LegCtx {
         LegCtx {
             read_timeout,
             networks: self.conf.admin.allowed_networks.clone(),
@@ -151,29 +151,11 @@ impl Balancer {
             .headers
             .get("content-type")
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        let mut held = Vec::new();
-        if sse {
-            let mut start = StreamStart::default();
-            loop {
-                let chunk =
-                    tokio::time::timeout(self.conf.upstream.read_timeout, s.read_response_body())
-                        .await
-                        .map_err(|_| LegError::Broken("no first token in time".into()))?
-                        .map_err(|e| LegError::Broken(e.to_string()))?;
-                let Some(chunk) = chunk else {
-                    // Ended with nothing generated (a Responses stream whose pull failed
-                    // breaks off after its preamble): nothing of it reached the client.
-                    return Err(LegError::Broken("the stream ended before a token".into()));
-                };
-                let verdict = start.feed(&chunk);
-                held.push(chunk);
-                match verdict {
-                    Start::Held => {}
-                    Start::Flowing => break,
-                    Start::Failed => return Err(LegError::StreamFailed),
-                }
-            }
-        }
+        let held = if sse {
+            first_token(&mut s, self.conf.upstream.read_timeout).await?
+        } else {
+            Vec::new()
+        };
         METRICS.pd_legs.with_label_values(&[&d.id, leg, "ok"]).inc();
         Ok(Box::new(Started {
             decode: d.clone(),

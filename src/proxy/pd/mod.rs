@@ -37,7 +37,8 @@ mod exchange;
 mod legs;
 mod warm;
 
-use exchange::LegError;
+// A stream resumed on another replica is exchanged and relayed as a decode leg is.
+pub(super) use exchange::{first_token, unless_client_leaves, LegError};
 
 use super::attempt::{Attempt, Choice};
 use super::{answers, Balancer, Ctx};
@@ -168,21 +169,9 @@ impl Balancer {
             decode: ctx.tried.clone(),
             ..Tries::default()
         };
-        let begun = {
-            let downstream = session.as_downstream_mut();
-            // The whole body is read: the next read ends only when the client hangs up. A
-            // large chunked body's terminator is still Pingora's to read: then, as in the
-            // overload queue, the hang-up goes unwatched until the answer is written.
-            let gone = async {
-                if tail_pending || downstream.read_body_or_idle(true).await.is_ok() {
-                    std::future::pending::<()>().await;
-                }
-            };
-            tokio::select! {
-                b = self.begin(&plan, &mut tries) => Some(b),
-                _ = gone => None,
-            }
-        };
+        let begun =
+            exchange::unless_client_leaves(session, tail_pending, self.begin(&plan, &mut tries))
+                .await;
         ctx.failovers += tries.failovers;
         if tries.last.is_some() {
             ctx.last_failure = tries.last.take();
