@@ -8,7 +8,8 @@ trace, this prints every request whose cached tokens differ between them, with:
 
 - A's route (`spilled`: a replica held part of it and A went elsewhere; `spread`: no replica
   held any of it, by A's index);
-- the latest earlier request sharing a prefix with it, how long before it was sent, and how
+- the earlier request sharing the longest prefix with it (the latest of those), how long
+  before it was sent, and how
   many new (uncached) prompt tokens that request's replica took in between under each front:
   the pressure that evicted, or did not evict, the shared prefix.
 
@@ -29,7 +30,7 @@ import sys
 def load_run(path):
     """The run's requests by trace index."""
     with open(path, encoding="utf-8") as f:
-        return {r["index"]: r for r in map(json.loads, f)}
+        return {r["index"]: r for r in (json.loads(line) for line in f if line.strip())}
 
 
 def load_trace(path, n):
@@ -80,18 +81,27 @@ def main():
     p.add_argument("--trace", required=True, help="the trace the bench replayed")
     args = p.parse_args()
     a, b = load_run(args.a), load_run(args.b)
+    if not a or not b:
+        print("a run has no requests", file=sys.stderr)
+        return 1
     trace = load_trace(args.trace, max(max(a), max(b)) + 1)
     gained = {"A": collections.Counter(), "B": collections.Counter()}
-    for i in sorted(set(a) & set(b)):
+    both = set(a) & set(b)
+    for i in sorted(both):
+        # A request that failed in either run has no usage to compare.
+        if a[i].get("failed") or b[i].get("failed"):
+            continue
         ca, cb = cached(a[i]), cached(b[i])
         if ca == cb:
             continue
         route = a[i].get("route") or "-"
         gained["A" if ca > cb else "B"][route] += abs(ca - cb)
-        earlier = [j for j in range(i) if shared_blocks(trace[i], trace[j]) > 0]
+        # The earlier request sharing the longest prefix with it, the latest of those.
+        shares = [(shared_blocks(trace[i], trace[j]), j) for j in range(i) if j in both]
+        longest = max(shares, default=(0, None))
         line = f"{i}: cached A {ca} ({a[i].get('replica')}, {route}) B {cb} ({b[i].get('replica')})"
-        if earlier:
-            j = earlier[-1]
+        if longest[0] > 0:
+            j = longest[1]
             gap = (a[i]["at_ms"] - a[j]["at_ms"]) / 1000
             ta, na = new_tokens(a, j, i)
             tb, nb = new_tokens(b, j, i)
@@ -103,7 +113,7 @@ def main():
         print(line)
     hits = [sum(1 for r in run.values() if cached(r) > 0) for run in (a, b)]
     routes = collections.Counter(r.get("route") or "-" for r in a.values())
-    print(f"requests with a cached token: A {hits[0]}, B {hits[1]} of {len(a)}")
+    print(f"requests with a cached token: A {hits[0]} of {len(a)}, B {hits[1]} of {len(b)}")
     print(f"A's routes: {dict(routes)}")
     for side in ("A", "B"):
         print(f"tokens {side} cached beyond the other, by A's route: {dict(gained[side])}")

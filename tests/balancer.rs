@@ -370,6 +370,9 @@ fn a_stream_cut_before_its_first_token_goes_on_from_another_replica() {
         lb.metrics()
     );
     assert_eq!(lb.metric("inferlb_stream_errors_total"), 0.0);
+    // Served: no replica's failure ended it.
+    let final_errors = lb.samples("inferlb_upstream_errors_total");
+    assert!(final_errors.is_empty(), "{final_errors:?}");
     assert_eq!(failover_lines(&lb), 1);
     let log = lb.proc.log_text();
     assert!(!log.contains("Fail to proxy"), "{log}");
@@ -406,6 +409,10 @@ fn a_stream_cut_before_its_first_token_goes_on_from_another_replica() {
         "each replica tried once"
     );
     assert_eq!(lb.metric("inferlb_stream_errors_total"), 1.0);
+    // The last replica tried ended it: one final error, for it alone.
+    let final_errors = lb.samples("inferlb_upstream_errors_total");
+    let total: f64 = final_errors.iter().map(|(_, v)| v).sum();
+    assert_eq!(total, 1.0, "{final_errors:?}");
 }
 
 #[test]

@@ -389,28 +389,37 @@ impl ProxyHttp for Balancer {
     }
 
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
-        if let (pingora_core::ErrorSource::Upstream, Some(r)) = (e.esource(), ctx.current()) {
+        let done = FailToProxy {
+            error_code: 0,
+            can_reuse_downstream: false,
+        };
+        // A stream cut before its first byte goes on elsewhere (`resume`): served, it is no
+        // replica's final failure; given up, the last replica tried ends it.
+        let mut message = None;
+        if self.resumable(session, e, ctx) {
+            match self.resume(session, e, ctx).await {
+                // Ended whole. Pingora closes an HTTP/1.1 connection next, though its header
+                // (sent before the first replica broke) promised no close: a client reusing
+                // it at once may meet the close, as after any cut stream.
+                resume::Resumed::Served | resume::Resumed::ClientGone => return done,
+                resume::Resumed::GaveUp(why) => {
+                    if let Some((id, why)) = &ctx.last_failure {
+                        METRICS
+                            .upstream_errors
+                            .with_label_values(&[&**id, why])
+                            .inc();
+                    }
+                    message = Some(why);
+                }
+            }
+        } else if let (pingora_core::ErrorSource::Upstream, Some(r)) = (e.esource(), ctx.current())
+        {
             METRICS
                 .upstream_errors
                 .with_label_values(&[&r.id, reason(e)])
                 .inc();
         }
-        let done = FailToProxy {
-            error_code: 0,
-            can_reuse_downstream: false,
-        };
         if session.response_written().is_some() {
-            let mut message = None;
-            if self.resumable(session, e, ctx) {
-                match self.resume(session, e, ctx).await {
-                    // Ended whole. Pingora closes an HTTP/1.1 connection next, though its
-                    // header (sent before the first replica broke) promised no close: a client
-                    // reusing it at once may meet the close, as after any cut stream.
-                    resume::Resumed::Served => return done,
-                    resume::Resumed::ClientGone => return done,
-                    resume::Resumed::GaveUp(why) => message = Some(why),
-                }
-            }
             // The stream already began: end it with an error event the client can see. The
             // body is left unterminated on purpose: Pingora closes this connection next, and a
             // cleanly ended response would invite the client to reuse it and lose its next

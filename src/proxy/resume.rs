@@ -13,7 +13,8 @@
 
 use std::sync::Arc;
 
-use pingora_core::{Error, ErrorSource};
+use pingora_core::upstreams::peer::Peer;
+use pingora_core::{Error, ErrorSource, ErrorType};
 use pingora_proxy::Session;
 
 use super::attempt::Attempt;
@@ -67,8 +68,8 @@ impl Balancer {
     }
 
     /// Serves the rest of a [`Balancer::resumable`] request on other replicas, one try at a
-    /// time within the request's attempts, each bounded by the read timeout, and given up as
-    /// soon as the client leaves.
+    /// time within the request's attempts (each read bounded by the read timeout), and given
+    /// up as soon as the client leaves.
     pub(super) async fn resume(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> Resumed {
         if let Some(r) = ctx.current().cloned() {
             // It took the request and broke before answering: demoted, as on any failover.
@@ -79,6 +80,8 @@ impl Balancer {
         let header = session.req_header().clone();
         let body = ctx.body.bytes().clone();
         let tail_pending = ctx.body.tail_pending(session);
+        // Replicas outside the allowed networks are passed over without a try, each once.
+        let mut passes = self.registry.all().len();
         while ctx
             .attempt
             .as_ref()
@@ -92,6 +95,15 @@ impl Balancer {
                 return Resumed::GaveUp(self.none_left(ctx));
             };
             let r = choice.replica.clone();
+            if let Err(why) = leg.networks.check_peer(r.endpoint.peer.address()) {
+                log::error!("replica {} not connected to: {why}", r.id);
+                ctx.tried.push(r);
+                passes = passes.saturating_sub(1);
+                if passes == 0 {
+                    return Resumed::GaveUp(self.none_left(ctx));
+                }
+                continue;
+            }
             let n = ctx.attempt.as_ref().map_or(0, |a| a.n) + 1;
             // Replaces the last try whole, releasing what it held.
             ctx.attempt = Some(Attempt::start(n, choice));
@@ -117,6 +129,7 @@ impl Balancer {
                         continue;
                     }
                     Try::Stop(why) => {
+                        ctx.last_failure = Some((r.id.clone(), le.reason()));
                         ctx.tried.push(r);
                         return Resumed::GaveUp(why);
                     }
@@ -128,8 +141,14 @@ impl Balancer {
                     Resumed::Served
                 }
                 Err(e) if e.esource() == &ErrorSource::Downstream => Resumed::ClientGone,
+                // Cut or silent after its first token: never retried.
                 Err(e) => {
-                    Resumed::GaveUp(format!("replica {}'s stream broke ({})", r.id, reason(&e)))
+                    let why = reason(&e);
+                    ctx.last_failure = Some((r.id.clone(), why));
+                    Resumed::GaveUp(match e.etype() {
+                        ErrorType::ReadTimedout => format!("replica {} went silent", r.id),
+                        _ => format!("replica {}'s stream broke ({why})", r.id),
+                    })
                 }
             };
         }
@@ -175,8 +194,8 @@ impl Balancer {
         }
     }
 
-    /// A failed try's count and log line, as the proxy path's failover writes them; the
-    /// replica is given up on for this request.
+    /// A failed try: the replica is given up on for this request, and, when another try
+    /// follows, the failover's count and log line, as the proxy path's failover writes them.
     fn count_failover(
         &self,
         session: &Session,
@@ -185,8 +204,18 @@ impl Balancer {
         why: &'static str,
         detail: &str,
     ) {
-        ctx.failovers += 1;
         ctx.last_failure = Some((r.id.clone(), why));
+        if !ctx.tried.iter().any(|t| Arc::ptr_eq(t, r)) {
+            ctx.tried.push(r.clone());
+        }
+        if ctx
+            .attempt
+            .as_ref()
+            .is_some_and(|a| a.n >= self.max_attempts)
+        {
+            return;
+        }
+        ctx.failovers += 1;
         METRICS.failovers.with_label_values(&[&r.id, why]).inc();
         log::warn!(
             "failover: replica={} reason={why} path={} attempt={}: resuming the stream on another replica before its first byte ({detail})",
@@ -194,9 +223,6 @@ impl Balancer {
             session.req_header().uri.path(),
             ctx.attempt.as_ref().map_or(0, |a| a.n),
         );
-        if !ctx.tried.iter().any(|t| Arc::ptr_eq(t, r)) {
-            ctx.tried.push(r.clone());
-        }
     }
 }
 

@@ -238,10 +238,14 @@ pub(in crate::proxy) async fn first_token(
     let mut start = StreamStart::default();
     let mut held = Vec::new();
     loop {
+        // The session's own read timeout is as long: whichever fires first, a silence.
         let chunk = tokio::time::timeout(timeout, s.read_response_body())
             .await
             .map_err(|_| LegError::TimedOut("no first token in time".into()))?
-            .map_err(|e| LegError::Broken(e.to_string()))?;
+            .map_err(|e| match e.etype() {
+                ErrorType::ReadTimedout => LegError::TimedOut(e.to_string()),
+                _ => LegError::Broken(e.to_string()),
+            })?;
         let Some(chunk) = chunk else {
             // Ended with nothing generated (a Responses stream whose pull failed breaks off
             // after its preamble): nothing of it reached the client.
