@@ -393,32 +393,11 @@ impl ProxyHttp for Balancer {
             error_code: 0,
             can_reuse_downstream: false,
         };
-        // A stream cut before its first byte goes on elsewhere (`resume`): served, it is no
-        // replica's final failure; given up, the last replica tried ends it.
-        let mut message = None;
-        if self.resumable(session, e, ctx) {
-            match self.resume(session, e, ctx).await {
-                // Ended whole. Pingora closes an HTTP/1.1 connection next, though its header
-                // (sent before the first replica broke) promised no close: a client reusing
-                // it at once may meet the close, as after any cut stream.
-                resume::Resumed::Served | resume::Resumed::ClientGone => return done,
-                resume::Resumed::GaveUp(why) => {
-                    if let Some((id, why)) = &ctx.last_failure {
-                        METRICS
-                            .upstream_errors
-                            .with_label_values(&[&**id, why])
-                            .inc();
-                    }
-                    message = Some(why);
-                }
-            }
-        } else if let (pingora_core::ErrorSource::Upstream, Some(r)) = (e.esource(), ctx.current())
-        {
-            METRICS
-                .upstream_errors
-                .with_label_values(&[&r.id, reason(e)])
-                .inc();
-        }
+        // A stream cut before its first byte goes on elsewhere, if it can.
+        let message = match self.go_on(session, e, ctx).await {
+            resume::GoOn::Ended => return done,
+            resume::GoOn::Fails(message) => message,
+        };
         if session.response_written().is_some() {
             // The stream already began: end it with an error event the client can see. The
             // body is left unterminated on purpose: Pingora closes this connection next, and a

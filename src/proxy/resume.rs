@@ -26,13 +26,21 @@ use crate::fleet::replica::Replica;
 use crate::telemetry::metrics::METRICS;
 
 /// How a resumed stream ended.
-pub(super) enum Resumed {
+enum Resumed {
     /// Whole, from another replica.
     Served,
     /// No replica could go on with it: the stream ends with an error event saying this.
     GaveUp(String),
     /// The client left: nobody to tell.
     ClientGone,
+}
+
+/// What `fail_to_proxy` does next.
+pub(super) enum GoOn {
+    /// The request is over: served whole elsewhere, or its client left.
+    Ended,
+    /// It fails, as it would have without a resume; with why, when a resume was given up.
+    Fails(Option<String>),
 }
 
 /// What one try of the resume came to, before its first token.
@@ -45,10 +53,40 @@ enum Try {
 }
 
 impl Balancer {
+    /// A request that failed with `e`: resumed when it can be, and the replica whose failure
+    /// ended it counted (`inferlb_upstream_errors_total`): none when it was served elsewhere,
+    /// the last one tried when the resume gave up.
+    pub(super) async fn go_on(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> GoOn {
+        if !self.resumable(session, e, ctx) {
+            if let (ErrorSource::Upstream, Some(r)) = (e.esource(), ctx.current()) {
+                METRICS
+                    .upstream_errors
+                    .with_label_values(&[&r.id, reason(e)])
+                    .inc();
+            }
+            return GoOn::Fails(None);
+        }
+        match self.resume(session, e, ctx).await {
+            // Ended whole. Pingora closes an HTTP/1.1 connection next, though its header
+            // (sent before the first replica broke) promised no close: a client reusing it at
+            // once may meet the close, as after any cut stream.
+            Resumed::Served | Resumed::ClientGone => GoOn::Ended,
+            Resumed::GaveUp(why) => {
+                if let Some((id, last)) = &ctx.last_failure {
+                    METRICS
+                        .upstream_errors
+                        .with_label_values(&[&**id, last])
+                        .inc();
+                }
+                GoOn::Fails(Some(why))
+            }
+        }
+    }
+
     /// Whether the request that failed with `e` can go on elsewhere: a stream whose replica
     /// broke after a successful, uncompressed header and before its first body byte, with
     /// tries left.
-    pub(super) fn resumable(&self, session: &mut Session, e: &Error, ctx: &Ctx) -> bool {
+    fn resumable(&self, session: &mut Session, e: &Error, ctx: &Ctx) -> bool {
         let header_only = session.response_written().is_some_and(|h| {
             h.status.is_success()
                 && is_sse(h)
@@ -70,7 +108,7 @@ impl Balancer {
     /// Serves the rest of a [`Balancer::resumable`] request on other replicas, one try at a
     /// time within the request's attempts (each read bounded by the read timeout), and given
     /// up as soon as the client leaves.
-    pub(super) async fn resume(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> Resumed {
+    async fn resume(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> Resumed {
         if let Some(r) = ctx.current().cloned() {
             // It took the request and broke before answering: demoted, as on any failover.
             r.demote();
