@@ -104,6 +104,9 @@ impl LegCtx {
                 .map_err(|e| LegError::Connect(e.to_string()))?;
             let req = leg_header(client, r, request_id, body.len())?;
             s.set_read_timeout(Some(self.read_timeout));
+            // As the proxy path's: a replica that takes the connection and never reads the
+            // body does not hold the request.
+            s.set_write_timeout(r.endpoint.peer.options.write_timeout);
             let sent = async {
                 s.write_request_header(req).await?;
                 s.write_request_body(body.clone(), true).await?;
