@@ -424,13 +424,18 @@ impl Balancer {
     }
 }
 
+/// Whether an answer streams (SSE).
+pub(super) fn is_sse(header: &ResponseHeader) -> bool {
+    header
+        .headers
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
 /// An answer about to pass to the client: its usage is read as it passes, and the usage event
 /// inferlb asked for is taken out of a stream. Whether it streams (SSE).
 pub(super) fn read_answer(ctx: &mut Ctx, header: &ResponseHeader) -> bool {
-    let sse = header
-        .headers
-        .get("content-type")
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let sse = is_sse(header);
     ctx.usage_reader = Some(UsageReader::new(ctx.family, sse));
     if sse && ctx.usage_asked {
         ctx.usage_stripper = Some(UsageStripper::default());

@@ -20,6 +20,7 @@ use pingora_proxy::Session;
 use super::attempt::Attempt;
 use super::errors::{failure_of, reason, Seen};
 use super::failover::{status_fails_over, Failure};
+use super::outcome::is_sse;
 use super::pd::{first_token, unless_client_leaves, LegError};
 use super::{Balancer, Ctx};
 use crate::fleet::replica::Replica;
@@ -262,10 +263,4 @@ impl Balancer {
             ctx.attempt.as_ref().map_or(0, |a| a.n),
         );
     }
-}
-
-fn is_sse(h: &pingora_http::ResponseHeader) -> bool {
-    h.headers
-        .get("content-type")
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
 }

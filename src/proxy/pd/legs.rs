@@ -12,6 +12,7 @@ use super::exchange::{first_token, read_all, release, LegCtx, LegError};
 use super::{Background, Plan, Started};
 use crate::fleet::replica::{InFlight, Replica};
 use crate::protocol::handover;
+use crate::proxy::outcome::is_sse;
 use crate::proxy::Balancer;
 use crate::telemetry::metrics::METRICS;
 
@@ -147,11 +148,7 @@ impl Balancer {
                 .unwrap_or_default();
             return Err(LegError::Answered(header, answer));
         }
-        let sse = header
-            .headers
-            .get("content-type")
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        let held = if sse {
+        let held = if is_sse(&header) {
             first_token(&mut s, self.conf.upstream.read_timeout).await?
         } else {
             Vec::new()
