@@ -555,6 +555,54 @@ fn a_failing_prefill_fails_over_to_another_prefill_replica() {
     }
 }
 
+/// A prefill replica silent past `prefill_timeout_seconds` is a silence, not a break: the
+/// request goes on to another prefill replica, the leg counts as `read_timeout`, and the
+/// silent replica stays up (it may only be slow).
+#[test]
+fn a_silent_prefill_fails_over_as_a_timeout_without_a_demotion() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (p1, p2) = (
+        sim(dir.path(), "p1", "producer", &[]),
+        sim(dir.path(), "p2", "producer", &[]),
+    );
+    let d1 = sim(dir.path(), "d1", "consumer", &[]);
+    let lb = pd_lb(
+        dir.path(),
+        &[&p1, &p2],
+        &[&d1],
+        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0, prefill_timeout_seconds: 1}",
+    );
+    p1.fault(json!({"fault": "hang"}));
+    // p1's prefill legs by outcome (a counter has no sample until its first count).
+    let p1_legs = |outcome: &str| {
+        let labels = format!("{{leg=\"prefill\",outcome=\"{outcome}\",replica=\"p1\"}}");
+        lb.samples("inferlb_pd_legs_total")
+            .into_iter()
+            .find(|(l, _)| *l == labels)
+            .map_or(0.0, |(_, v)| v)
+    };
+    // Ties between the idle prefill replicas spread: p1 is tried within a few requests.
+    for i in 0..6 {
+        let a = chat(
+            &lb,
+            &[("user", &text_of(&format!("s{i}"), 2000))],
+            i % 2 == 0,
+        );
+        assert_eq!(
+            (a.status, a.route.as_str(), a.prefill.as_str()),
+            (200, "pd", "p2"),
+            "{}",
+            a.text
+        );
+        if p1_legs("read_timeout") >= 1.0 {
+            break;
+        }
+    }
+    assert!(p1_legs("read_timeout") >= 1.0, "p1 was tried and timed out");
+    assert_eq!(p1_legs("broken"), 0.0);
+    assert_eq!(lb.metric(r#"inferlb_replica_up{replica="p1"}"#), 1.0);
+}
+
 #[test]
 fn a_decode_that_cannot_be_reached_gets_the_same_kv_on_another_replica() {
     let dir = tempfile::tempdir().expect("dir");

@@ -214,13 +214,22 @@ fn leg_header(
     Ok(Box::new(req))
 }
 
+/// A failed read of an answer's body: the session's own read timeout is a silence, anything
+/// else a break.
+fn read_failed(e: Box<pingora_core::Error>) -> LegError {
+    match e.etype() {
+        ErrorType::ReadTimedout => LegError::TimedOut(e.to_string()),
+        _ => LegError::Broken(e.to_string()),
+    }
+}
+
 pub(super) async fn read_all(s: &mut HttpSession, timeout: Duration) -> Result<Bytes, LegError> {
     let mut body = Vec::new();
     loop {
         let chunk = tokio::time::timeout(timeout, s.read_response_body())
             .await
-            .map_err(|_| LegError::Broken("the answer did not end in time".into()))?
-            .map_err(|e| LegError::Broken(e.to_string()))?;
+            .map_err(|_| LegError::TimedOut("the answer did not end in time".into()))?
+            .map_err(read_failed)?;
         let Some(chunk) = chunk else { break };
         if body.len() + chunk.len() > MAX_ANSWER_BYTES {
             return Err(LegError::Broken("the answer is too large".into()));
@@ -245,10 +254,7 @@ pub(in crate::proxy) async fn first_token(
         let chunk = tokio::time::timeout(timeout, s.read_response_body())
             .await
             .map_err(|_| LegError::TimedOut("no first token in time".into()))?
-            .map_err(|e| match e.etype() {
-                ErrorType::ReadTimedout => LegError::TimedOut(e.to_string()),
-                _ => LegError::Broken(e.to_string()),
-            })?;
+            .map_err(read_failed)?;
         let Some(chunk) = chunk else {
             // Ended with nothing generated (a Responses stream whose pull failed breaks off
             // after its preamble): nothing of it reached the client.

@@ -49,7 +49,7 @@ impl Balancer {
                 let leg = this.exchange(&p, &plan_header, &request_id, body);
                 let (status, answer) = tokio::time::timeout(limit, leg)
                     .await
-                    .map_err(|_| LegError::Broken("the prefill did not end in time".into()))??;
+                    .map_err(|_| LegError::TimedOut("the prefill did not end in time".into()))??;
                 if !status.status.is_success() {
                     return Err(LegError::Answered(status, answer));
                 }
@@ -115,7 +115,7 @@ impl Balancer {
         };
         let (header, answer) = tokio::time::timeout(self.conf.pd.prefill_timeout, leg)
             .await
-            .map_err(|_| LegError::Broken("the prefill did not end in time".into()))??;
+            .map_err(|_| LegError::TimedOut("the prefill did not end in time".into()))??;
         if !header.status.is_success() {
             return Err(LegError::Answered(header, answer));
         }
