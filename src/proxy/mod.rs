@@ -8,6 +8,7 @@ mod attempt;
 mod conversation;
 mod ctx;
 mod errors;
+mod exchange;
 pub mod failover;
 mod outcome;
 mod pd;

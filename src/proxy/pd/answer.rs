@@ -3,19 +3,14 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-
-use pingora_core::protocols::http::client::HttpSession;
-use pingora_core::{Error, ErrorType};
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 
-use super::exchange::release;
 use super::{Held, Plan, Started};
 use crate::cluster::Table;
 use crate::fleet::replica::Replica;
 use crate::proxy::attempt::{Attempt, Choice};
-use crate::proxy::outcome::{read_answer, strip_usage};
+use crate::proxy::outcome::read_answer;
 use crate::proxy::{Balancer, Ctx};
 use crate::routing::Route;
 use crate::telemetry::metrics::METRICS;
@@ -99,46 +94,6 @@ impl Balancer {
         self.relay(session, ctx, (upstream, &decode), held).await
     }
 
-    /// An answer whose header the client has: the events held until its first token, then
-    /// the rest as it comes, to its end (the connection back to the pool). Nothing is
-    /// retried from here on: a cut or a silence is an error for `fail_to_proxy`, which ends a
-    /// stream with its API's error event and leaves the body unterminated, so the client sees
-    /// it cut, never complete.
-    pub(in crate::proxy) async fn relay(
-        &self,
-        session: &mut Session,
-        ctx: &mut Ctx,
-        (mut upstream, replica): (HttpSession, &Replica),
-        held: Vec<Bytes>,
-    ) -> pingora_core::Result<()> {
-        for chunk in held {
-            pass(self, session, ctx, Some(chunk)).await?;
-        }
-        let read_timeout = self.conf.upstream.read_timeout;
-        loop {
-            let next = tokio::time::timeout(read_timeout, upstream.read_response_body()).await;
-            match next {
-                Ok(Ok(Some(chunk))) => pass(self, session, ctx, Some(chunk)).await?,
-                Ok(Ok(None)) => {
-                    self.observe_response(None, true, ctx);
-                    let mut tail = None;
-                    strip_usage(&mut tail, true, ctx);
-                    session
-                        .write_response_body(tail, true)
-                        .await
-                        .map_err(|_| client_left())?;
-                    release(upstream, replica).await;
-                    return Ok(());
-                }
-                Ok(Err(e)) => return Err(e.into_up()),
-                Err(_) => {
-                    let why = format!("replica {} went silent for {read_timeout:?}", replica.id);
-                    return Err(Error::explain(ErrorType::ReadTimedout, why).into_up());
-                }
-            }
-        }
-    }
-
     /// The client's header from a leg's: its status and content headers, inferlb's own.
     pub(super) fn client_header(
         &self,
@@ -179,30 +134,4 @@ impl Balancer {
         let _ = resp.insert_header("x-request-id", ctx.request_id.clone());
         Box::new(resp)
     }
-}
-
-/// One chunk of the answer to the client: read for its usage, the usage event inferlb asked
-/// for taken out, written.
-async fn pass(
-    lb: &Balancer,
-    session: &mut Session,
-    ctx: &mut Ctx,
-    chunk: Option<Bytes>,
-) -> pingora_core::Result<()> {
-    lb.observe_response(chunk.as_ref(), false, ctx);
-    let mut body = chunk;
-    strip_usage(&mut body, false, ctx);
-    if body.is_none() {
-        return Ok(());
-    }
-    // On failure the client left: the decode's connection closes with this request.
-    session
-        .write_response_body(body, false)
-        .await
-        .map_err(|_| client_left())
-}
-
-/// The client went away while its answer was being written.
-fn client_left() -> Box<Error> {
-    Error::explain(ErrorType::WriteError, "the client left during the answer").into_down()
 }

@@ -6,13 +6,13 @@ use std::sync::Arc;
 
 use serde_json::value::RawValue;
 
-use super::exchange::LegError;
 use super::{Begun, Plan, Tries};
 use crate::conf::Protocol;
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::{InFlight, Replica};
 use crate::protocol::handover;
+use crate::proxy::exchange::LegError;
 use crate::proxy::Balancer;
 use crate::routing::{self, Ask};
 use crate::telemetry::metrics::METRICS;

@@ -8,10 +8,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
-use super::exchange::{first_token, read_all, release, LegCtx, LegError};
 use super::{Background, Plan, Started};
 use crate::fleet::replica::{InFlight, Replica};
 use crate::protocol::handover;
+use crate::proxy::exchange::{first_token, read_all, release, LegCtx, LegError};
 use crate::proxy::outcome::is_sse;
 use crate::proxy::Balancer;
 use crate::telemetry::metrics::METRICS;

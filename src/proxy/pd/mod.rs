@@ -21,7 +21,8 @@
 //!
 //! Here the plan (which decode replica, whether the pools are needed at all); `begin` the legs
 //! and their failover; `legs` each leg's exchange; `answer` the client's stream; `warm` the
-//! prefill pool's copy of a turn served whole; `exchange` the HTTP of one leg.
+//! prefill pool's copy of a turn served whole. The HTTP of each leg is
+//! [`crate::proxy::exchange`]'s.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,14 +34,11 @@ use pingora_proxy::Session;
 
 mod answer;
 mod begin;
-mod exchange;
 mod legs;
 mod warm;
 
-// A stream resumed on another replica is exchanged and relayed as a decode leg is.
-pub(super) use exchange::{first_token, unless_client_leaves, LegError};
-
 use super::attempt::{Attempt, Choice};
+use super::exchange::LegError;
 use super::{answers, Balancer, Ctx};
 use crate::conf::Protocol;
 use crate::fleet::blocks::PromptTokens;
@@ -169,9 +167,12 @@ impl Balancer {
             decode: ctx.tried.clone(),
             ..Tries::default()
         };
-        let begun =
-            exchange::unless_client_leaves(session, tail_pending, self.begin(&plan, &mut tries))
-                .await;
+        let begun = super::exchange::unless_client_leaves(
+            session,
+            tail_pending,
+            self.begin(&plan, &mut tries),
+        )
+        .await;
         ctx.failovers += tries.failovers;
         if tries.last.is_some() {
             ctx.last_failure = tries.last.take();

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use super::exchange::{read_all, release, LegError};
 use super::Held;
 use crate::fleet::pool::Leg;
 use crate::protocol::handover;
+use crate::proxy::exchange::{read_all, release, LegError};
 use crate::proxy::Balancer;
 use crate::routing;
 use crate::telemetry::metrics::METRICS;

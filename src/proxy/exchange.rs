@@ -1,7 +1,9 @@
-//! A leg's exchange with a replica, over Pingora's connector (so TLS, SNI and the trusted roots
-//! are the data path's): its request head as the proxy path makes one, the answer's header, and
-//! bounded reads of its body, held up to a stream's first token. What can go wrong, as
-//! [`LegError`]. A stream resumed on another replica ([`crate::proxy::resume`]) is one too.
+//! inferlb's own exchanges with a replica, outside Pingora's proxy loop: a P/D leg
+//! ([`crate::proxy::pd`]) and a stream resumed on another replica ([`crate::proxy::resume`]).
+//! Over Pingora's connector (so TLS, SNI and the trusted roots are the data path's): the
+//! request head as the proxy path makes one, the answer's header, bounded reads of its body,
+//! held up to a stream's first token, and then relayed to the client. What can go wrong, as
+//! [`LegError`].
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -10,13 +12,16 @@ use bytes::Bytes;
 use pingora_core::connectors::http::Connector;
 use pingora_core::protocols::http::client::HttpSession;
 use pingora_core::upstreams::peer::Peer;
-use pingora_core::ErrorType;
+use pingora_core::{Error, ErrorType};
 use pingora_http::{RequestHeader, ResponseHeader};
+use pingora_proxy::Session;
 
+use super::outcome::strip_usage;
+use super::{Balancer, Ctx};
 use crate::fleet::replica::Replica;
 use crate::protocol::handover::{Start, StreamStart};
 
-/// One connector (and connection pool) for both legs of every disaggregated request.
+/// One connector (and connection pool) for every leg and resumed stream.
 static CONNECTOR: LazyLock<Connector> = LazyLock::new(|| Connector::new(None));
 
 /// The largest prefill answer (or refused leg's answer) read.
@@ -298,4 +303,72 @@ pub(in crate::proxy) async fn release(mut s: HttpSession, r: &Replica) {
             .release_http_session(s, &r.endpoint.peer, r.endpoint.peer.options.idle_timeout)
             .await;
     }
+}
+
+impl Balancer {
+    /// An answer whose header the client has: the events held until its first token, then
+    /// the rest as it comes, to its end (the connection back to the pool). Nothing is
+    /// retried from here on: a cut or a silence is an error for `fail_to_proxy`, which ends a
+    /// stream with its API's error event and leaves the body unterminated, so the client sees
+    /// it cut, never complete.
+    pub(in crate::proxy) async fn relay(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        (mut upstream, replica): (HttpSession, &Replica),
+        held: Vec<Bytes>,
+    ) -> pingora_core::Result<()> {
+        for chunk in held {
+            pass(self, session, ctx, Some(chunk)).await?;
+        }
+        let read_timeout = self.conf.upstream.read_timeout;
+        loop {
+            let next = tokio::time::timeout(read_timeout, upstream.read_response_body()).await;
+            match next {
+                Ok(Ok(Some(chunk))) => pass(self, session, ctx, Some(chunk)).await?,
+                Ok(Ok(None)) => {
+                    self.observe_response(None, true, ctx);
+                    let mut tail = None;
+                    strip_usage(&mut tail, true, ctx);
+                    session
+                        .write_response_body(tail, true)
+                        .await
+                        .map_err(|_| client_left())?;
+                    release(upstream, replica).await;
+                    return Ok(());
+                }
+                Ok(Err(e)) => return Err(e.into_up()),
+                Err(_) => {
+                    let why = format!("replica {} went silent for {read_timeout:?}", replica.id);
+                    return Err(Error::explain(ErrorType::ReadTimedout, why).into_up());
+                }
+            }
+        }
+    }
+}
+
+/// One chunk of the answer to the client: read for its usage, the usage event inferlb asked
+/// for taken out, written.
+async fn pass(
+    lb: &Balancer,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    chunk: Option<Bytes>,
+) -> pingora_core::Result<()> {
+    lb.observe_response(chunk.as_ref(), false, ctx);
+    let mut body = chunk;
+    strip_usage(&mut body, false, ctx);
+    if body.is_none() {
+        return Ok(());
+    }
+    // On failure the client left: the decode's connection closes with this request.
+    session
+        .write_response_body(body, false)
+        .await
+        .map_err(|_| client_left())
+}
+
+/// The client went away while its answer was being written.
+fn client_left() -> Box<Error> {
+    Error::explain(ErrorType::WriteError, "the client left during the answer").into_down()
 }
