@@ -2,6 +2,7 @@
 //! holds (its attempt, its overload pass, a disaggregated request's legs), and what its answer
 //! said.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,6 +12,7 @@ use crate::protocol::body::BodyReplay;
 use crate::protocol::stream_usage::UsageStripper;
 use crate::protocol::usage::{Usage, UsageReader};
 use crate::routing::Route;
+use crate::telemetry::metrics::METRICS;
 
 use super::attempt::Attempt;
 use super::{conversation, pd};
@@ -109,5 +111,33 @@ impl Ctx {
     /// Why the last attempt's replica was chosen.
     pub(super) fn route(&self) -> Option<Route> {
         self.attempt.as_ref().map(|a| a.route)
+    }
+
+    /// `r` is given up on for this request: no later try goes to it, and it is the last
+    /// failure a client is told of.
+    pub(super) fn given_up(&mut self, r: &Arc<Replica>, why: &'static str) {
+        self.last_failure = Some((r.id.clone(), why));
+        if !self.tried.iter().any(|t| Arc::ptr_eq(t, r)) {
+            self.tried.push(r.clone());
+        }
+    }
+
+    /// `r` failed for `why` and another try follows: given up on, and the failover counted
+    /// and logged (`path` the request's, `next` what happens now).
+    pub(super) fn failed_over(
+        &mut self,
+        r: &Arc<Replica>,
+        why: &'static str,
+        path: &str,
+        next: fmt::Arguments<'_>,
+    ) {
+        self.given_up(r, why);
+        self.failovers += 1;
+        METRICS.failovers.with_label_values(&[&r.id, why]).inc();
+        log::warn!(
+            "failover: replica={} reason={why} path={path} attempt={}: {next}",
+            r.id,
+            self.attempt.as_ref().map_or(0, |a| a.n),
+        );
     }
 }

@@ -186,27 +186,16 @@ impl Balancer {
     /// whether Pingora tries again.
     pub(super) fn apply(&self, session: &Session, ctx: &mut Ctx, e: &mut Error, v: Verdict) {
         let replica = ctx.current().cloned();
-        let n = ctx.attempt.as_ref().map_or(0, |a| a.n);
         if let (true, Some(r)) = (v.demote, &replica) {
             r.demote();
         }
         match (v.retry, &replica) {
-            (Retry::Elsewhere, Some(r)) => {
-                ctx.failovers += 1;
-                let why = reason(e);
-                ctx.last_failure = Some((r.id.clone(), why));
-                METRICS.failovers.with_label_values(&[&r.id, why]).inc();
-                log::warn!(
-                    "failover: replica={} reason={} path={} attempt={}: demoted, retrying on another replica ({})",
-                    r.id,
-                    why,
-                    session.req_header().uri.path(),
-                    n,
-                    e
-                );
-                // Given up on: the next attempt goes elsewhere.
-                ctx.tried.push(r.clone());
-            }
+            (Retry::Elsewhere, Some(r)) => ctx.failed_over(
+                r,
+                reason(e),
+                session.req_header().uri.path(),
+                format_args!("demoted, retrying on another replica ({e})"),
+            ),
             (Retry::Same, Some(r)) => {
                 // Not tried in earnest: it may be chosen again.
                 log::debug!("stale pooled connection to {}, retrying", r.id);

@@ -243,24 +243,21 @@ impl Balancer {
         why: &'static str,
         detail: &str,
     ) {
-        ctx.last_failure = Some((r.id.clone(), why));
-        if !ctx.tried.iter().any(|t| Arc::ptr_eq(t, r)) {
-            ctx.tried.push(r.clone());
-        }
-        if ctx
+        let last = ctx
             .attempt
             .as_ref()
-            .is_some_and(|a| a.n >= self.max_attempts)
-        {
-            return;
+            .is_some_and(|a| a.n >= self.max_attempts);
+        if last {
+            ctx.given_up(r, why);
+        } else {
+            ctx.failed_over(
+                r,
+                why,
+                session.req_header().uri.path(),
+                format_args!(
+                    "resuming the stream on another replica before its first byte ({detail})"
+                ),
+            );
         }
-        ctx.failovers += 1;
-        METRICS.failovers.with_label_values(&[&r.id, why]).inc();
-        log::warn!(
-            "failover: replica={} reason={why} path={} attempt={}: resuming the stream on another replica before its first byte ({detail})",
-            r.id,
-            session.req_header().uri.path(),
-            ctx.attempt.as_ref().map_or(0, |a| a.n),
-        );
     }
 }
