@@ -155,7 +155,8 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
 }
 
 /// A replica restarted between two health checks says nothing on a stream that died with it;
-/// its publisher's sequence starting again from 0 tells: the estimate is cleared.
+/// its publisher, asked once the stream is silent, no longer has the last batch applied (its
+/// sequence began again from 0): the estimate is cleared.
 #[test]
 fn a_publisher_that_restarted_clears_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -179,6 +180,14 @@ fn a_publisher_that_restarted_clears_the_estimate() {
         lb.proc.log_text().contains(said)
     });
     assert!(cleared, "{}", lb.proc.log_text());
+    // Found by asking the silent stream's publisher where it stands, not by resubscribing
+    // after ten silent seconds.
+    let probed = "replica gpu0: its KV event publisher went on without this subscriber";
+    assert!(
+        lb.proc.log_text().contains(probed),
+        "{}",
+        lb.proc.log_text()
+    );
     assert!(wait_until(Duration::from_secs(5), live), "{}", lb.metrics());
     // Predicted cold, as it is: no misprediction.
     let (_, _, resp) = routed_chat(&lb, &messages);

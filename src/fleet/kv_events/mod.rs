@@ -39,7 +39,7 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::conf::KvEvents;
+use crate::conf::{KvEndpoints, KvEvents};
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::{Freshness, Replica};
 use crate::telemetry::metrics::METRICS;
@@ -135,14 +135,21 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             let m = match m {
                 Err(_) => {
                     silent += IDLE_CHECK;
-                    if !reachable(&ep.publisher).await {
-                        transition(&replica, &id, &mut state, StreamState::Gone);
-                        break;
+                    match probe(&ep, &seq).await {
+                        Probe::Gone => {
+                            transition(&replica, &id, &mut state, StreamState::Gone);
+                            break;
+                        }
+                        Probe::Behind => {
+                            log::info!(
+                                "replica {id}: its KV event publisher went on without this \
+                                 subscriber (restarted, or its stream was lost); subscribing anew"
+                            );
+                            break;
+                        }
+                        Probe::Quiet if silent >= RESUBSCRIBE_AFTER => break,
+                        Probe::Quiet => continue,
                     }
-                    if silent >= RESUBSCRIBE_AFTER {
-                        break;
-                    }
-                    continue;
                 }
                 Ok(Err(e)) => {
                     log::warn!("replica {id}: KV event stream ended: {e}");
@@ -202,6 +209,39 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
 
 /// A stream silent this long is subscribed anew (see [`subscribe`]).
 const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(10);
+
+/// What a silent stream's publisher says of it.
+#[derive(Debug, PartialEq, Eq)]
+enum Probe {
+    /// It cannot be reached.
+    Gone,
+    /// Its newest batch is the last one applied here: it is merely quiet.
+    Quiet,
+    /// It published batches this subscriber never got, or no longer has the last one applied
+    /// (it began again): the subscription is dead or lags, and a new one catches up.
+    Behind,
+}
+
+/// Asks a silent stream's publisher where it stands. The SUB socket does not notice a
+/// publisher that went away (see [`subscribe`]), so without this a replica restarted between
+/// two reads would keep its old cache here until [`RESUBSCRIBE_AFTER`]. With a replay socket
+/// and a batch applied, the replay from the last batch applied tells; otherwise only whether
+/// the publisher listens.
+async fn probe(ep: &KvEndpoints, seq: &Sequence) -> Probe {
+    if let (Some(replay_at), Some(next)) = (ep.replay.as_deref(), seq.next()) {
+        if let Some(batches) = replay(Some(replay_at), (next - 1).max(0)).await {
+            return match batches.as_slice() {
+                [(s, _)] if *s == next - 1 => Probe::Quiet,
+                _ => Probe::Behind,
+            };
+        }
+    }
+    if reachable(&ep.publisher).await {
+        Probe::Quiet
+    } else {
+        Probe::Gone
+    }
+}
 
 /// After a (re)connect: what the replay socket holds, against what was applied. The newest
 /// batch applied is asked for again: a publisher that no longer has it restarted (its
