@@ -156,7 +156,7 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
 
 /// A replica restarted between two health checks says nothing on a stream that died with it;
 /// its publisher, asked once the stream is silent, no longer has the last batch applied (its
-/// sequence began again from 0): the estimate is cleared.
+/// sequence began again from 0): the estimate is cleared within seconds.
 #[test]
 fn a_publisher_that_restarted_clears_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -175,19 +175,12 @@ fn a_publisher_that_restarted_clears_the_estimate() {
     }
     sim.restart(&[]);
     sim.assert_healthy();
+    // Found by asking the silent stream's publisher where it stands (in about 2 s), or on a
+    // reconnect if the probe found its port closed: not by the resubscription after ten
+    // silent seconds.
     let said = "replica gpu0: its KV event publisher restarted; its estimate is cleared";
-    let cleared = wait_until(Duration::from_secs(20), || {
-        lb.proc.log_text().contains(said)
-    });
+    let cleared = wait_until(Duration::from_secs(8), || lb.proc.log_text().contains(said));
     assert!(cleared, "{}", lb.proc.log_text());
-    // Found by asking the silent stream's publisher where it stands, not by resubscribing
-    // after ten silent seconds.
-    let probed = "replica gpu0: its KV event publisher went on without this subscriber";
-    assert!(
-        lb.proc.log_text().contains(probed),
-        "{}",
-        lb.proc.log_text()
-    );
     assert!(wait_until(Duration::from_secs(5), live), "{}", lb.metrics());
     // Predicted cold, as it is: no misprediction.
     let (_, _, resp) = routed_chat(&lb, &messages);

@@ -306,6 +306,14 @@ pub(in crate::proxy) async fn release(mut s: HttpSession, r: &Replica) {
 }
 
 impl Balancer {
+    /// What a leg's exchange needs; `read_timeout` bounds each read of its answer.
+    pub(in crate::proxy) fn leg_ctx(&self, read_timeout: Duration) -> LegCtx {
+        LegCtx {
+            read_timeout,
+            networks: self.conf.admin.allowed_networks.clone(),
+        }
+    }
+
     /// An answer whose header the client has: the events held until its first token, then
     /// the rest as it comes, to its end (the connection back to the pool). Nothing is
     /// retried from here on: a cut or a silence is an error for `fail_to_proxy`, which ends a

@@ -26,11 +26,11 @@
 mod sequence;
 pub mod server_info;
 
-pub use sequence::{Sequence, Step, StreamState};
+pub use sequence::{Sequence, Standing, Step, StreamState};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -39,7 +39,7 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::conf::{KvEndpoints, KvEvents};
+use crate::conf::KvEvents;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::{Freshness, Replica};
 use crate::telemetry::metrics::METRICS;
@@ -97,9 +97,11 @@ impl BackgroundService for KvEventWatcher {
 
 /// One replica's stream, for as long as the replica is in the registry.
 ///
-/// The SUB socket of the `zeromq` crate neither reports nor heals a lost publisher, so the
-/// publisher's port is probed while the stream is silent (refused: `gone`, and reconnected
-/// when it answers again), and a stream silent for [`RESUBSCRIBE_AFTER`] is subscribed anew.
+/// The SUB socket of the `zeromq` crate neither reports nor heals a lost publisher, so each
+/// second the stream is silent the publisher's port is probed (refused: `gone`, and
+/// reconnected when it answers again) and its replay socket asked where it stands
+/// ([`standing`]): one that began again is cleared at once, one whose batches this socket
+/// missed is subscribed anew, and a stream silent for [`RESUBSCRIBE_AFTER`] is too.
 /// Each (re)connect reads the replay socket from the publisher's first batch: a publisher
 /// whose sequence went back restarted, so its cache is empty and the estimate is cleared;
 /// otherwise the batches missed meanwhile are applied. What the first connect replays only
@@ -128,28 +130,41 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             catch_up(&r, ep.replay.as_deref(), &mut seq).await;
             transition(&replica, &id, &mut state, seq.state());
         }
-        let mut silent = Duration::ZERO;
+        // Since the last batch came; and where the stream stood when a probe last found its
+        // publisher ahead of it.
+        let mut quiet_since = Instant::now();
+        let mut ahead_at = None;
         loop {
             let m = tokio::time::timeout(IDLE_CHECK, sub.recv()).await;
             let Some(r) = replica.upgrade() else { return };
             let m = match m {
                 Err(_) => {
-                    silent += IDLE_CHECK;
-                    match probe(&ep, &seq).await {
-                        Probe::Gone => {
-                            transition(&replica, &id, &mut state, StreamState::Gone);
-                            break;
-                        }
-                        Probe::Behind => {
-                            log::info!(
-                                "replica {id}: its KV event publisher went on without this \
-                                 subscriber (restarted, or its stream was lost); subscribing anew"
-                            );
-                            break;
-                        }
-                        Probe::Quiet if silent >= RESUBSCRIBE_AFTER => break,
-                        Probe::Quiet => continue,
+                    if !reachable(&ep.publisher).await {
+                        transition(&replica, &id, &mut state, StreamState::Gone);
+                        break;
                     }
+                    match standing(ep.replay.as_deref(), &seq).await {
+                        Some(Standing::Restarted) => {
+                            restarted(&r, &mut seq, "found while its stream was silent");
+                            break;
+                        }
+                        Some(Standing::Lost) => {
+                            log::info!("replica {id}: KV event stream lost; subscribing anew");
+                            break;
+                        }
+                        // Batches this socket has not given: it may only lag; if it gave
+                        // none by the next probe, it is dead.
+                        Some(Standing::Ahead) if ahead_at == seq.next() => {
+                            log::info!("replica {id}: KV event stream lost; subscribing anew");
+                            break;
+                        }
+                        Some(Standing::Ahead) => ahead_at = seq.next(),
+                        Some(Standing::Same) | None => {}
+                    }
+                    if quiet_since.elapsed() >= RESUBSCRIBE_AFTER {
+                        break;
+                    }
+                    continue;
                 }
                 Ok(Err(e)) => {
                     log::warn!("replica {id}: KV event stream ended: {e}");
@@ -158,7 +173,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
                 }
                 Ok(Ok(m)) => m,
             };
-            silent = Duration::ZERO;
+            quiet_since = Instant::now();
             let frames: Vec<Bytes> = m.into_vec();
             let parts: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
             let Ok((_, s, payload)) = parse_frames(&parts) else {
@@ -175,7 +190,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
                 // A publisher that restarted while subscribed begins again at 0: what it
                 // held went with it.
                 Step::Seen if s == 0 && seq.next().is_some_and(|n| n > 1) => {
-                    restarted(&r, &mut seq);
+                    restarted(&r, &mut seq, "its stream began again at 0");
                     if seq.step(s) != Step::Apply {
                         continue;
                     }
@@ -188,7 +203,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
                         for (rs, b) in batches.into_iter().filter(|(rs, _)| *rs < s) {
                             if seq.step(rs) == Step::Apply {
                                 apply(&r, &b, &mut seq, Replayed::New);
-                                seq.applied(rs);
+                                seq.applied(rs, b.ts);
                                 count_batch(&r, "replayed");
                             }
                         }
@@ -199,7 +214,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
                 }
             }
             apply(&r, &batch, &mut seq, Replayed::New);
-            seq.applied(s);
+            seq.applied(s, batch.ts);
             count_batch(&r, "batches");
             transition(&replica, &id, &mut state, seq.state());
         }
@@ -210,42 +225,24 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
 /// A stream silent this long is subscribed anew (see [`subscribe`]).
 const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(10);
 
-/// What a silent stream's publisher says of it.
-#[derive(Debug, PartialEq, Eq)]
-enum Probe {
-    /// It cannot be reached.
-    Gone,
-    /// Its newest batch is the last one applied here: it is merely quiet.
-    Quiet,
-    /// It published batches this subscriber never got, or no longer has the last one applied
-    /// (it began again): the subscription is dead or lags, and a new one catches up.
-    Behind,
+/// Where a silent stream's publisher stands, asked of its replay socket from the last batch
+/// applied on: the SUB socket does not notice a publisher that went away (see [`subscribe`]),
+/// so without this a replica restarted between two reads would keep its old cache here until
+/// [`RESUBSCRIBE_AFTER`]. `None` without a replay socket, an answer, or a batch applied.
+async fn standing(endpoint: Option<&str>, seq: &Sequence) -> Option<Standing> {
+    let from = (seq.next()? - 1).max(0);
+    let batches = replay(endpoint, from).await?;
+    seq.standing(&stamps(&batches))
 }
 
-/// Asks a silent stream's publisher where it stands. The SUB socket does not notice a
-/// publisher that went away (see [`subscribe`]), so without this a replica restarted between
-/// two reads would keep its old cache here until [`RESUBSCRIBE_AFTER`]. With a replay socket
-/// and a batch applied, the replay from the last batch applied tells; otherwise only whether
-/// the publisher listens.
-async fn probe(ep: &KvEndpoints, seq: &Sequence) -> Probe {
-    if let (Some(replay_at), Some(next)) = (ep.replay.as_deref(), seq.next()) {
-        if let Some(batches) = replay(Some(replay_at), (next - 1).max(0)).await {
-            return match batches.as_slice() {
-                [(s, _)] if *s == next - 1 => Probe::Quiet,
-                _ => Probe::Behind,
-            };
-        }
-    }
-    if reachable(&ep.publisher).await {
-        Probe::Quiet
-    } else {
-        Probe::Gone
-    }
+/// Each batch's (sequence number, timestamp).
+fn stamps(batches: &[(i64, Batch)]) -> Vec<(i64, f64)> {
+    batches.iter().map(|(s, b)| (*s, b.ts)).collect()
 }
 
 /// After a (re)connect: what the replay socket holds, against what was applied. The newest
-/// batch applied is asked for again: a publisher that no longer has it restarted (its
-/// sequence begins at 0 again), so its cache is empty.
+/// batch applied is asked for again: a publisher that no longer has it, or has another batch
+/// under its number, restarted (its sequence begins at 0 again), so its cache is empty.
 async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
     let Some(next) = seq.next() else {
         // The first connect: the blocks the buffer holds build the block index, but an old
@@ -255,7 +252,7 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             seq.joined(batches.first().is_some_and(|(s, _)| *s == 0));
             for (s, b) in &batches {
                 apply(r, b, seq, Replayed::Old);
-                seq.applied(*s);
+                seq.applied(*s, b.ts);
                 count_batch(r, "replayed");
             }
         }
@@ -266,12 +263,12 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
         missed(r, seq);
         return;
     };
-    if batches.is_empty() && next > 0 {
-        restarted(r, seq);
+    if seq.standing(&stamps(&batches)) == Some(Standing::Restarted) {
+        restarted(r, seq, "found on reconnect");
         for (s, b) in replay(endpoint, 0).await.unwrap_or_default() {
             if seq.step(s) != Step::Seen {
                 apply(r, &b, seq, Replayed::New);
-                seq.applied(s);
+                seq.applied(s, b.ts);
                 count_batch(r, "replayed");
             }
         }
@@ -284,24 +281,25 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             Step::Seen => {}
             Step::Apply => {
                 apply(r, &b, seq, Replayed::New);
-                seq.applied(s);
+                seq.applied(s, b.ts);
                 count_batch(r, "replayed");
             }
             Step::Gap { .. } => {
                 missed(r, seq);
                 apply(r, &b, seq, Replayed::New);
-                seq.applied(s);
+                seq.applied(s, b.ts);
                 count_batch(r, "replayed");
             }
         }
     }
 }
 
-/// The publisher began again: its cache is empty, and its sequence starts anew.
-fn restarted(r: &Replica, seq: &mut Sequence) {
+/// The publisher began again (`how` it was found): its cache is empty, and its sequence
+/// starts anew.
+fn restarted(r: &Replica, seq: &mut Sequence, how: &str) {
     r.cache.clear();
     log::info!(
-        "replica {}: its KV event publisher restarted; its estimate is cleared",
+        "replica {}: its KV event publisher restarted; its estimate is cleared ({how})",
         r.id
     );
     *seq = Sequence::default();
@@ -394,9 +392,15 @@ fn missed(r: &Replica, seq: &mut Sequence) {
 /// The batches from `from` on, as the replay socket has them; `None` when there is no replay
 /// socket or it does not answer in time.
 async fn replay(endpoint: Option<&str>, from: i64) -> Option<Vec<(i64, Batch)>> {
-    let endpoint = endpoint?;
+    // The `zeromq` crate's DEALER panics (`todo!`) on a connection that fails mid-read: in a
+    // task of its own, that is a replay that gave nothing, not a subscriber gone.
+    let endpoint = endpoint?.to_string();
+    tokio::spawn(replay_from(endpoint, from)).await.ok()?
+}
+
+async fn replay_from(endpoint: String, from: i64) -> Option<Vec<(i64, Batch)>> {
     let mut dealer = zeromq::DealerSocket::new();
-    tokio::time::timeout(SOCKET_TIMEOUT, dealer.connect(endpoint))
+    tokio::time::timeout(SOCKET_TIMEOUT, dealer.connect(&endpoint))
         .await
         .ok()?
         .ok()?;

@@ -25,7 +25,24 @@ impl StreamState {
 #[derive(Debug, Default)]
 pub struct Sequence {
     next: Option<i64>,
+    /// The publisher's timestamp of the last batch applied (as bits): a publisher that began
+    /// again may reuse its sequence number, never its time.
+    last_ts: Option<u64>,
     complete: bool,
+}
+
+/// Where a publisher stands against what was applied, by what its replay socket gave from the
+/// last batch applied on.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// It has that batch and nothing newer.
+    Same,
+    /// It has that batch and newer ones.
+    Ahead,
+    /// Its buffer begins after that batch: what came between cannot be replayed.
+    Lost,
+    /// It has nothing from that number on, or another batch under it: it began again.
+    Restarted,
 }
 
 /// What to do with a batch.
@@ -64,9 +81,27 @@ impl Sequence {
         self.complete = from_first;
     }
 
-    /// `seq` was applied.
-    pub fn applied(&mut self, seq: i64) {
+    /// `seq`, stamped `ts` by its publisher, was applied.
+    pub fn applied(&mut self, seq: i64, ts: f64) {
         self.next = Some(seq + 1);
+        self.last_ts = Some(ts.to_bits());
+    }
+
+    /// What a replay from the last batch applied on (`next - 1`) says, as (sequence number,
+    /// timestamp) of each batch it gave; `None` before any batch was applied.
+    pub fn standing(&self, replayed: &[(i64, f64)]) -> Option<Standing> {
+        let last = self.next? - 1;
+        Some(match replayed {
+            [(s, ts), rest @ ..] if *s == last && Some(ts.to_bits()) == self.last_ts => {
+                if rest.is_empty() {
+                    Standing::Same
+                } else {
+                    Standing::Ahead
+                }
+            }
+            [(s, _), ..] if *s > last => Standing::Lost,
+            _ => Standing::Restarted,
+        })
     }
 
     /// A gap was not healed: what came before is not known whole.
@@ -120,7 +155,7 @@ mod tests {
             for &q in seqs.iter() {
                 let step = s.step(q);
                 if step != Step::Seen {
-                    s.applied(q);
+                    s.applied(q, 0.0);
                 }
                 steps.push(step);
             }
@@ -129,11 +164,35 @@ mod tests {
         }
         let mut s = Sequence::default();
         s.step(7);
-        s.applied(7);
+        s.applied(7, 0.0);
         assert_eq!(s.state(), StreamState::Partial);
         s.cleared();
         assert_eq!(s.state(), StreamState::Live, "a clear starts it clean");
         s.broken();
         assert_eq!(s.state(), StreamState::Partial, "an unhealed gap");
+    }
+
+    /// (batches replayed from the last applied on, as (seq, ts)) → where the publisher stands,
+    /// after batch 7 stamped 70.0 was applied.
+    #[test]
+    fn a_replay_from_the_last_batch_applied_tells_a_quiet_publisher_from_a_restarted_one() {
+        let rows: &[(&[(i64, f64)], Standing)] = &[
+            (&[(7, 70.0)], Standing::Same),
+            (&[(7, 70.0), (8, 71.0)], Standing::Ahead),
+            // Began again, and has not come as far yet.
+            (&[], Standing::Restarted),
+            // Began again, and has come as far: the same number, another batch.
+            (&[(7, 75.0)], Standing::Restarted),
+            (&[(7, 75.0), (8, 76.0)], Standing::Restarted),
+            // Its buffer no longer holds it (a restarted one would, had it come as far).
+            (&[(9, 90.0)], Standing::Lost),
+        ];
+        let mut s = Sequence::default();
+        assert_eq!(s.standing(&[]), None, "nothing applied yet");
+        s.step(7);
+        s.applied(7, 70.0);
+        for (replayed, want) in rows {
+            assert_eq!(s.standing(replayed).as_ref(), Some(want), "{replayed:?}");
+        }
     }
 }

@@ -3,7 +3,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use serde_json::value::RawValue;
@@ -11,7 +10,7 @@ use serde_json::value::RawValue;
 use super::{Background, Plan, Started};
 use crate::fleet::replica::{InFlight, Replica};
 use crate::protocol::handover;
-use crate::proxy::exchange::{first_token, read_all, release, LegCtx, LegError};
+use crate::proxy::exchange::{first_token, read_all, release, LegError};
 use crate::proxy::outcome::is_sse;
 use crate::proxy::Balancer;
 use crate::telemetry::metrics::METRICS;
@@ -79,14 +78,6 @@ impl Balancer {
                     Err(join) => Err(("prefill", LegError::Broken(join.to_string()))),
                 }
             }
-        }
-    }
-
-    /// What a leg's exchange needs; `read_timeout` bounds each read of its answer.
-    pub(in crate::proxy) fn leg_ctx(&self, read_timeout: Duration) -> LegCtx {
-        LegCtx {
-            read_timeout,
-            networks: self.conf.admin.allowed_networks.clone(),
         }
     }
 

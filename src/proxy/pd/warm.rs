@@ -75,7 +75,8 @@ impl Balancer {
                     log::info!("pd: warm prefill on {} failed: {e}", p.id);
                     e.reason()
                 }
-                Err(_) => "broken",
+                // Not over within the prefill timeout: a silence, as a leg's.
+                Err(_) => "read_timeout",
             };
             METRICS
                 .pd_legs
