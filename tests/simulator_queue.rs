@@ -218,11 +218,13 @@ fn queue_gauges(scheduler: &str) {
     let streams: Vec<Stream> = (0..4)
         .map(|i| Stream::start(&sim, &prompt(&format!("{scheduler}{i}"), 30_000), 1000))
         .collect();
+    // All four in the engine, and the scheduler's step since (a request arrives waiting and
+    // is scheduled at the next step, as in vLLM: (0, 4) is a moment's state).
     let mut seen = (0, 0);
     assert!(
         wait_until(Duration::from_secs(5), || {
             seen = gauges(&sim);
-            seen.0 + seen.1 == 4
+            seen.0 + seen.1 == 4 && seen.0 > 0
         }),
         "four requests in the engine: {seen:?}"
     );
