@@ -25,6 +25,7 @@
 
 mod sequence;
 pub mod server_info;
+mod sockets;
 
 pub use sequence::{Sequence, Standing, Step, StreamState};
 
@@ -34,20 +35,17 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use inferlb_kvevents::{decode_batch, parse_frames, replay_request, Batch, Event, END_SEQ};
+use inferlb_kvevents::{decode_batch, parse_frames, Batch, Event};
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketRecv};
 
 use crate::conf::KvEvents;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::{Freshness, Replica};
 use crate::telemetry::metrics::METRICS;
+use sockets::{reachable, replay, stamps, standing, SOCKET_TIMEOUT};
 
-/// How long a connect or one replay answer may take.
-const SOCKET_TIMEOUT: Duration = Duration::from_secs(2);
-/// The most batches one replay is read for (vLLM's buffer holds 10,000 by default).
-const MAX_REPLAY: usize = 20_000;
 /// How often a subscriber checks that its replica is still in the registry while idle.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
@@ -225,21 +223,6 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
 /// A stream silent this long is subscribed anew (see [`subscribe`]).
 const RESUBSCRIBE_AFTER: Duration = Duration::from_secs(10);
 
-/// Where a silent stream's publisher stands, asked of its replay socket from the last batch
-/// applied on: the SUB socket does not notice a publisher that went away (see [`subscribe`]),
-/// so without this a replica restarted between two reads would keep its old cache here until
-/// [`RESUBSCRIBE_AFTER`]. `None` without a replay socket, an answer, or a batch applied.
-async fn standing(endpoint: Option<&str>, seq: &Sequence) -> Option<Standing> {
-    let from = (seq.next()? - 1).max(0);
-    let batches = replay(endpoint, from).await?;
-    seq.standing(&stamps(&batches))
-}
-
-/// Each batch's (sequence number, timestamp).
-fn stamps(batches: &[(i64, Batch)]) -> Vec<(i64, f64)> {
-    batches.iter().map(|(s, b)| (*s, b.ts)).collect()
-}
-
 /// After a (re)connect: what the replay socket holds, against what was applied. The newest
 /// batch applied is asked for again: a publisher that no longer has it, or has another batch
 /// under its number, restarted (its sequence begins at 0 again), so its cache is empty.
@@ -303,17 +286,6 @@ fn restarted(r: &Replica, seq: &mut Sequence, how: &str) {
         r.id
     );
     *seq = Sequence::default();
-}
-
-/// Whether something listens on a `tcp://host:port` endpoint.
-async fn reachable(endpoint: &str) -> bool {
-    let Some(addr) = endpoint.strip_prefix("tcp://") else {
-        return false;
-    };
-    matches!(
-        tokio::time::timeout(SOCKET_TIMEOUT, tokio::net::TcpStream::connect(addr)).await,
-        Ok(Ok(_))
-    )
 }
 
 /// Whether a batch is news, or the buffer a first connect found.
@@ -387,47 +359,6 @@ fn missed(r: &Replica, seq: &mut Sequence) {
     if let Some(b) = &r.cache.blocks {
         b.clear();
     }
-}
-
-/// The batches from `from` on, as the replay socket has them; `None` when there is no replay
-/// socket or it does not answer in time.
-async fn replay(endpoint: Option<&str>, from: i64) -> Option<Vec<(i64, Batch)>> {
-    // The `zeromq` crate's DEALER panics (`todo!`) on a connection that fails mid-read: in a
-    // task of its own, that is a replay that gave nothing, not a subscriber gone.
-    let endpoint = endpoint?.to_string();
-    tokio::spawn(replay_from(endpoint, from)).await.ok()?
-}
-
-async fn replay_from(endpoint: String, from: i64) -> Option<Vec<(i64, Batch)>> {
-    let mut dealer = zeromq::DealerSocket::new();
-    tokio::time::timeout(SOCKET_TIMEOUT, dealer.connect(&endpoint))
-        .await
-        .ok()?
-        .ok()?;
-    let start = u64::try_from(from).ok()?;
-    let request = ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&replay_request(start)),
-    ])
-    .ok()?;
-    dealer.send(request).await.ok()?;
-    let mut got = Vec::new();
-    for _ in 0..MAX_REPLAY {
-        let m = tokio::time::timeout(SOCKET_TIMEOUT, dealer.recv())
-            .await
-            .ok()?
-            .ok()?;
-        let frames: Vec<Bytes> = m.into_vec();
-        let parts: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
-        let (_, seq, payload) = parse_frames(&parts).ok()?;
-        if seq == END_SEQ {
-            return Some(got);
-        }
-        if let Ok(b) = decode_batch(payload) {
-            got.push((seq, b));
-        }
-    }
-    Some(got)
 }
 
 /// Logs and counts a change of a stream's state, once; nothing once the replica left the
