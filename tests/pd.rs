@@ -516,20 +516,23 @@ fn a_turn_prefilled_on_its_decode_replica_is_copied_to_an_idle_prefill_replica()
     }
 }
 
+/// Prefill replicas p1 and p2 and decode replica d1, every turn handed over (`more` adds to
+/// the `pd:` section).
+fn two_prefills(dir: &std::path::Path, more: &str) -> (Sim, Sim, Sim, Lb) {
+    let (p1, p2) = (
+        sim(dir, "p1", "producer", &[]),
+        sim(dir, "p2", "producer", &[]),
+    );
+    let d1 = sim(dir, "d1", "consumer", &[]);
+    let pd = format!("{{local_prefill_tokens: 0, local_prefill_idle_tokens: 0{more}}}");
+    let lb = pd_lb(dir, &[&p1, &p2], &[&d1], &pd);
+    (p1, p2, d1, lb)
+}
+
 #[test]
 fn a_failing_prefill_fails_over_to_another_prefill_replica() {
     let dir = tempfile::tempdir().expect("dir");
-    let (p1, p2) = (
-        sim(dir.path(), "p1", "producer", &[]),
-        sim(dir.path(), "p2", "producer", &[]),
-    );
-    let d1 = sim(dir.path(), "d1", "consumer", &[]);
-    let lb = pd_lb(
-        dir.path(),
-        &[&p1, &p2],
-        &[&d1],
-        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0}",
-    );
+    let (p1, _p2, _d1, lb) = two_prefills(dir.path(), "");
     p1.fault(json!({"fault": "error500"}));
     for i in 0..6 {
         let a = chat(
@@ -561,17 +564,7 @@ fn a_failing_prefill_fails_over_to_another_prefill_replica() {
 #[test]
 fn a_silent_prefill_fails_over_as_a_timeout_without_a_demotion() {
     let dir = tempfile::tempdir().expect("dir");
-    let (p1, p2) = (
-        sim(dir.path(), "p1", "producer", &[]),
-        sim(dir.path(), "p2", "producer", &[]),
-    );
-    let d1 = sim(dir.path(), "d1", "consumer", &[]);
-    let lb = pd_lb(
-        dir.path(),
-        &[&p1, &p2],
-        &[&d1],
-        "{local_prefill_tokens: 0, local_prefill_idle_tokens: 0, prefill_timeout_seconds: 1}",
-    );
+    let (p1, _p2, _d1, lb) = two_prefills(dir.path(), ", prefill_timeout_seconds: 1");
     p1.fault(json!({"fault": "hang"}));
     // p1's prefill legs by outcome (a counter has no sample until its first count).
     let p1_legs = |outcome: &str| {
