@@ -529,23 +529,25 @@ fn two_prefills(dir: &std::path::Path, more: &str) -> (Sim, Sim, Sim, Lb) {
     (p1, p2, d1, lb)
 }
 
+/// A fresh 2000-token turn (`tag` makes it unique), streamed or not, answered through the
+/// pools with p2's prefill.
+fn prefilled_on_p2(lb: &Lb, tag: &str, stream: bool) {
+    let a = chat(lb, &[("user", &text_of(tag, 2000))], stream);
+    assert_eq!(
+        (a.status, a.route.as_str(), a.prefill.as_str()),
+        (200, "pd", "p2"),
+        "{}",
+        a.text
+    );
+}
+
 #[test]
 fn a_failing_prefill_fails_over_to_another_prefill_replica() {
     let dir = tempfile::tempdir().expect("dir");
     let (p1, _p2, _d1, lb) = two_prefills(dir.path(), "");
     p1.fault(json!({"fault": "error500"}));
     for i in 0..6 {
-        let a = chat(
-            &lb,
-            &[("user", &text_of(&format!("f{i}"), 2000))],
-            i % 2 == 0,
-        );
-        assert_eq!(
-            (a.status, a.route.as_str(), a.prefill.as_str()),
-            (200, "pd", "p2"),
-            "{}",
-            a.text
-        );
+        prefilled_on_p2(&lb, &format!("f{i}"), i % 2 == 0);
     }
     let failed =
         lb.metric("inferlb_pd_legs_total{leg=\"prefill\",outcome=\"http_5xx\",replica=\"p1\"}");
@@ -576,17 +578,7 @@ fn a_silent_prefill_fails_over_as_a_timeout_without_a_demotion() {
     };
     // Ties between the idle prefill replicas spread: p1 is tried within a few requests.
     for i in 0..6 {
-        let a = chat(
-            &lb,
-            &[("user", &text_of(&format!("s{i}"), 2000))],
-            i % 2 == 0,
-        );
-        assert_eq!(
-            (a.status, a.route.as_str(), a.prefill.as_str()),
-            (200, "pd", "p2"),
-            "{}",
-            a.text
-        );
+        prefilled_on_p2(&lb, &format!("s{i}"), i % 2 == 0);
         if p1_legs("read_timeout") >= 1.0 {
             break;
         }
