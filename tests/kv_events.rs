@@ -9,21 +9,24 @@ use std::time::Duration;
 use common::*;
 use inferlb_harness::{free_port, Replica};
 
-/// gpu0 publishing its KV events (and their replay) on free ports, and inferlb reading them.
-fn publishing(dir: &std::path::Path) -> (Sim, Lb) {
-    let (events, replay) = (free_port(), free_port());
-    let ev = format!("tcp://127.0.0.1:{events}");
-    let rp = format!("tcp://127.0.0.1:{replay}");
-    let sim = Sim::spawn(
-        dir,
-        "gpu0",
-        &["--kv-events", &ev, "--kv-events-replay", &rp],
-    );
+/// gpu0 publishing its KV events (and their replay, with `replay`) on free ports, with `more`
+/// flags, and inferlb reading them.
+fn publishing(dir: &std::path::Path, replay: bool, more: &[&str]) -> (Sim, Lb) {
+    let ev = format!("tcp://127.0.0.1:{}", free_port());
+    let rp = format!("tcp://127.0.0.1:{}", free_port());
+    let mut args = vec!["--kv-events", &ev];
+    let mut extra = format!("kv_events: \"{ev}\"");
+    if replay {
+        args.extend(["--kv-events-replay", &rp]);
+        extra.push_str(&format!(", kv_events_replay: \"{rp}\""));
+    }
+    args.extend(more);
+    let sim = Sim::spawn(dir, "gpu0", &args);
     sim.assert_healthy();
     let conf = LbConf {
         routing: Some("prefill_cost".into()),
         replicas: vec![Replica {
-            extra: format!("kv_events: \"{ev}\", kv_events_replay: \"{rp}\""),
+            extra,
             ..Replica::of(&sim)
         }],
         ..test_conf()
@@ -86,7 +89,7 @@ fn all_live(lb: &Lb, ids: &[&str]) {
 #[test]
 fn a_reset_the_replica_announces_empties_its_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (sim, lb) = publishing(dir.path());
+    let (sim, lb) = publishing(dir.path(), true, &[]);
     let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
     // Seen whole: the startup clear came through the replay socket.
     let live = wait_until(Duration::from_secs(10), || {
@@ -156,13 +159,34 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
 
 /// A replica restarted between two health checks says nothing on a stream that died with it;
 /// its publisher, asked once the stream is silent, no longer has the last batch applied (its
-/// sequence began again from 0): the estimate is cleared within seconds.
+/// sequence began again from 0): the estimate is cleared within seconds. Its `/metrics` does
+/// not tell its process's start here, which would tell the restart first (the next test).
 #[test]
 fn a_publisher_that_restarted_clears_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut sim, lb) = publishing(dir.path());
+    let (mut sim, lb) = publishing(dir.path(), true, &["--no-start-time"]);
+    let said = "replica gpu0: its KV event publisher restarted; its estimate is cleared";
+    restarted_and_predicted_cold(&mut sim, &lb, said, 2.0);
+}
+
+/// With no replay socket to ask, a restart is read from the replica's `/metrics` (a later
+/// `process_start_time_seconds`): the estimate is emptied and the stream subscribed anew
+/// within seconds, not after ten silent ones. (Without a replay, the stream is partial: the
+/// publisher's first batches went out before inferlb subscribed.)
+#[test]
+fn a_restart_read_from_metrics_clears_the_estimate_and_resubscribes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut sim, lb) = publishing(dir.path(), false, &[]);
+    let said = "replica gpu0: restarted (its /metrics); KV events subscribed anew";
+    restarted_and_predicted_cold(&mut sim, &lb, said, 1.0);
+}
+
+/// gpu0's stream read (in `state`: 2 live, 1 partial), three turns of one history sent, then gpu0 restarted: inferlb says
+/// `said` within 8 s, the stream is read again, the next turn is predicted cold, as it is (no
+/// misprediction), and what a new prompt stores comes in on the new stream.
+fn restarted_and_predicted_cold(sim: &mut Sim, lb: &Lb, said: &str, state: f64) {
     let sample = |s: &str| sample_value(&lb.metrics(), s).unwrap_or(0.0);
-    let live = || sample("inferlb_kv_events_state{replica=\"gpu0\"}") == 2.0;
+    let live = || sample("inferlb_kv_events_state{replica=\"gpu0\"}") == state;
     assert!(
         wait_until(Duration::from_secs(10), live),
         "{}",
@@ -171,19 +195,15 @@ fn a_publisher_that_restarted_clears_the_estimate() {
     let history = text_of("restart history", 6000);
     let messages = [("user", history.as_str())];
     for _ in 0..3 {
-        routed_chat(&lb, &messages);
+        routed_chat(lb, &messages);
     }
     sim.restart(&[]);
     sim.assert_healthy();
-    // Found by asking the silent stream's publisher where it stands (in about 2 s), or on a
-    // reconnect if the probe found its port closed: not by the resubscription after ten
-    // silent seconds.
-    let said = "replica gpu0: its KV event publisher restarted; its estimate is cleared";
+    // Not by the resubscription after ten silent seconds.
     let cleared = wait_until(Duration::from_secs(8), || lb.proc.log_text().contains(said));
     assert!(cleared, "{}", lb.proc.log_text());
     assert!(wait_until(Duration::from_secs(5), live), "{}", lb.metrics());
-    // Predicted cold, as it is: no misprediction.
-    let (_, _, resp) = routed_chat(&lb, &messages);
+    let (_, _, resp) = routed_chat(lb, &messages);
     assert_eq!(
         resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
         Some(0),
@@ -191,6 +211,26 @@ fn a_publisher_that_restarted_clears_the_estimate() {
     );
     let wrong = "inferlb_cache_mispredictions_total{cause=\"absent\",replica=\"gpu0\"}";
     assert_eq!(sample(wrong), 0.0, "{}", lb.metrics());
+    // The new stream is read: the blocks a new prompt stores come in, on it or (if they were
+    // published before the subscription) through the replay at its connect. Without a replay,
+    // what was published before the subscription is lost: a new prompt a second until then.
+    let read = || {
+        ["batches", "replayed"]
+            .iter()
+            .map(|k| {
+                sample(&format!(
+                    "inferlb_kv_events_total{{kind=\"{k}\",replica=\"gpu0\"}}"
+                ))
+            })
+            .sum::<f64>()
+    };
+    let before = read();
+    let read = (0..10).any(|i| {
+        let new = text_of(&format!("a new prompt after the restart {i}"), 2000);
+        routed_chat(lb, &[("user", new.as_str())]);
+        wait_until(Duration::from_secs(1), || read() > before)
+    });
+    assert!(read, "{}", lb.metrics());
 }
 
 /// gpu0 (with `more0` flags) and gpu1 with `tk`'s tokenizer, publishing their events, and

@@ -1,7 +1,7 @@
 //! `prefill_cost` routing against real simulated replicas: a same-prefix burst still splits,
 //! an agent loop stays on its warm replica, a fork of a long history goes home while home is
 //! idle, a follower rides on the prefill of the prefix it shares, and each replica's cache
-//! size is learnt from its `/metrics`.
+//! size is learnt from its `/metrics`, as is a restart between two health checks.
 
 mod common;
 
@@ -174,11 +174,12 @@ fn each_replicas_cache_size_and_load_are_read_from_its_metrics() {
 /// The replicas' own word corrects the estimate. A stream that does not ask for its usage is
 /// sent asking, and its client gets no usage event; each answer's cached count is set beside
 /// the prediction in the metrics; and a replica that restarted between two health checks
-/// (its cache lost) is found wrong once, then right again.
+/// (its cache lost), on a server whose `/metrics` does not tell its process's start, is found
+/// wrong once, then right again.
 #[test]
 fn the_replicas_usage_checks_and_corrects_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut a, mut b, lb) = cluster(dir.path(), &[], conf());
+    let (mut a, mut b, lb) = cluster(dir.path(), &["--no-start-time"], conf());
     let history = text_of("usage history", 8000);
     let messages = [("user", history.as_str())];
     let r = http()
@@ -246,4 +247,45 @@ fn the_replicas_usage_checks_and_corrects_the_estimate() {
     routed_chat(&lb, &messages);
     assert_eq!(wrong("absent"), 1.0);
     assert_eq!(wrong("evicted"), 0.0);
+}
+
+/// A replica restarted between two health checks tells it in its `/metrics` (a later
+/// `process_start_time_seconds`): inferlb empties its estimate before the next turn, which is
+/// then predicted cold, as it is (no misprediction), and counts the restart.
+#[test]
+fn a_restart_between_health_checks_is_read_from_the_replicas_metrics() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut a, mut b, lb) = cluster(dir.path(), &[], conf());
+    let history = text_of("restarted history", 8000);
+    let messages = [("user", history.as_str())];
+    let (home, _, _) = routed_chat(&lb, &messages);
+    let (again, _, resp) = routed_chat(&lb, &messages);
+    assert_eq!(again, home);
+    let cached =
+        |resp: &serde_json::Value| resp["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert!(cached(&resp) > Some(7000), "{resp}");
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let said = format!("replica {home}: restarted (its /metrics gives a later process start)");
+    let found = wait_until(std::time::Duration::from_secs(5), || {
+        lb.proc.log_text().contains(&said)
+    });
+    assert!(found, "{}", lb.proc.log_text());
+    let (_, _, resp) = routed_chat(&lb, &messages);
+    assert_eq!(cached(&resp), Some(0), "{resp}");
+    let metrics = lb.metrics();
+    let sample = |series: &str| sample_value(&metrics, series).unwrap_or(0.0);
+    for cause in ["absent", "evicted"] {
+        let wrong =
+            format!("inferlb_cache_mispredictions_total{{cause=\"{cause}\",replica=\"{home}\"}}");
+        assert_eq!(sample(&wrong), 0.0, "{metrics}");
+    }
+    let restarts = |id: &str| {
+        sample(&format!(
+            "inferlb_replica_restarts_total{{replica=\"{id}\"}}"
+        ))
+    };
+    let other = if a.id == home { &b.id } else { &a.id };
+    assert_eq!((restarts(&home), restarts(other)), (1.0, 0.0), "{metrics}");
 }

@@ -56,6 +56,10 @@ pub(crate) struct Args {
     /// Tokens generated when a request sets no max_tokens.
     #[arg(long, default_value_t = 16)]
     pub(crate) default_max_tokens: usize,
+    /// Leave `process_start_time_seconds` out of `/metrics`, as vLLM with several API servers
+    /// (Prometheus' multiprocess mode) or llama.cpp do: a restart is not told there.
+    #[arg(long)]
+    pub(crate) no_start_time: bool,
     /// Slow start: refuse connections for this many seconds (a vLLM process loading).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) refuse_for: f64,

@@ -3,8 +3,8 @@
 //! test controls (`/sim/fault`, `/sim/echo`, `/sim/received`).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -27,6 +27,19 @@ pub(crate) async fn models(State(sim): State<App>) -> Response {
         .map(|m| json!({"id": m, "object": "model", "created": now_secs(), "owned_by": "inferlb-sim", "max_model_len": 131072}))
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// When this process started, in seconds since the Unix epoch: `process_start_time_seconds`,
+/// which Python's Prometheus client (vLLM's, SGLang's) exports and which tells a restart.
+static STARTED: OnceLock<f64> = OnceLock::new();
+
+/// Notes the process's start; `main` calls it first.
+pub(crate) fn note_start() -> f64 {
+    *STARTED.get_or_init(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    })
 }
 
 pub(crate) async fn health(State(sim): State<App>) -> Response {
@@ -112,6 +125,12 @@ pub(crate) fn metrics_of(sims: &[App]) -> Response {
                 value(sim)
             ));
         }
+    }
+    // The server's, once (every rank is in one process).
+    if sims.first().is_some_and(|s| !s.args.no_start_time) {
+        body.push_str("# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n");
+        body.push_str("# TYPE process_start_time_seconds gauge\n");
+        body.push_str(&format!("process_start_time_seconds {}\n", note_start()));
     }
     body.push_str(
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\

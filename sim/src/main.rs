@@ -11,7 +11,8 @@
 //!   events and not) and `POST /v1/messages/count_tokens`, usage split as Anthropic reports it;
 //! - `/health`, `/metrics` (vLLM's names and shapes: `vllm:num_requests_running` and
 //!   `_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total` and `_hits_total`
-//!   in tokens, ..., and `vllm:cache_config_info`), `/sim/stats` (the same, plus what the engine
+//!   in tokens, ..., `vllm:cache_config_info`, and `process_start_time_seconds` as Python's
+//!   Prometheus client gives it), `/sim/stats` (the same, plus what the engine
 //!   knows that a router estimates: requests decoding, uncached prompt tokens still to prefill),
 //!   `/sim/echo`, `/sim/received` (the last bodies posted to `/v1/*`), and a fault switch:
 //!   `POST /sim/fault {"fault": "...", "seconds": s, "count": n}` (see `Fault`), which applies
@@ -311,6 +312,7 @@ fn router(sim: &App) -> Router {
 
 #[tokio::main]
 async fn main() {
+    endpoints::note_start();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = match load_args() {
         Ok(a) => a,

@@ -18,6 +18,7 @@ use pingora_core::services::background::BackgroundService;
 
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::Replica;
+use crate::telemetry::metrics::METRICS;
 
 /// The most requests waiting (or running) a replica is believed to report, all its samples
 /// summed; more reads as this many. No server queues a million requests.
@@ -37,6 +38,10 @@ pub struct Reported {
     /// (`vllm:kv_cache_usage_perc`, a fraction despite its name; SGLang's `token_usage`); of
     /// several engines, the fullest.
     pub kv_usage_ppm: Option<u64>,
+    /// When the server's process started, in milliseconds since the Unix epoch
+    /// (`process_start_time_seconds`, which Python's Prometheus client exports unless it runs
+    /// in multiprocess mode): a later one than before means it restarted.
+    pub started_ms: Option<u64>,
 }
 
 /// Reads the Prometheus text of a vLLM replica (SGLang's names too); `None` when it has
@@ -82,6 +87,14 @@ pub fn parse_rank(text: &str, rank: Option<u16>) -> Option<Reported> {
                     // fullest, never a sum that reads a half-full replica as full.
                     r.kv_usage_ppm = Some(r.kv_usage_ppm.unwrap_or(0).max(ppm));
                 }
+            }
+            "process_start_time_seconds" => {
+                r.started_ms = raw
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .map(|v| (v * 1e3).round() as u64);
             }
             "vllm:cache_config_info" => {
                 let blocks = label(series, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok());
@@ -153,6 +166,15 @@ impl LoadReader {
                 r.cache.resized();
             }
         }
+        if let Some(ms) = reported.and_then(|x| x.started_ms) {
+            if r.cache.started(ms) {
+                log::warn!(
+                    "replica {}: restarted (its /metrics gives a later process start): its cache is empty, and so is inferlb's view of it",
+                    r.id
+                );
+                METRICS.restarts.with_label_values(&[&r.id]).inc();
+            }
+        }
         let ok = reported.is_some();
         if r.note_metrics_read(ok) {
             if ok {
@@ -221,6 +243,9 @@ vllm:num_requests_waiting{engine="0",model_name="n"} 1.0
 vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="12500"} 1.0
 vllm:prefix_cache_hits_total{model_name="m"} 1.2e6
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.74262400557e+09
 "#;
         assert_eq!(
             parse(page),
@@ -229,6 +254,7 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
                 running: 7,
                 cache_tokens: Some(200_000),
                 kv_usage_ppm: Some(250_000),
+                started_ms: Some(1_742_624_005_570),
             })
         );
     }
@@ -254,7 +280,8 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
                 waiting: 3,
                 running: 7,
                 cache_tokens: Some(32_000),
-                kv_usage_ppm: Some(500_000)
+                kv_usage_ppm: Some(500_000),
+                started_ms: None,
             }
         );
         assert_eq!(
@@ -263,7 +290,8 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
                 waiting: 0,
                 running: 2,
                 cache_tokens: Some(16_000),
-                kv_usage_ppm: Some(125_000)
+                kv_usage_ppm: Some(125_000),
+                started_ms: None,
             }
         );
         assert_eq!(rank(10).running, 50);
@@ -378,6 +406,16 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
         assert_eq!(cache("-1", "16"), None);
         assert_eq!(cache("1e9", "16"), None);
         assert_eq!(cache("100", "16"), Some(1600));
+        let started = |v: &str| {
+            parse(&format!(
+                "vllm:num_requests_running 1\nprocess_start_time_seconds {v}"
+            ))
+            .and_then(|r| r.started_ms)
+        };
+        assert_eq!(started("1.7e9"), Some(1_700_000_000_000));
+        for v in ["NaN", "-1.7e9", "0", "+Inf", "1e400", "x"] {
+            assert_eq!(started(v), None, "{v}");
+        }
     }
 
     /// A replica whose page claims an absurd load (2^63 requests waiting and running, twice:

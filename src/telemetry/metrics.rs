@@ -76,6 +76,7 @@ pub fn forget<R: ReplicaGauges + 'static>(id: &str, replica: &Arc<R>) {
         &m.predicted_cached_tokens,
         &m.reported_cached_tokens,
         &m.mispredictions,
+        &m.restarts,
         &m.kv_events,
         &m.pd_legs,
         &m.pd_pull_tokens,
@@ -255,6 +256,8 @@ pub struct Metrics {
     pub predicted_cached_tokens: ReplicaCounters,
     pub reported_cached_tokens: ReplicaCounters,
     pub mispredictions: ReplicaCounters,
+    /// Restarts found from a replica's `/metrics` (its process start moved on).
+    pub restarts: ReplicaCounters,
     /// KV events read from the replicas, by kind; the state of each replica's stream.
     pub kv_events: ReplicaCounters,
     pub kv_events_state: IntGaugeVec,
@@ -409,6 +412,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "inferlb_cache_mispredictions_total",
             "Answers whose replica cached less than predicted (by more than a block and a token), by cause: evicted (part held), absent (none held).",
             &["replica", "cause"]
+        )?),
+        restarts: ReplicaCounters(register_int_counter_vec!(
+            "inferlb_replica_restarts_total",
+            "Restarts of the replica found from its /metrics (process_start_time_seconds moved later): each emptied inferlb's view of its cache.",
+            &["replica"]
         )?),
         tls_reloads: register_int_counter!(
             "inferlb_tls_certificate_reloads_total",

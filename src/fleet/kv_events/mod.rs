@@ -124,7 +124,10 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             tokio::time::sleep(IDLE_CHECK).await;
             continue;
         }
+        // Restarts found from the replica's `/metrics` (which cleared its cache) since.
+        let mut restarts = 0;
         if let Some(r) = replica.upgrade() {
+            restarts = r.cache.restarts();
             catch_up(&r, ep.replay.as_deref(), &mut seq).await;
             transition(&replica, &id, &mut state, seq.state());
         }
@@ -135,6 +138,12 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
         loop {
             let m = tokio::time::timeout(IDLE_CHECK, sub.recv()).await;
             let Some(r) = replica.upgrade() else { return };
+            if r.cache.restarts() != restarts {
+                // Its publisher began again with it, on a stream this socket may never see.
+                log::info!("replica {id}: restarted (its /metrics); KV events subscribed anew");
+                seq = Sequence::default();
+                break;
+            }
             let m = match m {
                 Err(_) => {
                     if !reachable(&ep.publisher).await {
