@@ -158,7 +158,7 @@ fn main() {
         &server.configuration,
         Balancer::new(
             registry.clone(),
-            affinity,
+            affinity.clone(),
             stored,
             cluster.clone(),
             conf.clone(),
@@ -253,6 +253,7 @@ fn main() {
     {
         let load = inferlb::fleet::poll::LoadReader {
             registry: registry_for_load,
+            affinity,
             interval: conf.load_poll_interval,
         };
         server.add_service(background_service("replica load", load));

@@ -177,7 +177,7 @@ fn a_publisher_that_restarted_clears_the_estimate() {
 fn a_restart_read_from_metrics_clears_the_estimate_and_resubscribes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut sim, lb) = publishing(dir.path(), false, &[]);
-    let said = "replica gpu0: restarted (its /metrics); KV events subscribed anew";
+    let said = "replica gpu0: restarted (its /metrics); its KV event stream begins anew";
     restarted_and_predicted_cold(&mut sim, &lb, said, 1.0);
 }
 

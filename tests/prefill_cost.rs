@@ -250,8 +250,9 @@ fn the_replicas_usage_checks_and_corrects_the_estimate() {
 }
 
 /// A replica restarted between two health checks tells it in its `/metrics` (a later
-/// `process_start_time_seconds`): inferlb empties its estimate before the next turn, which is
-/// then predicted cold, as it is (no misprediction), and counts the restart.
+/// `process_start_time_seconds`): inferlb empties its estimate and drops its pins before the
+/// next turn, which then spreads, predicted cold, as it is (no misprediction), and counts the
+/// restart.
 #[test]
 fn a_restart_between_health_checks_is_read_from_the_replicas_metrics() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -272,7 +273,15 @@ fn a_restart_between_health_checks_is_read_from_the_replicas_metrics() {
         lb.proc.log_text().contains(&said)
     });
     assert!(found, "{}", lb.proc.log_text());
-    let (_, _, resp) = routed_chat(&lb, &messages);
+    // The conversation's next turn: no replica holds its history now, and its pin to the
+    // replica that served it went with the cache, so it spreads rather than go back pinned.
+    let next = [
+        ("user", history.as_str()),
+        ("assistant", "an answer"),
+        ("user", "and then?"),
+    ];
+    let (_, route, resp) = routed_chat(&lb, &next);
+    assert_eq!(route, "spread");
     assert_eq!(cached(&resp), Some(0), "{resp}");
     let metrics = lb.metrics();
     let sample = |series: &str| sample_value(&metrics, series).unwrap_or(0.0);

@@ -143,6 +143,31 @@ impl AffinityTable {
         learnt
     }
 
+    /// Forgets every pin to `replica`, one shard per lock: it restarted, and what it served is
+    /// gone with its cache, so the conversations it served have no home until they are served
+    /// again. How many pins went.
+    pub fn forget_replica(&self, replica: &str) -> usize {
+        let mut gone = 0;
+        for shard in self.shards.iter() {
+            let Ok(mut s) = shard.lock() else { continue };
+            self.held(s.len());
+            let pins: Vec<u64> = s
+                .iter()
+                .filter(|(_, id)| &***id == replica)
+                .map(|(h, _)| *h)
+                .collect();
+            for h in &pins {
+                s.pop(h);
+            }
+            self.count(-(pins.len() as i64));
+            gone += pins.len();
+        }
+        if gone > 0 {
+            self.generation.fetch_add(1, Ordering::Relaxed);
+        }
+        gone
+    }
+
     /// The most entries a snapshot or merge handled under one lock so far.
     pub fn most_under_one_lock(&self) -> usize {
         self.most_under_one_lock.load(Ordering::Relaxed)
@@ -201,6 +226,34 @@ mod tests {
         let learnt = u.merge(snap.iter().map(|(h, s)| (*h, &**s)), |s| Some(id(s)));
         assert_eq!(learnt, 5_000);
         assert!(snap.iter().all(|(h, _)| u.served_by(*h).is_some()));
+    }
+
+    /// A restarted replica's pins go, every shard's, the others' stay; the count and the
+    /// generation follow, and no lock is held for more than a shard.
+    #[test]
+    fn a_restarted_replicas_pins_go_and_the_others_stay() {
+        let t = AffinityTable::new(20_000, None);
+        let (a, b) = (id("a"), id("b"));
+        let h = |i: u64| xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes());
+        for i in 0..10_000u64 {
+            t.record(h(i), if i % 3 == 0 { &a } else { &b });
+        }
+        let generation = t.generation();
+        assert_eq!(t.forget_replica("a"), 3_334);
+        assert_eq!(t.len(), 6_666);
+        assert!(t.generation() > generation);
+        for i in 0..10_000u64 {
+            let want = (i % 3 != 0).then_some("b");
+            assert_eq!(t.served_by(h(i)).as_deref(), want, "{i}");
+        }
+        let generation = t.generation();
+        assert_eq!(t.forget_replica("a"), 0);
+        assert_eq!(
+            t.generation(),
+            generation,
+            "nothing changed: nothing to save"
+        );
+        assert!(t.most_under_one_lock() <= SHARD_ENTRIES);
     }
 
     /// The request path shares these locks: a snapshot or a merge of a large table (state

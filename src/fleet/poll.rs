@@ -16,6 +16,7 @@ use futures::future::join_all;
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 
+use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::Replica;
 use crate::telemetry::metrics::METRICS;
@@ -26,6 +27,16 @@ pub const MAX_REQUESTS: u64 = crate::fleet::replica::MAX_REPORTED_REQUESTS;
 /// The largest prefix cache a replica is believed to report, in tokens (10^10: a hundred
 /// times the largest GPU pools of 2026).
 pub const MAX_CACHE_TOKENS: u64 = 10_000_000_000;
+
+/// How far in the future a replica's process start is believed: its clock may run ahead of
+/// this host's, but a start later than this is not one.
+const MAX_CLOCK_AHEAD_MS: u64 = 3_600_000;
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
 
 /// What a vLLM `/metrics` page says about load and cache size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -129,6 +140,8 @@ fn label<'t>(series: &'t str, key: &str) -> Option<&'t str> {
 
 pub struct LoadReader {
     pub registry: Arc<Registry>,
+    /// Where conversations were served: a restarted replica's pins go.
+    pub affinity: Arc<AffinityTable>,
     pub interval: Duration,
 }
 
@@ -166,10 +179,16 @@ impl LoadReader {
                 r.cache.resized();
             }
         }
-        if let Some(ms) = reported.and_then(|x| x.started_ms) {
+        // A start in the future (a wrong clock, or garbage) would hide every later restart.
+        let latest = now_ms().saturating_add(MAX_CLOCK_AHEAD_MS);
+        let started = reported
+            .and_then(|x| x.started_ms)
+            .filter(|ms| *ms <= latest);
+        if let Some(ms) = started {
             if r.cache.started(ms) {
+                let pins = self.affinity.forget_replica(&r.id);
                 log::warn!(
-                    "replica {}: restarted (its /metrics gives a later process start): its cache is empty, and so is inferlb's view of it",
+                    "replica {}: restarted (its /metrics gives a later process start): its cache is empty, and so is inferlb's view of it; {pins} pins to it dropped",
                     r.id
                 );
                 METRICS.restarts.with_label_values(&[&r.id]).inc();

@@ -7,7 +7,8 @@
 //! ([`crate::fleet::blocks`]), which the cost policy reads for a prompt whose token ids are
 //! known while the stream is live. An `AllBlocksCleared` (a cache reset) or a publisher whose
 //! sequence began again (a restart between two health checks) empties the block index and the
-//! estimate at once. Each stream's state is kept with a metric and one log line per
+//! estimate at once, as does a restart read from the replica's `/metrics`
+//! ([`crate::fleet::poll`]). Each stream's state is kept with a metric and one log line per
 //! transition. `live`: every batch since the publisher's first was seen, gaps healed through
 //! the replay socket. `partial`: joined after the publisher's first batch, or a gap the replay
 //! could not heal (its buffer is finite and there is no snapshot), until the next
@@ -99,7 +100,8 @@ impl BackgroundService for KvEventWatcher {
 /// second the stream is silent the publisher's port is probed (refused: `gone`, and
 /// reconnected when it answers again) and its replay socket asked where it stands
 /// ([`standing`]): one that began again is cleared at once, one whose batches this socket
-/// missed is subscribed anew, and a stream silent for [`RESUBSCRIBE_AFTER`] is too.
+/// missed is subscribed anew, and a stream silent for [`RESUBSCRIBE_AFTER`] is too; so is
+/// one whose replica restarted by its `/metrics` ([`renewed`]), which the poll cleared.
 /// Each (re)connect reads the replay socket from the publisher's first batch: a publisher
 /// whose sequence went back restarted, so its cache is empty and the estimate is cleared;
 /// otherwise the batches missed meanwhile are applied. What the first connect replays only
@@ -108,6 +110,8 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
     let mut state = None;
     let mut seq = Sequence::default();
     let mut learnt = server_info::Learnt::default();
+    // The restarts read from the replica's `/metrics` this stream followed (see `renewed`).
+    let mut restarts = replica.upgrade().map_or(0, |r| r.cache.restarts());
     while let Some(r) = replica.upgrade() {
         let id = r.id.clone();
         let ep = server_info::read(&r, &source, &mut learnt, SOCKET_TIMEOUT).await;
@@ -124,10 +128,8 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             tokio::time::sleep(IDLE_CHECK).await;
             continue;
         }
-        // Restarts found from the replica's `/metrics` (which cleared its cache) since.
-        let mut restarts = 0;
         if let Some(r) = replica.upgrade() {
-            restarts = r.cache.restarts();
+            renewed(&r, &mut restarts, &mut seq);
             catch_up(&r, ep.replay.as_deref(), &mut seq).await;
             transition(&replica, &id, &mut state, seq.state());
         }
@@ -138,10 +140,9 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
         loop {
             let m = tokio::time::timeout(IDLE_CHECK, sub.recv()).await;
             let Some(r) = replica.upgrade() else { return };
-            if r.cache.restarts() != restarts {
-                // Its publisher began again with it, on a stream this socket may never see.
-                log::info!("replica {id}: restarted (its /metrics); KV events subscribed anew");
-                seq = Sequence::default();
+            if renewed(&r, &mut restarts, &mut seq) {
+                // Its publisher began again, on a stream this socket may never see.
+                transition(&replica, &id, &mut state, StreamState::Partial);
                 break;
             }
             let m = match m {
@@ -284,6 +285,25 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             }
         }
     }
+}
+
+/// Whether the replica restarted by its `/metrics` since this stream last looked (`restarts`,
+/// the count it followed): its cache was cleared then and its publisher began again, so the
+/// stream begins anew from the new publisher's first batch. Nothing is cleared again (what was
+/// sent to it since counts), and a restart found while the subscriber was away (reconnecting)
+/// is followed as one found while it read.
+fn renewed(r: &Replica, restarts: &mut u64, seq: &mut Sequence) -> bool {
+    let now = r.cache.restarts();
+    if now == *restarts {
+        return false;
+    }
+    *restarts = now;
+    *seq = Sequence::default();
+    log::info!(
+        "replica {}: restarted (its /metrics); its KV event stream begins anew",
+        r.id
+    );
+    true
 }
 
 /// The publisher began again (`how` it was found): its cache is empty, and its sequence
