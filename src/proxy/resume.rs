@@ -70,7 +70,10 @@ impl Balancer {
         match self.resume(session, e, ctx).await {
             // Ended whole. Pingora closes an HTTP/1.1 connection next, though its header
             // (sent before the first replica broke) promised no close: a client reusing it at
-            // once may meet the close, as after any cut stream.
+            // once may meet the close, as after any cut stream. Pingora 0.9.1 decides that
+            // reuse from the upstream's failure alone; `fail_to_proxy`'s
+            // `can_reuse_downstream` is read only after a filter's error (tried: a test of the
+            // kept connection still met the close).
             Resumed::Served | Resumed::ClientGone => GoOn::Ended,
             Resumed::GaveUp(why) => {
                 if let Some((id, last)) = &ctx.last_failure {
