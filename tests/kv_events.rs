@@ -202,6 +202,8 @@ fn restarted_and_predicted_cold(sim: &mut Sim, lb: &Lb, said: &str, state: f64) 
     // Not by the resubscription after ten silent seconds.
     let cleared = wait_until(Duration::from_secs(8), || lb.proc.log_text().contains(said));
     assert!(cleared, "{}", lb.proc.log_text());
+    // Live again from the new publisher's replay (partial throughout without one: what the
+    // batches below show instead).
     assert!(wait_until(Duration::from_secs(5), live), "{}", lb.metrics());
     let (_, _, resp) = routed_chat(lb, &messages);
     assert_eq!(

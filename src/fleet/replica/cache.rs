@@ -225,6 +225,11 @@ impl CacheModel {
         let restarted = before != 0 && ms > before;
         if restarted {
             self.clear();
+            // The emptied block index is no live word on the new process's cache, until its
+            // subscriber reads the new publisher's stream whole.
+            if self.blocks.is_some() {
+                self.set_freshness(Freshness::Partial);
+            }
             self.restarts.fetch_add(1, Ordering::Relaxed);
         }
         restarted
@@ -484,6 +489,13 @@ mod tests {
             let restarts = want.iter().filter(|r| **r).count() as u64;
             assert_eq!(m.restarts(), restarts, "{starts:?}");
         }
+        // With KV events, the emptied block index is not live until the new stream is read.
+        let m = CacheModel::estimate(Some(1_000_000)).with_events();
+        m.set_freshness(Freshness::Live);
+        assert!(!m.started(1_000));
+        assert_eq!(m.freshness(), Freshness::Live);
+        assert!(m.started(2_000));
+        assert_eq!(m.freshness(), Freshness::Partial);
     }
 
     #[test]
