@@ -185,7 +185,7 @@ impl LoadReader {
             .and_then(|x| x.started_ms)
             .filter(|ms| *ms <= latest);
         if let Some(ms) = started {
-            if r.cache.started(ms) {
+            if r.started(ms) {
                 let pins = self.affinity.forget_replica(&r.id);
                 log::warn!(
                     "replica {}: restarted (its /metrics gives a later process start): its cache is empty, and so is inferlb's view of it; {pins} pins to it dropped",

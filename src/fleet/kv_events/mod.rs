@@ -24,6 +24,7 @@
 //! Never on the request path: the sockets are read by background tasks that change a
 //! replica's indexes under their own locks.
 
+mod restart;
 mod sequence;
 pub mod server_info;
 mod sockets;
@@ -45,6 +46,7 @@ use crate::conf::KvEvents;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::{Freshness, Replica};
 use crate::telemetry::metrics::METRICS;
+use restart::{renewed, restarted};
 use sockets::{reachable, replay, stamps, standing, SOCKET_TIMEOUT};
 
 /// How often a subscriber checks that its replica is still in the registry while idle.
@@ -101,7 +103,7 @@ impl BackgroundService for KvEventWatcher {
 /// reconnected when it answers again) and its replay socket asked where it stands
 /// ([`standing`]): one that began again is cleared at once, one whose batches this socket
 /// missed is subscribed anew, and a stream silent for [`RESUBSCRIBE_AFTER`] is too; so is
-/// one whose replica restarted by its `/metrics` ([`renewed`]), which the poll cleared.
+/// one whose replica restarted by its `/metrics` (`renewed`), which the poll cleared.
 /// Each (re)connect reads the replay socket from the publisher's first batch: a publisher
 /// whose sequence went back restarted, so its cache is empty and the estimate is cleared;
 /// otherwise the batches missed meanwhile are applied. What the first connect replays only
@@ -111,7 +113,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
     let mut seq = Sequence::default();
     let mut learnt = server_info::Learnt::default();
     // The restarts read from the replica's `/metrics` this stream followed (see `renewed`).
-    let mut restarts = replica.upgrade().map_or(0, |r| r.cache.restarts());
+    let mut restarts = replica.upgrade().map_or(0, |r| r.restarts());
     while let Some(r) = replica.upgrade() {
         let id = r.id.clone();
         let ep = server_info::read(&r, &source, &mut learnt, SOCKET_TIMEOUT).await;
@@ -285,36 +287,6 @@ async fn catch_up(r: &Replica, endpoint: Option<&str>, seq: &mut Sequence) {
             }
         }
     }
-}
-
-/// Whether the replica restarted by its `/metrics` since this stream last looked (`restarts`,
-/// the count it followed): its cache was cleared then and its publisher began again, so the
-/// stream begins anew from the new publisher's first batch. Nothing is cleared again (what was
-/// sent to it since counts), and a restart found while the subscriber was away (reconnecting)
-/// is followed as one found while it read.
-fn renewed(r: &Replica, restarts: &mut u64, seq: &mut Sequence) -> bool {
-    let now = r.cache.restarts();
-    if now == *restarts {
-        return false;
-    }
-    *restarts = now;
-    *seq = Sequence::default();
-    log::info!(
-        "replica {}: restarted (its /metrics); its KV event stream begins anew",
-        r.id
-    );
-    true
-}
-
-/// The publisher began again (`how` it was found): its cache is empty, and its sequence
-/// starts anew.
-fn restarted(r: &Replica, seq: &mut Sequence, how: &str) {
-    r.cache.clear();
-    log::info!(
-        "replica {}: its KV event publisher restarted; its estimate is cleared ({how})",
-        r.id
-    );
-    *seq = Sequence::default();
 }
 
 /// Whether a batch is news, or the buffer a first connect found.

@@ -167,10 +167,6 @@ pub struct CacheModel {
     evictions_seen: AtomicU64,
     /// Prompts sent to it whose prefill is not over: what it will hold.
     pub pending: Pending,
-    /// The latest start of its process its `/metrics` gave, in milliseconds since the Unix
-    /// epoch (0: none yet), and the restarts found from it ([`CacheModel::started`]).
-    started_ms: AtomicU64,
-    restarts: AtomicU64,
 }
 
 impl CacheModel {
@@ -186,8 +182,6 @@ impl CacheModel {
             family_ratios: Default::default(),
             evictions_seen: AtomicU64::new(0),
             pending: Pending::default(),
-            started_ms: AtomicU64::new(0),
-            restarts: AtomicU64::new(0),
         }
     }
 
@@ -213,31 +207,14 @@ impl CacheModel {
         }
     }
 
-    /// Its `/metrics` says its process started at `ms` (milliseconds since the Unix epoch).
-    /// Later than any start it gave before, it restarted, and its cache is empty: both sources
-    /// forget it all, and `restarts` counts one (the event subscriber then begins its stream
-    /// anew). An earlier start is no restart, as no process starts back in time: another
-    /// server answers on the same address (several behind one load balancer, say), and only
-    /// the latest start counts, so servers taking turns clear nothing past the first change.
-    /// Whether it restarted.
-    pub fn started(&self, ms: u64) -> bool {
-        let before = self.started_ms.fetch_max(ms, Ordering::Relaxed);
-        let restarted = before != 0 && ms > before;
-        if restarted {
-            self.clear();
-            // The emptied block index is no live word on the new process's cache, until its
-            // subscriber reads the new publisher's stream whole.
-            if self.blocks.is_some() {
-                self.set_freshness(Freshness::Partial);
-            }
-            self.restarts.fetch_add(1, Ordering::Relaxed);
+    /// The replica restarted ([`Replica::started`](super::Replica::started)): both sources
+    /// forget it all, and the emptied block index is no live word on the new process's cache
+    /// until its subscriber reads the new publisher's stream whole.
+    pub fn restarted(&self) {
+        self.clear();
+        if self.blocks.is_some() {
+            self.set_freshness(Freshness::Partial);
         }
-        restarted
-    }
-
-    /// The restarts [`CacheModel::started`] found.
-    pub fn restarts(&self) -> u64 {
-        self.restarts.load(Ordering::Relaxed)
     }
 
     /// Its `/metrics` reported its cache's size.
@@ -451,52 +428,6 @@ mod tests {
         }
     }
     use crate::protocol::api::prompt::{PromptHasher, CHUNK_BYTES};
-
-    /// (the starts its `/metrics` gave, one after another) → after each, whether it
-    /// restarted; a restart empties the estimate, and only a start later than all before is
-    /// one.
-    #[test]
-    fn only_a_later_process_start_is_a_restart() {
-        let table: &[(&[u64], &[bool])] = &[
-            // The first start read is where it stands, not a restart.
-            (&[1_000], &[false]),
-            (&[1_000, 1_000, 1_000], &[false, false, false]),
-            (&[1_000, 5_000], &[false, true]),
-            (&[1_000, 5_000, 5_000, 9_000], &[false, true, false, true]),
-            // Two servers behind one address, taking turns: the later one's first answer
-            // reads as a restart, then nothing.
-            (
-                &[5_000, 1_000, 5_000, 1_000, 5_000],
-                &[false, false, false, false, false],
-            ),
-            (&[1_000, 5_000, 1_000, 5_000], &[false, true, false, false]),
-        ];
-        let mut h = PromptHasher::new("m");
-        h.begin_part("user");
-        h.text(&"x".repeat(CHUNK_BYTES * 3));
-        let links = h.finish();
-        for (starts, want) in table {
-            let m = CacheModel::estimate(Some(1_000_000));
-            let mut got = Vec::new();
-            for (n, ms) in starts.iter().enumerate() {
-                m.prefilled(&links);
-                let restarted = m.started(*ms);
-                let held = m.likely_cached(Prompt::of_links(&links)).0;
-                assert_eq!(held == 0, restarted, "{starts:?}, start {n}");
-                got.push(restarted);
-            }
-            assert_eq!(&got, want, "{starts:?}");
-            let restarts = want.iter().filter(|r| **r).count() as u64;
-            assert_eq!(m.restarts(), restarts, "{starts:?}");
-        }
-        // With KV events, the emptied block index is not live until the new stream is read.
-        let m = CacheModel::estimate(Some(1_000_000)).with_events();
-        m.set_freshness(Freshness::Live);
-        assert!(!m.started(1_000));
-        assert_eq!(m.freshness(), Freshness::Live);
-        assert!(m.started(2_000));
-        assert_eq!(m.freshness(), Freshness::Partial);
-    }
 
     #[test]
     fn the_estimate_answers_what_was_prefilled_and_is_always_live() {

@@ -26,6 +26,7 @@ mod health;
 mod load;
 mod pending;
 mod progress;
+mod restarts;
 
 pub use cache::{
     CacheModel, CacheSource, Check, Freshness, Prediction, Prompt, DEFAULT_CACHE_TOKENS,
@@ -58,6 +59,8 @@ pub struct Replica {
     /// Its KV event endpoints, read by `fleet::kv_events`.
     pub kv_events: Option<crate::conf::KvEvents>,
     load: Load,
+    /// Its process's restarts, as its `/metrics` tells them.
+    restarts: restarts::Restarts,
     /// Told of each change of its load and of what it prefilled (the cluster, if any).
     listener: OnceLock<Arc<dyn Listener>>,
 }
@@ -96,6 +99,7 @@ impl Replica {
             origin: origin.map(str::to_owned),
             kv_events: conf.kv_events(),
             load: Load::default(),
+            restarts: Default::default(),
             listener: OnceLock::new(),
         }
     }

@@ -1,0 +1,95 @@
+//! A replica's process restarts, as its `/metrics` tells them (`process_start_time_seconds`,
+//! read by [`crate::fleet::poll`]): the latest start it gave, and the restarts found from it.
+//! A restart empties its cache model; the KV event subscriber, seeing the count move, begins
+//! its stream anew.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::Replica;
+
+#[derive(Debug, Default)]
+pub(super) struct Restarts {
+    /// The latest start given, in milliseconds since the Unix epoch (0: none yet).
+    started_ms: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Replica {
+    /// Its `/metrics` says its process started at `ms` (milliseconds since the Unix epoch).
+    /// Later than any start it gave before, it restarted, and its cache is empty: its cache
+    /// model forgets it all, then the restart is counted (so a subscriber that sees the count
+    /// begins anew on an emptied cache). An earlier start is no restart, as no process starts
+    /// back in time: another server answers on the same address (several behind one load
+    /// balancer, say), and only the latest start counts, so servers taking turns clear nothing
+    /// past the first change. Whether it restarted.
+    pub fn started(&self, ms: u64) -> bool {
+        let before = self.restarts.started_ms.fetch_max(ms, Ordering::Relaxed);
+        if before == 0 || ms <= before {
+            return false;
+        }
+        self.cache.restarted();
+        self.restarts.count.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// The restarts [`Replica::started`] found.
+    pub fn restarts(&self) -> u64 {
+        self.restarts.count.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::fleet::replica::{Freshness, Prompt};
+    use crate::protocol::api::prompt::{PromptHasher, CHUNK_BYTES};
+
+    /// (the starts its `/metrics` gave, one after another) → after each, whether it
+    /// restarted; a restart empties the estimate, and only a start later than all before is
+    /// one.
+    #[test]
+    fn only_a_later_process_start_is_a_restart() {
+        let table: &[(&[u64], &[bool])] = &[
+            // The first start read is where it stands, not a restart.
+            (&[1_000], &[false]),
+            (&[1_000, 1_000, 1_000], &[false, false, false]),
+            (&[1_000, 5_000], &[false, true]),
+            (&[1_000, 5_000, 5_000, 9_000], &[false, true, false, true]),
+            // Two servers behind one address, taking turns: the later one's first answer
+            // reads as a restart, then nothing.
+            (
+                &[5_000, 1_000, 5_000, 1_000, 5_000],
+                &[false, false, false, false, false],
+            ),
+            (&[1_000, 5_000, 1_000, 5_000], &[false, true, false, false]),
+        ];
+        let mut h = PromptHasher::new("m");
+        h.begin_part("user");
+        h.text(&"x".repeat(CHUNK_BYTES * 3));
+        let links = h.finish();
+        for (starts, want) in table {
+            let reg = crate::fleet::registry::test_registry(&["restarts-r"]);
+            let fleet = reg.all();
+            let r = fleet.first().expect("a replica");
+            let mut got = Vec::new();
+            for (n, ms) in starts.iter().enumerate() {
+                r.cache.prefilled(&links);
+                let restarted = r.started(*ms);
+                let held = r.cache.likely_cached(Prompt::of_links(&links)).0;
+                assert_eq!(held == 0, restarted, "{starts:?}, start {n}");
+                got.push(restarted);
+            }
+            assert_eq!(&got, want, "{starts:?}");
+            let restarts = want.iter().filter(|r| **r).count() as u64;
+            assert_eq!(r.restarts(), restarts, "{starts:?}");
+        }
+    }
+
+    /// With KV events, the emptied block index is not live until the new stream is read.
+    #[test]
+    fn a_restart_leaves_the_block_index_partial() {
+        let m = crate::fleet::replica::CacheModel::estimate(Some(1_000_000)).with_events();
+        m.set_freshness(Freshness::Live);
+        m.restarted();
+        assert_eq!(m.freshness(), Freshness::Partial);
+    }
+}
