@@ -107,6 +107,7 @@ fn main() {
             stored: stored.clone(),
             pin_ttl: c.pin_ttl,
             networks: conf.admin.allowed_networks.clone(),
+            restarts: Default::default(),
         };
         (handle, background_service("cluster", sync))
     });

@@ -2,7 +2,8 @@
 //! the same replica whichever instance they reach, drains are everyone's, and Redis going away
 //! costs no request; when it is back, what was pinned meanwhile is shared. An operator's change
 //! is answered once Redis has it, or said to be applied here only and written later; a replica
-//! removed while an instance was cut off is gone there when it is back.
+//! removed while an instance was cut off is gone there when it is back; a replica that restarted
+//! leaves Redis's pins and saved indexes.
 
 mod common;
 
@@ -358,4 +359,70 @@ fn a_replica_removed_while_an_instance_was_cut_off_is_gone_there_when_it_is_back
     // And two did not write its stale copy back for the others.
     assert!(!redis.exists("inferlb:replica:gpu2"));
     assert!(!listed(&one));
+}
+
+/// A replica that restarted lost its cache, and Redis forgets it too: its pins and saved
+/// index are deleted (the other replica's pins stay), so an instance that starts later sends
+/// its conversations where they spread, not back to it as if it held them.
+#[test]
+fn a_restarted_replicas_pins_and_saved_index_leave_redis() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis = Redis::start(root.path());
+    let (mut a, mut b) = two_sims(root.path(), &[]);
+    let instance = |name: &str, sims: &[&Sim]| {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let conf = LbConf {
+            extra: redis.cluster_conf(name),
+            routing: Some("prefill_cost".into()),
+            ..test_conf()
+        };
+        Lb::start(&dir, sims, conf)
+    };
+    let one = instance("one", &[&a, &b]);
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)));
+    // Long enough to be indexed.
+    let conversations: Vec<String> = (0..6)
+        .map(|c| text_of(&format!("restart{c}"), 1500))
+        .collect();
+    let homes: Vec<String> = conversations.iter().map(|c| turn(&one, c, 0).0).collect();
+    let home = homes[0].clone();
+    assert!(homes.iter().any(|h| *h != home), "{homes:?}");
+    // Pins to `replica` in Redis.
+    let pins_to = |replica: &str| {
+        let keys = redis.cli(&["--scan", "--pattern", "inferlb:v2:a:*"]);
+        let keys = keys.unwrap_or_default();
+        keys.lines()
+            .filter(|k| redis.cli(&["GET", k]).is_some_and(|v| v.trim() == replica))
+            .count()
+    };
+    let other = if home == "gpu0" { "gpu1" } else { "gpu0" };
+    let (home_pins, other_pins) = (pins_to(&home), pins_to(other));
+    assert!(home_pins > 0 && other_pins > 0, "{home_pins} {other_pins}");
+    // Rank 0 saves each index every 10 s.
+    let index = format!("inferlb:v2:index:{home}");
+    let saved = wait_until(Duration::from_secs(15), || redis.exists(&index));
+    assert!(saved, "{}", one.proc.log_text());
+
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let said = format!("cluster: replica {home} restarted: its saved index and {home_pins} pins");
+    let forgot = wait_until(Duration::from_secs(10), || {
+        one.proc.log_text().contains(&said)
+    });
+    assert!(forgot, "{}", one.proc.log_text());
+    assert_eq!((pins_to(&home), pins_to(other)), (0, other_pins));
+    assert!(!redis.exists(&index));
+
+    let two = instance("two", &[&a, &b]);
+    assert!(wait_until(Duration::from_secs(10), || connected(&two)));
+    let (_, route) = turn(&two, &conversations[0], 1);
+    assert_eq!(route, "spread");
+    let elsewhere = homes
+        .iter()
+        .position(|h| h == other)
+        .expect("one went to the other");
+    let (replica, route) = turn(&two, &conversations[elsewhere], 1);
+    assert_eq!((replica.as_str(), route.as_str()), (other, "pinned"));
 }

@@ -47,6 +47,7 @@
 mod apply;
 mod peers;
 mod records;
+mod restarts;
 mod sync;
 mod wire;
 
@@ -61,6 +62,7 @@ use crate::protocol::api::prompt::Link;
 use crate::telemetry::metrics::METRICS;
 
 pub use peers::{LoadReport, Peers};
+pub use restarts::Followed;
 pub use sync::ClusterSync;
 
 /// Which shared table a pin belongs to.

@@ -3,9 +3,10 @@
 //! and the index saves that let an instance that starts later know what the replicas hold.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::restarts::Followed;
 use super::sync::ClusterSync;
 use super::wire::encode;
 use super::{Change, Subject, Table};
@@ -17,6 +18,9 @@ use crate::protocol::api::prompt::HASH_VERSION;
 /// How often the lowest-ranked instance saves each changed prefix index to Redis, for
 /// instances that start later.
 const INDEX_EVERY: Duration = Duration::from_secs(10);
+/// How often every instance looks for replicas that restarted, and rank 0 deletes what Redis
+/// keeps of them.
+const RESTARTS_EVERY: Duration = Duration::from_secs(1);
 /// The most recent links of a replica's index saved (12 bytes each).
 const INDEX_SAVED_LINKS: usize = 16_384;
 
@@ -30,7 +34,7 @@ pub(super) fn pin_key(table: Table, key: u64) -> String {
 pub(super) fn drain_key(replica: &str) -> String {
     format!("inferlb:drain:{replica}")
 }
-fn index_key(replica: &str) -> String {
+pub(super) fn index_key(replica: &str) -> String {
     format!("inferlb:v{HASH_VERSION}:index:{replica}")
 }
 pub(super) fn replica_key(id: &str) -> String {
@@ -235,42 +239,84 @@ impl ClusterSync {
     }
 }
 
-/// Every [`INDEX_EVERY`], while this instance has the lowest id of the cluster (rank 0), saves
-/// the recent links of each replica's index that changed since its last save; on the link's
-/// bulk lane, so a slow save never holds back pins, drains or load. Returns the error that
-/// stopped it.
-pub(super) async fn save_indexes_every(
+/// While this instance has the lowest id of the cluster (rank 0): every [`INDEX_EVERY`], saves
+/// the recent links of each replica's index that changed since its last save; every
+/// [`RESTARTS_EVERY`], deletes what Redis keeps of the replicas that restarted since
+/// ([`super::restarts`]). On the link's bulk lane, so a slow save never holds back pins,
+/// drains or load. Returns the error that stopped it.
+pub(super) async fn records_every(
     registry: Arc<Registry>,
     link: Arc<Link>,
     ttl: Duration,
+    followed: Arc<Mutex<Followed>>,
 ) -> Failed {
     let ttl = ttl.as_secs().max(1);
     let mut saved: HashMap<Arc<str>, u64> = HashMap::new();
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + INDEX_EVERY, INDEX_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let start = tokio::time::Instant::now();
+    let mut save = tokio::time::interval_at(start + INDEX_EVERY, INDEX_EVERY);
+    save.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut restarts = tokio::time::interval(RESTARTS_EVERY);
+    restarts.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
-        if registry.rank() != 0 {
-            continue;
-        }
-        for r in registry.all().iter() {
-            let records = r.cache.index.records();
-            if records == 0 || saved.get(&r.id) == Some(&records) {
-                continue;
-            }
-            let bytes = links_to(&r.cache.index.recent(INDEX_SAVED_LINKS));
-            let mut set = redis::cmd("SET");
-            set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
-            match link.query::<()>(Lane::Bulk, &set).await {
-                Ok(()) => {
-                    saved.insert(r.id.clone(), records);
+        tokio::select! {
+            _ = save.tick() => {
+                if registry.rank() != 0 {
+                    continue;
                 }
-                Err(e) if e.is_outage() => return e,
-                // Slow or refused: this replica's index waits for the next round.
-                Err(e) => log::warn!("cluster: saving the index of {}: {e}", r.id),
+                if let Err(e) = save_indexes(&registry, &link, ttl, &mut saved).await {
+                    return e;
+                }
+            }
+            _ = restarts.tick() => {
+                let fleet = registry.all();
+                let moved: Vec<Arc<str>> = match followed.lock() {
+                    Ok(mut f) => f.moved(&fleet).into_iter().map(|r| r.id.clone()).collect(),
+                    Err(_) => continue,
+                };
+                if registry.rank() != 0 {
+                    continue;
+                }
+                for id in moved {
+                    saved.remove(&id);
+                    match super::restarts::forget(&link, &id).await {
+                        Ok(pins) => log::warn!(
+                            "cluster: replica {id} restarted: its saved index and {pins} pins to \
+                             it deleted from redis"
+                        ),
+                        Err(e) if e.is_outage() => return e,
+                        Err(e) => log::warn!("cluster: forgetting restarted replica {id}: {e}"),
+                    }
+                }
             }
         }
     }
+}
+
+/// Saves the index of each replica whose index changed since `saved` says.
+async fn save_indexes(
+    registry: &Registry,
+    link: &Link,
+    ttl: u64,
+    saved: &mut HashMap<Arc<str>, u64>,
+) -> Result<(), Failed> {
+    for r in registry.all().iter() {
+        let records = r.cache.index.records();
+        if records == 0 || saved.get(&r.id) == Some(&records) {
+            continue;
+        }
+        let bytes = links_to(&r.cache.index.recent(INDEX_SAVED_LINKS));
+        let mut set = redis::cmd("SET");
+        set.arg(index_key(&r.id)).arg(bytes).arg("EX").arg(ttl);
+        match link.query::<()>(Lane::Bulk, &set).await {
+            Ok(()) => {
+                saved.insert(r.id.clone(), records);
+            }
+            Err(e) if e.is_outage() => return Err(e),
+            // Slow or refused: this replica's index waits for the next round.
+            Err(e) => log::warn!("cluster: saving the index of {}: {e}", r.id),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

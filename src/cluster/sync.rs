@@ -13,7 +13,8 @@ use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use tokio::sync::{mpsc, watch};
 
-use super::records::{drain_key, pin_key, removed_key, replica_key, save_indexes_every};
+use super::records::{drain_key, pin_key, records_every, removed_key, replica_key};
+use super::restarts::Followed;
 use super::wire::{decode, encode, encode_load, sender};
 use super::{Change, Cluster, LoadReport, Message, Peers};
 use crate::conf::netpolicy::Networks;
@@ -46,6 +47,8 @@ pub struct ClusterSync {
     /// `admin.allowed_networks`): one outside is never added here, so not even a health check
     /// reaches it.
     pub networks: Networks,
+    /// The replicas' restarts this instance has followed, across sessions.
+    pub restarts: Arc<Mutex<Followed>>,
 }
 
 /// Writes a pin unless one is there, and announces it only then: the first writer wins.
@@ -211,10 +214,11 @@ impl ClusterSync {
         let mut published = HashMap::new();
         let mut snapshot = tokio::time::interval(LOAD_EVERY);
         snapshot.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut saver = Aborting(tokio::spawn(save_indexes_every(
+        let mut saver = Aborting(tokio::spawn(records_every(
             self.registry.clone(),
             self.link.clone(),
             self.pin_ttl,
+            self.restarts.clone(),
         )));
         let mut batch = Vec::with_capacity(BATCH);
         let mut twin_seen = false;
