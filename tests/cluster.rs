@@ -361,6 +361,58 @@ fn a_replica_removed_while_an_instance_was_cut_off_is_gone_there_when_it_is_back
     assert!(!listed(&one));
 }
 
+/// Pins in `redis` to `replica`.
+fn pins_to(redis: &Redis, replica: &str) -> usize {
+    let keys = redis.cli(&["--scan", "--pattern", "inferlb:v2:a:*"]);
+    keys.unwrap_or_default()
+        .lines()
+        .filter(|k| redis.cli(&["GET", k]).is_some_and(|v| v.trim() == replica))
+        .count()
+}
+
+/// An instance sharing through `redis` (or `url`), routing by prefill cost.
+fn costed(root: &Path, name: &str, sims: &[&Sim], redis: &Redis, url: Option<String>) -> Lb {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let extra = match url {
+        Some(url) => format!("  cluster: {{redis_url: \"{url}\", instance_id: \"{name}\"}}\n"),
+        None => redis.cluster_conf(name),
+    };
+    let conf = LbConf {
+        extra,
+        routing: Some("prefill_cost".into()),
+        ..test_conf()
+    };
+    Lb::start(&dir, sims, conf)
+}
+
+/// Conversations long enough to be indexed, their first turns through `lb`: each one's text
+/// and replica, once Redis holds every pin `lb` made.
+fn first_turns(lb: &Lb, redis: &Redis, n: usize) -> Vec<(String, String)> {
+    let turns: Vec<(String, String)> = (0..n)
+        .map(|c| {
+            let text = text_of(&format!("restart{c}"), 1500);
+            let replica = turn(lb, &text, 0).0;
+            (text, replica)
+        })
+        .collect();
+    let written = wait_until(Duration::from_secs(5), || {
+        let pins = pins_to(redis, "gpu0") + pins_to(redis, "gpu1");
+        pins > 0 && pins as f64 == lb.metric("inferlb_affinity_entries")
+    });
+    assert!(written, "{}", lb.metrics());
+    turns
+}
+
+/// `lb` says, within 10 s, that it deleted what Redis kept of `replica`, restarted.
+fn assert_deleted(lb: &Lb, replica: &str) {
+    let said = format!("cluster: deleted from redis what it kept of restarted replica {replica}: ");
+    let deleted = wait_until(Duration::from_secs(10), || {
+        lb.proc.log_text().contains(&said)
+    });
+    assert!(deleted, "{}", lb.proc.log_text());
+}
+
 /// A replica that restarted lost its cache, and Redis forgets it too: its pins and saved
 /// index are deleted (the other replica's pins stay), so an instance that starts later sends
 /// its conversations where they spread, not back to it as if it held them.
@@ -369,36 +421,13 @@ fn a_restarted_replicas_pins_and_saved_index_leave_redis() {
     let root = tempfile::tempdir().expect("tempdir");
     let redis = Redis::start(root.path());
     let (mut a, mut b) = two_sims(root.path(), &[]);
-    let instance = |name: &str, sims: &[&Sim]| {
-        let dir = root.path().join(name);
-        std::fs::create_dir_all(&dir).expect("dir");
-        let conf = LbConf {
-            extra: redis.cluster_conf(name),
-            routing: Some("prefill_cost".into()),
-            ..test_conf()
-        };
-        Lb::start(&dir, sims, conf)
-    };
-    let one = instance("one", &[&a, &b]);
+    let one = costed(root.path(), "one", &[&a, &b], &redis, None);
     assert!(wait_until(Duration::from_secs(10), || connected(&one)));
-    // Long enough to be indexed.
-    let conversations: Vec<String> = (0..6)
-        .map(|c| text_of(&format!("restart{c}"), 1500))
-        .collect();
-    let homes: Vec<String> = conversations.iter().map(|c| turn(&one, c, 0).0).collect();
-    let home = homes[0].clone();
-    assert!(homes.iter().any(|h| *h != home), "{homes:?}");
-    // Pins to `replica` in Redis.
-    let pins_to = |replica: &str| {
-        let keys = redis.cli(&["--scan", "--pattern", "inferlb:v2:a:*"]);
-        let keys = keys.unwrap_or_default();
-        keys.lines()
-            .filter(|k| redis.cli(&["GET", k]).is_some_and(|v| v.trim() == replica))
-            .count()
-    };
+    let turns = first_turns(&one, &redis, 6);
+    let home = turns[0].1.clone();
     let other = if home == "gpu0" { "gpu1" } else { "gpu0" };
-    let (home_pins, other_pins) = (pins_to(&home), pins_to(other));
-    assert!(home_pins > 0 && other_pins > 0, "{home_pins} {other_pins}");
+    let other_pins = pins_to(&redis, other);
+    assert!(pins_to(&redis, &home) > 0 && other_pins > 0);
     // Rank 0 saves each index every 10 s.
     let index = format!("inferlb:v2:index:{home}");
     let saved = wait_until(Duration::from_secs(15), || redis.exists(&index));
@@ -407,22 +436,61 @@ fn a_restarted_replicas_pins_and_saved_index_leave_redis() {
     let sim = if a.id == home { &mut a } else { &mut b };
     sim.restart(&[]);
     sim.assert_healthy();
-    let said = format!("cluster: replica {home} restarted: its saved index and {home_pins} pins");
-    let forgot = wait_until(Duration::from_secs(10), || {
+    assert_deleted(&one, &home);
+    assert_eq!(
+        (pins_to(&redis, &home), pins_to(&redis, other)),
+        (0, other_pins)
+    );
+    // Gone, or saved again since the restart: empty.
+    assert_eq!(redis.cli(&["STRLEN", &index]).as_deref(), Some("0\n"));
+
+    let two = costed(root.path(), "two", &[&a, &b], &redis, None);
+    assert!(wait_until(Duration::from_secs(10), || connected(&two)));
+    let (_, route) = turn(&two, &turns[0].0, 1);
+    assert_eq!(route, "spread");
+    let (text, _) = turns
+        .iter()
+        .find(|(_, r)| r == other)
+        .expect("one went to the other");
+    let (replica, route) = turn(&two, text, 1);
+    assert_eq!((replica.as_str(), route.as_str()), (other, "pinned"));
+}
+
+/// A replica that restarted while an instance was cut off from Redis: when it is back, that
+/// instance adopts neither the replica's old pins nor its saved index, though Redis still holds
+/// them (no other instance deleted them), then deletes them.
+#[test]
+fn an_instance_back_from_an_outage_adopts_no_pins_to_a_replica_that_restarted_meanwhile() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis = Redis::start(root.path());
+    let relay = Relay::start(redis.port);
+    let (mut a, mut b) = two_sims(root.path(), &[]);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let one = costed(root.path(), "one", &[&a, &b], &redis, Some(url));
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)));
+    let turns = first_turns(&one, &redis, 2);
+    let home = turns[0].1.clone();
+    let index = format!("inferlb:v2:index:{home}");
+    let saved = wait_until(Duration::from_secs(15), || redis.exists(&index));
+    assert!(saved, "{}", one.proc.log_text());
+    let home_pins = pins_to(&redis, &home);
+
+    relay.cut();
+    assert!(wait_until(Duration::from_secs(10), || !connected(&one)));
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let said = format!("replica {home}: restarted");
+    let seen = wait_until(Duration::from_secs(5), || {
         one.proc.log_text().contains(&said)
     });
-    assert!(forgot, "{}", one.proc.log_text());
-    assert_eq!((pins_to(&home), pins_to(other)), (0, other_pins));
-    assert!(!redis.exists(&index));
+    assert!(seen, "{}", one.proc.log_text());
+    assert_eq!(pins_to(&redis, &home), home_pins, "Redis still holds them");
 
-    let two = instance("two", &[&a, &b]);
-    assert!(wait_until(Duration::from_secs(10), || connected(&two)));
-    let (_, route) = turn(&two, &conversations[0], 1);
+    relay.reopen();
+    assert!(wait_until(Duration::from_secs(15), || connected(&one)));
+    // At once, before rank 0's first look: neither the old pin nor the old index is adopted.
+    let (_, route) = turn(&one, &turns[0].0, 1);
     assert_eq!(route, "spread");
-    let elsewhere = homes
-        .iter()
-        .position(|h| h == other)
-        .expect("one went to the other");
-    let (replica, route) = turn(&two, &conversations[elsewhere], 1);
-    assert_eq!((replica.as_str(), route.as_str()), (other, "pinned"));
+    assert_deleted(&one, &home);
 }

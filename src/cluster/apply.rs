@@ -19,7 +19,7 @@ impl ClusterSync {
     /// newer write, and the others will follow it).
     pub(super) async fn apply(&self, change: Change) {
         if let Some(subject) = change.subject() {
-            if self.cluster.holds(&subject) {
+            if self.cluster.held.holds(&subject) {
                 return;
             }
         }

@@ -45,22 +45,26 @@
 //! own; the other channels carry their format's version (the link's versioning rule).
 
 mod apply;
+mod held;
 mod peers;
 mod records;
 mod restarts;
 mod sync;
 mod wire;
+mod write;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use crate::protocol::api::prompt::Link;
 use crate::telemetry::metrics::METRICS;
 
+use held::Held;
+pub(crate) use held::Subject;
 pub use peers::{LoadReport, Peers};
 pub use restarts::Followed;
 pub use sync::ClusterSync;
@@ -138,32 +142,6 @@ pub enum Applied {
 /// How long an admin call waits for its change to be written to Redis.
 pub const ACK_WAIT: Duration = Duration::from_secs(1);
 
-/// An operator's change not yet written to Redis, with the admin calls waiting for it.
-struct Held {
-    seq: u64,
-    change: Change,
-    acks: Vec<oneshot::Sender<()>>,
-}
-
-/// What a held change is about: a later change with the same subject replaces it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) enum Subject {
-    Drain(String),
-    Replica(String),
-}
-
-impl Change {
-    /// The subject of a change that is held until written (drains, replicas); None for pins
-    /// and prefilled prompts, which may be dropped.
-    pub(crate) fn subject(&self) -> Option<Subject> {
-        match self {
-            Change::Drain { replica, .. } => Some(Subject::Drain(replica.to_string())),
-            Change::Replica { id, .. } => Some(Subject::Replica(id.clone())),
-            Change::Pin { .. } | Change::Prefilled { .. } => None,
-        }
-    }
-}
-
 /// The request path's handle: queue changes, never wait.
 pub struct Cluster {
     pub instance: String,
@@ -176,11 +154,8 @@ pub struct Cluster {
     connected: AtomicBool,
     /// What Redis held was adopted at least once since the start.
     bootstrapped: AtomicBool,
-    /// Drains and replica changes not yet written, oldest first; never dropped.
-    held: Mutex<Vec<Held>>,
-    held_seq: AtomicU64,
-    /// Signalled when a change is held: the sync task writes it at once.
-    held_wake: tokio::sync::Notify,
+    /// Drains and replica changes not yet written; never dropped.
+    held: Held,
     /// Replicas added at runtime (here or by another instance) that this instance has, with
     /// their conf as shared: what a bootstrap reconciles with Redis.
     runtime: Mutex<HashMap<String, String>>,
@@ -217,9 +192,7 @@ impl Cluster {
             load: tokio::sync::Notify::new(),
             connected: AtomicBool::new(false),
             bootstrapped: AtomicBool::new(false),
-            held: Mutex::new(Vec::new()),
-            held_seq: AtomicU64::new(0),
-            held_wake: tokio::sync::Notify::new(),
+            held: Held::default(),
             runtime: Mutex::new(HashMap::new()),
             drops_logged: AtomicBool::new(false),
             link,
@@ -265,18 +238,7 @@ impl Cluster {
     /// Holds `change` until it is written (replacing a held one of the same subject), and
     /// waits up to [`ACK_WAIT`] for that while Redis is connected.
     async fn hold(&self, change: Change) -> Applied {
-        let (ack, written) = oneshot::channel();
-        let subject = change.subject();
-        if let Ok(mut held) = self.held.lock() {
-            // A replaced change's waiter hears it was not written (its own change never will be).
-            held.retain(|h| h.change.subject() != subject);
-            held.push(Held {
-                seq: self.held_seq.fetch_add(1, Ordering::Relaxed),
-                change,
-                acks: vec![ack],
-            });
-        }
-        self.held_wake.notify_one();
+        let written = self.held.hold(change);
         if !self.is_connected() {
             return Applied::Local;
         }
@@ -284,39 +246,6 @@ impl Cluster {
             Ok(Ok(())) => Applied::Cluster,
             _ => Applied::Local,
         }
-    }
-
-    /// The changes held, oldest first, each with its sequence number.
-    pub(crate) fn held(&self) -> Vec<(u64, Change)> {
-        self.held.lock().map_or_else(
-            |_| Vec::new(),
-            |h| h.iter().map(|h| (h.seq, h.change.clone())).collect(),
-        )
-    }
-
-    /// These held changes were written: they are let go, and their admin calls told.
-    pub(crate) fn written(&self, seqs: &[u64]) {
-        let mut acks = Vec::new();
-        if let Ok(mut held) = self.held.lock() {
-            held.retain_mut(|h| {
-                let done = seqs.contains(&h.seq);
-                if done {
-                    acks.append(&mut h.acks);
-                }
-                !done
-            });
-        }
-        for a in acks {
-            let _ = a.send(());
-        }
-    }
-
-    /// Whether a change of `subject` made here is held, not yet written.
-    pub(crate) fn holds(&self, subject: &Subject) -> bool {
-        self.held.lock().is_ok_and(|h| {
-            h.iter()
-                .any(|h| h.change.subject().as_ref() == Some(subject))
-        })
     }
 
     /// Records a replica added at runtime that this instance has (`conf`), or its removal.
@@ -474,7 +403,7 @@ mod tests {
         assert_eq!(c.replica("gpu2", None).await, Applied::Local);
         assert_eq!(c.drain(&gpu1, true).await, Applied::Local);
         assert_eq!(c.drain(&gpu0, false).await, Applied::Local);
-        let changes: Vec<Change> = c.held().into_iter().map(|(_, c)| c).collect();
+        let changes: Vec<Change> = c.held.all().into_iter().map(|(_, c)| c).collect();
         let drain = |r: &Arc<str>, draining| Change::Drain {
             replica: r.clone(),
             draining,
@@ -487,8 +416,8 @@ mod tests {
             changes,
             vec![removal.clone(), drain(&gpu1, true), drain(&gpu0, false)]
         );
-        assert!(c.holds(&Subject::Drain("gpu0".into())));
-        assert!(!c.holds(&Subject::Drain("gpu2".into())));
+        assert!(c.held.holds(&Subject::Drain("gpu0".into())));
+        assert!(!c.held.holds(&Subject::Drain("gpu2".into())));
         let mut pins = 0;
         while rx.try_recv().is_ok() {
             pins += 1;
@@ -503,13 +432,13 @@ mod tests {
             tokio::spawn(async move {
                 let write = async {
                     loop {
-                        c.held_wake.notified().await;
-                        let held = c.held();
+                        c.held.wake.notified().await;
+                        let held = c.held.all();
                         if held.iter().any(|(_, h)| *h == undrained) {
                             // The earlier drain of gpu1 was replaced.
                             assert_eq!(held.len(), 3);
                             let seqs: Vec<u64> = held.iter().map(|(s, _)| *s).collect();
-                            c.written(&seqs);
+                            c.held.written(&seqs);
                             return;
                         }
                     }
@@ -521,10 +450,10 @@ mod tests {
         };
         assert_eq!(c.drain(&gpu1, false).await, Applied::Cluster);
         assert!(writer.await.unwrap_or(false));
-        assert!(c.held().is_empty());
+        assert!(c.held.all().is_empty());
         // Not written within the wait: applied here only, and still held.
         assert_eq!(c.drain(&gpu1, true).await, Applied::Local);
-        assert_eq!(c.held().len(), 1);
+        assert_eq!(c.held.all().len(), 1);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! runtime and each replica's prefix index, adopted by an instance whenever it (re)connects;
 //! and the index saves that let an instance that starts later know what the replicas hold.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,6 +21,9 @@ const INDEX_EVERY: Duration = Duration::from_secs(10);
 /// How often every instance looks for replicas that restarted, and rank 0 deletes what Redis
 /// keeps of them.
 const RESTARTS_EVERY: Duration = Duration::from_secs(1);
+/// How long after a session starts the instances' ranks are known (an instance silent this
+/// long is gone): the first look waits as long, lest every instance think itself rank 0.
+const RANKED_AFTER: Duration = super::sync::LOAD_TTL;
 /// The most recent links of a replica's index saved (12 bytes each).
 const INDEX_SAVED_LINKS: usize = 16_384;
 
@@ -100,10 +103,28 @@ impl ClusterSync {
         }
     }
 
-    /// Adopts what Redis holds: pins of this hash version, replicas added at runtime, and for
-    /// each replica its drain and saved index.
+    /// The replicas that restarted, as far as this instance saw, while what Redis keeps of
+    /// them may be older: their pins are neither adopted nor written from here.
+    pub(super) fn restarted(&self) -> HashSet<String> {
+        let Ok(mut f) = self.restarts.lock() else {
+            return HashSet::new();
+        };
+        let fleet = self.registry.all();
+        f.follow(&fleet);
+        fleet
+            .iter()
+            .filter(|r| f.is_pending(&r.id))
+            .map(|r| r.id.to_string())
+            .collect()
+    }
+
+    /// Adopts what Redis holds: pins of this hash version (but those to a replica that
+    /// restarted, until Redis forgot them), replicas added at runtime, and for each replica
+    /// its drain and saved index.
     pub(super) async fn bootstrap(&self) -> Result<usize, Failed> {
         let mut adopted = 0;
+        let stale = self.restarted();
+        let stale = |replica: &str| stale.contains(replica);
         for table in [Table::Affinity, Table::Stored] {
             let pattern = format!("inferlb:v{HASH_VERSION}:{}:*", table.tag());
             let keys = self.scan(&pattern, 1_000_000).await?;
@@ -118,6 +139,9 @@ impl ClusterSync {
                         .next()
                         .and_then(|h| u64::from_str_radix(h, 16).ok());
                     if let (Some(key), Some(replica)) = (key, v) {
+                        if stale(&replica) {
+                            continue;
+                        }
                         self.apply(Change::Pin {
                             table,
                             key,
@@ -172,7 +196,7 @@ impl ClusterSync {
         removed: impl Fn(&str) -> bool,
     ) -> Result<(), Failed> {
         for (id, ours) in self.cluster.runtime() {
-            if self.cluster.holds(&Subject::Replica(id.clone())) {
+            if self.cluster.held.holds(&Subject::Replica(id.clone())) {
                 continue;
             }
             match shared.get(&id) {
@@ -212,7 +236,8 @@ impl ClusterSync {
 
     /// Adopts what Redis holds for one replica: whether it is drained (`drained`, or asked
     /// here), and its saved index when its own is empty (a fuller one is fresher than a
-    /// save). Also for a replica found after the bootstrap (DNS, another instance).
+    /// save) and it did not restart since that save may have been made. Also for a replica
+    /// found after the bootstrap (DNS, another instance).
     pub(super) async fn adopt(&self, r: &Replica, drained: Option<bool>) -> Result<(), Failed> {
         let draining = match drained {
             Some(d) => d,
@@ -227,7 +252,8 @@ impl ClusterSync {
             draining,
         })
         .await;
-        if r.cache.index.size().0 == 0 {
+        let restarted = self.restarts.lock().is_ok_and(|f| f.is_pending(&r.id));
+        if r.cache.index.size().0 == 0 && !restarted {
             let mut get = redis::cmd("GET");
             get.arg(index_key(&r.id));
             let saved: Option<Vec<u8>> = self.link.query(Lane::Bulk, &get).await?;
@@ -241,9 +267,10 @@ impl ClusterSync {
 
 /// While this instance has the lowest id of the cluster (rank 0): every [`INDEX_EVERY`], saves
 /// the recent links of each replica's index that changed since its last save; every
-/// [`RESTARTS_EVERY`], deletes what Redis keeps of the replicas that restarted since
-/// ([`super::restarts`]). On the link's bulk lane, so a slow save never holds back pins,
-/// drains or load. Returns the error that stopped it.
+/// [`RESTARTS_EVERY`], deletes what Redis keeps of the replicas that restarted
+/// ([`super::restarts`]; every instance follows the restarts). The first round waits until
+/// the others' load snapshots say who is rank 0. On the link's bulk lane, so a slow save
+/// never holds back pins, drains or load. Returns the error that stopped it.
 pub(super) async fn records_every(
     registry: Arc<Registry>,
     link: Arc<Link>,
@@ -255,7 +282,7 @@ pub(super) async fn records_every(
     let start = tokio::time::Instant::now();
     let mut save = tokio::time::interval_at(start + INDEX_EVERY, INDEX_EVERY);
     save.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut restarts = tokio::time::interval(RESTARTS_EVERY);
+    let mut restarts = tokio::time::interval_at(start + RANKED_AFTER, RESTARTS_EVERY);
     restarts.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -269,23 +296,22 @@ pub(super) async fn records_every(
             }
             _ = restarts.tick() => {
                 let fleet = registry.all();
-                let moved: Vec<Arc<str>> = match followed.lock() {
-                    Ok(mut f) => f.moved(&fleet).into_iter().map(|r| r.id.clone()).collect(),
-                    Err(_) => continue,
-                };
-                if registry.rank() != 0 {
-                    continue;
-                }
-                for id in moved {
-                    saved.remove(&id);
-                    match super::restarts::forget(&link, &id).await {
-                        Ok(pins) => log::warn!(
-                            "cluster: replica {id} restarted: its saved index and {pins} pins to \
-                             it deleted from redis"
-                        ),
-                        Err(e) if e.is_outage() => return e,
-                        Err(e) => log::warn!("cluster: forgetting restarted replica {id}: {e}"),
+                let rank0 = registry.rank() == 0;
+                match super::restarts::settle(&link, &followed, &fleet, rank0, ttl).await {
+                    Ok((deleted, _)) if deleted.is_empty() => {}
+                    Ok((deleted, pins)) => {
+                        let names: Vec<&str> = deleted.iter().map(|r| &**r).collect();
+                        log::warn!(
+                            "cluster: deleted from redis what it kept of restarted replica {}: \
+                             saved index and {pins} pins",
+                            names.join(", ")
+                        );
+                        for r in &deleted {
+                            saved.remove(r);
+                        }
                     }
+                    Err(e) if e.is_outage() => return e,
+                    Err(e) => log::warn!("cluster: forgetting restarted replicas: {e}"),
                 }
             }
         }

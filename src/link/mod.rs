@@ -54,7 +54,8 @@ pub enum Lane {
     Control,
     /// The overload budgets' exchange every 200 ms.
     Budgets,
-    /// Large values: saved prefix indexes (hundreds of kilobytes).
+    /// Large values and long scans: saved prefix indexes (hundreds of kilobytes), and the
+    /// deletion of a restarted replica's pins.
     Bulk,
 }
 

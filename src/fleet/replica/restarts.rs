@@ -32,6 +32,12 @@ impl Replica {
         true
     }
 
+    /// The latest process start its `/metrics` gave, in milliseconds since the Unix epoch
+    /// (0: none yet).
+    pub fn started_ms(&self) -> u64 {
+        self.restarts.started_ms.load(Ordering::Relaxed)
+    }
+
     /// The restarts [`Replica::started`] found.
     pub fn restarts(&self) -> u64 {
         self.restarts.count.load(Ordering::Relaxed)
