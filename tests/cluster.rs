@@ -404,6 +404,14 @@ fn first_turns(lb: &Lb, redis: &Redis, n: usize) -> Vec<(String, String)> {
     turns
 }
 
+/// How many times `lb` adopted what Redis holds (once a session, when it (re)connects).
+fn bootstraps(lb: &Lb) -> usize {
+    lb.proc
+        .log_text()
+        .matches(" pins adopted from redis")
+        .count()
+}
+
 /// `lb` says, within 10 s, that it deleted what Redis kept of `replica`, restarted.
 fn assert_deleted(lb: &Lb, replica: &str) {
     let said = format!("cluster: deleted from redis what it kept of restarted replica {replica}: ");
@@ -445,7 +453,7 @@ fn a_restarted_replicas_pins_and_saved_index_leave_redis() {
     assert_eq!(redis.cli(&["STRLEN", &index]).as_deref(), Some("0\n"));
 
     let two = costed(root.path(), "two", &[&a, &b], &redis, None);
-    assert!(wait_until(Duration::from_secs(10), || connected(&two)));
+    assert!(wait_until(Duration::from_secs(10), || bootstraps(&two) == 1));
     let (_, route) = turn(&two, &turns[0].0, 1);
     assert_eq!(route, "spread");
     let (text, _) = turns
@@ -487,8 +495,9 @@ fn an_instance_back_from_an_outage_adopts_no_pins_to_a_replica_that_restarted_me
     assert!(seen, "{}", one.proc.log_text());
     assert_eq!(pins_to(&redis, &home), home_pins, "Redis still holds them");
 
+    let before = bootstraps(&one);
     relay.reopen();
-    assert!(wait_until(Duration::from_secs(15), || connected(&one)));
+    assert!(wait_until(Duration::from_secs(15), || bootstraps(&one) > before));
     // At once, before rank 0's first look: neither the old pin nor the old index is adopted.
     let (_, route) = turn(&one, &turns[0].0, 1);
     assert_eq!(route, "spread");

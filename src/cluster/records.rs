@@ -2,11 +2,11 @@
 //! runtime and each replica's prefix index, adopted by an instance whenever it (re)connects;
 //! and the index saves that let an instance that starts later know what the replicas hold.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::restarts::Followed;
+use super::restarts::{self, Followed};
 use super::sync::ClusterSync;
 use super::wire::encode;
 use super::{Change, Subject, Table};
@@ -103,28 +103,22 @@ impl ClusterSync {
         }
     }
 
-    /// The replicas that restarted, as far as this instance saw, while what Redis keeps of
-    /// them may be older: their pins are neither adopted nor written from here.
-    pub(super) fn restarted(&self) -> HashSet<String> {
-        let Ok(mut f) = self.restarts.lock() else {
-            return HashSet::new();
-        };
+    /// The replicas that restarted while what Redis keeps of them may be older (this
+    /// instance's restarts raised first), each with its start: their pins are neither
+    /// adopted nor written from here, nor their saved index adopted.
+    pub(super) async fn stale(&self) -> Result<HashMap<String, u64>, Failed> {
         let fleet = self.registry.all();
-        f.follow(&fleet);
-        fleet
-            .iter()
-            .filter(|r| f.is_pending(&r.id))
-            .map(|r| r.id.to_string())
-            .collect()
+        let ttl = self.pin_ttl.as_secs().max(1);
+        restarts::raise(&self.link, &self.restarts, &fleet, ttl).await?;
+        let ids: Vec<&str> = fleet.iter().map(|r| &*r.id).collect();
+        restarts::stale(&self.link, &ids).await
     }
 
-    /// Adopts what Redis holds: pins of this hash version (but those to a replica that
-    /// restarted, until Redis forgot them), replicas added at runtime, and for each replica
-    /// its drain and saved index.
-    pub(super) async fn bootstrap(&self) -> Result<usize, Failed> {
+    /// Adopts what Redis holds: pins of this hash version (but the affinity pins to a
+    /// replica `stale`, restarted since they were made), replicas added at runtime, and for
+    /// each replica its drain and saved index.
+    pub(super) async fn bootstrap(&self, stale: &HashMap<String, u64>) -> Result<usize, Failed> {
         let mut adopted = 0;
-        let stale = self.restarted();
-        let stale = |replica: &str| stale.contains(replica);
         for table in [Table::Affinity, Table::Stored] {
             let pattern = format!("inferlb:v{HASH_VERSION}:{}:*", table.tag());
             let keys = self.scan(&pattern, 1_000_000).await?;
@@ -139,7 +133,7 @@ impl ClusterSync {
                         .next()
                         .and_then(|h| u64::from_str_radix(h, 16).ok());
                     if let (Some(key), Some(replica)) = (key, v) {
-                        if stale(&replica) {
+                        if table == Table::Affinity && stale.contains_key(&replica) {
                             continue;
                         }
                         self.apply(Change::Pin {
@@ -180,8 +174,13 @@ impl ClusterSync {
         }
         let drained = self.scan("inferlb:drain:*", 100_000).await?;
         for r in self.registry.all().iter() {
-            self.adopt(r, Some(drained.contains(&drain_key(&r.id))))
-                .await?;
+            let restarted = stale.contains_key(&*r.id);
+            self.adopt(
+                r,
+                Some(drained.contains(&drain_key(&r.id))),
+                Some(restarted),
+            )
+            .await?;
         }
         Ok(adopted)
     }
@@ -236,9 +235,14 @@ impl ClusterSync {
 
     /// Adopts what Redis holds for one replica: whether it is drained (`drained`, or asked
     /// here), and its saved index when its own is empty (a fuller one is fresher than a
-    /// save) and it did not restart since that save may have been made. Also for a replica
-    /// found after the bootstrap (DNS, another instance).
-    pub(super) async fn adopt(&self, r: &Replica, drained: Option<bool>) -> Result<(), Failed> {
+    /// save) and it did not restart since that save may have been made (`stale`, or asked
+    /// here). Also for a replica found after the bootstrap (DNS, another instance).
+    pub(super) async fn adopt(
+        &self,
+        r: &Replica,
+        drained: Option<bool>,
+        stale: Option<bool>,
+    ) -> Result<(), Failed> {
         let draining = match drained {
             Some(d) => d,
             None => {
@@ -252,8 +256,14 @@ impl ClusterSync {
             draining,
         })
         .await;
-        let restarted = self.restarts.lock().is_ok_and(|f| f.is_pending(&r.id));
-        if r.cache.index.size().0 == 0 && !restarted {
+        if r.cache.index.size().0 == 0 {
+            let stale = match stale {
+                Some(s) => s,
+                None => !restarts::stale(&self.link, &[&r.id]).await?.is_empty(),
+            };
+            if stale {
+                return Ok(());
+            }
             let mut get = redis::cmd("GET");
             get.arg(index_key(&r.id));
             let saved: Option<Vec<u8>> = self.link.query(Lane::Bulk, &get).await?;
@@ -295,19 +305,10 @@ pub(super) async fn records_every(
                 }
             }
             _ = restarts.tick() => {
-                let fleet = registry.all();
-                let rank0 = registry.rank() == 0;
-                match super::restarts::settle(&link, &followed, &fleet, rank0, ttl).await {
-                    Ok((deleted, _)) if deleted.is_empty() => {}
-                    Ok((deleted, pins)) => {
-                        let names: Vec<&str> = deleted.iter().map(|r| &**r).collect();
-                        log::warn!(
-                            "cluster: deleted from redis what it kept of restarted replica {}: \
-                             saved index and {pins} pins",
-                            names.join(", ")
-                        );
-                        for r in &deleted {
-                            saved.remove(r);
+                match forget_restarted(&registry, &link, &followed, ttl).await {
+                    Ok(deleted) => {
+                        for r in deleted {
+                            saved.remove(&*r);
                         }
                     }
                     Err(e) if e.is_outage() => return e,
@@ -316,6 +317,35 @@ pub(super) async fn records_every(
             }
         }
     }
+}
+
+/// Raises the restarts this instance read; on rank 0, deletes what Redis keeps of every
+/// replica stale since a restart, and says so. The replicas whose records went.
+async fn forget_restarted(
+    registry: &Registry,
+    link: &Link,
+    followed: &Mutex<Followed>,
+    ttl: u64,
+) -> Result<Vec<String>, Failed> {
+    let fleet = registry.all();
+    restarts::raise(link, followed, &fleet, ttl).await?;
+    if registry.rank() != 0 {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<&str> = fleet.iter().map(|r| &*r.id).collect();
+    let stale = restarts::stale(link, &ids).await?;
+    if stale.is_empty() {
+        return Ok(Vec::new());
+    }
+    let pins = restarts::settle(link, &stale, ttl).await?;
+    let mut names: Vec<String> = stale.into_keys().collect();
+    names.sort();
+    log::warn!(
+        "cluster: deleted from redis what it kept of restarted replica {}: saved index and \
+         {pins} pins",
+        names.join(", ")
+    );
+    Ok(names)
 }
 
 /// Saves the index of each replica whose index changed since `saved` says.

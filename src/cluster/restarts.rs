@@ -4,12 +4,14 @@
 //! instance that starts or reconnects later would adopt the old pins and index from Redis and
 //! send those conversations back to a cold replica as if it held them.
 //!
-//! Every instance follows the restarts it sees: each is pending until Redis says what it kept
-//! of the replica was deleted since that start (`inferlb:restarted:v1:{replica}`, the latest
-//! start whose records went). The lowest-ranked instance (rank 0, which also saves the
-//! indexes) does the deleting; the others wait for the key, and meanwhile adopt neither the
-//! replica's pins nor its saved index from Redis. A deletion cut short (Redis away, the session
-//! over, rank 0 gone) stays pending, on every instance, until one finishes it.
+//! The state is Redis's, so that it outlives any one instance: `inferlb:restarted:v1:{replica}`
+//! is a hash of two process starts (Unix ms), each only ever raised, `seen` (the latest start
+//! any instance read as a restart) and `deleted` (the latest start after which the replica's
+//! pins and saved index went). Every instance raises `seen` when it reads a restart (held
+//! here until Redis has it); the instance of rank 0 deletes what Redis keeps of each replica
+//! whose `seen` is past its `deleted`, then raises `deleted`; and every (re)connecting
+//! instance's bootstrap adopts neither the pins nor the saved index of such a replica. A
+//! deletion cut short (Redis away, the session over, rank 0 gone) is done by the next rank 0.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
@@ -26,120 +28,134 @@ const DELETE_PINS_TO: &str = "local ids = {} for _, id in ipairs(ARGV) do ids[id
      local n = 0 for _, k in ipairs(KEYS) do local v = redis.call('GET', k) \
      if v and ids[v] then redis.call('DEL', k) n = n + 1 end end return n";
 
-/// Records that what Redis kept of a replica was deleted after its start `ARGV[1]`, unless a
-/// later start is recorded; expires after `ARGV[2]` seconds, with the pins it speaks of.
-const SETTLED: &str = "local v = tonumber(redis.call('GET', KEYS[1])) \
-     if not v or v < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) \
-     end return 1";
+/// Raises field `ARGV[1]` of hash `KEYS[1]` to `ARGV[2]` (a value that is not a number is
+/// replaced); the hash expires `ARGV[3]` seconds after its last write, with the pins it
+/// speaks of.
+const RAISE: &str = "local v = tonumber(redis.call('HGET', KEYS[1], ARGV[1])) \
+     if not v or v < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end \
+     redis.call('EXPIRE', KEYS[1], ARGV[3]) return 1";
 
-/// The latest start of `replica` whose pins and saved index went from Redis.
-fn settled_key(replica: &str) -> String {
+/// A replica's restart state: fields `seen` and `deleted`.
+fn restart_key(replica: &str) -> String {
     format!("inferlb:restarted:v1:{replica}")
 }
 
-/// The restarts this instance follows.
+/// The restarts this instance reads, until Redis has them.
 #[derive(Debug, Default)]
 pub struct Followed {
     /// Each replica's restart count as last seen, for that replica (one removed and added
     /// again under its id is another, whose count starts at 0).
     seen: HashMap<Arc<str>, (Weak<Replica>, u64)>,
-    /// Replica → the start (Unix ms) after which what Redis keeps of it is stale, until Redis
-    /// says it was deleted.
-    pending: HashMap<Arc<str>, u64>,
+    /// Replica → its latest start read as a restart, not yet raised in Redis.
+    unraised: HashMap<Arc<str>, u64>,
 }
 
 impl Followed {
-    /// Follows `fleet`'s restarts: each one found since the last call is pending.
-    pub(super) fn follow(&mut self, fleet: &[Arc<Replica>]) {
+    /// Follows `fleet`'s restarts: each one found since the last call waits to be raised.
+    fn follow(&mut self, fleet: &[Arc<Replica>]) {
         for r in fleet {
+            // Its count before its start: a reader that sees the count sees that start.
             let now = r.restarts();
             let before = match self.seen.get(&r.id) {
                 Some((w, n)) if w.ptr_eq(&Arc::downgrade(r)) => *n,
                 _ => 0,
             };
             if now > before {
-                self.pending.insert(r.id.clone(), r.started_ms());
+                self.unraised.insert(r.id.clone(), r.started_ms());
             }
             self.seen.insert(r.id.clone(), (Arc::downgrade(r), now));
         }
         let ids: HashSet<&Arc<str>> = fleet.iter().map(|r| &r.id).collect();
         self.seen.retain(|id, _| ids.contains(id));
-        self.pending.retain(|id, _| ids.contains(id));
+        self.unraised.retain(|id, _| ids.contains(id));
     }
 
-    /// Whether what Redis keeps of `replica` may be from before its restart.
-    pub(super) fn is_pending(&self, replica: &str) -> bool {
-        self.pending.contains_key(replica)
-    }
-
-    /// The restarts pending, each with its start.
-    fn pending(&self) -> Vec<(Arc<str>, u64)> {
-        self.pending.iter().map(|(r, s)| (r.clone(), *s)).collect()
-    }
-
-    /// What Redis kept of `replica` was deleted after `start`: settled, unless it restarted
-    /// again meanwhile.
-    fn settled(&mut self, replica: &str, start: u64) {
-        if self.pending.get(replica).is_some_and(|s| *s <= start) {
-            self.pending.remove(replica);
+    /// `replica`'s restart at `start` is in Redis: raised, unless it restarted again since.
+    fn raised(&mut self, replica: &str, start: u64) {
+        if self.unraised.get(replica).is_some_and(|s| *s <= start) {
+            self.unraised.remove(replica);
         }
     }
 }
 
-/// Follows `fleet`'s restarts, and settles those pending: the ones Redis says were dealt with;
-/// and on rank 0 (`delete`) the rest, by deleting what Redis keeps of them. The replicas whose
-/// records this call deleted, and how many pins went.
-pub(super) async fn settle(
+/// Raises `seen` in Redis for each restart of `fleet` this instance read since.
+pub(super) async fn raise(
     link: &Link,
     followed: &Mutex<Followed>,
     fleet: &[Arc<Replica>],
-    delete: bool,
     ttl: u64,
-) -> Result<(Vec<Arc<str>>, u64), Failed> {
-    let pending = match followed.lock() {
+) -> Result<(), Failed> {
+    let unraised: Vec<(Arc<str>, u64)> = match followed.lock() {
         Ok(mut f) => {
             f.follow(fleet);
-            f.pending()
+            f.unraised.iter().map(|(r, s)| (r.clone(), *s)).collect()
         }
-        Err(_) => return Ok((Vec::new(), 0)),
+        Err(_) => return Ok(()),
     };
-    if pending.is_empty() {
-        return Ok((Vec::new(), 0));
-    }
-    let mut get = redis::cmd("MGET");
-    for (r, _) in &pending {
-        get.arg(settled_key(r));
-    }
-    let done: Vec<Option<u64>> = link.query(Lane::Bulk, &get).await?;
-    let mut left = Vec::new();
-    for ((r, start), done) in pending.into_iter().zip(done) {
-        match done {
-            Some(d) if d >= start => {
-                if let Ok(mut f) = followed.lock() {
-                    f.settled(&r, d);
-                }
-            }
-            _ => left.push((r, start)),
-        }
-    }
-    if !delete || left.is_empty() {
-        return Ok((Vec::new(), 0));
-    }
-    let ids: Vec<Arc<str>> = left.iter().map(|(r, _)| r.clone()).collect();
-    let pins = forget(link, &ids).await?;
-    for (r, start) in &left {
-        let mut set = redis::cmd("EVAL");
-        set.arg(SETTLED)
-            .arg(1)
-            .arg(settled_key(r))
-            .arg(*start)
-            .arg(ttl);
-        link.query::<()>(Lane::Bulk, &set).await?;
+    for (r, start) in unraised {
+        raise_field(link, &r, "seen", start, ttl).await?;
         if let Ok(mut f) = followed.lock() {
-            f.settled(r, *start);
+            f.raised(&r, start);
         }
     }
-    Ok((ids, pins))
+    Ok(())
+}
+
+async fn raise_field(
+    link: &Link,
+    replica: &str,
+    field: &str,
+    start: u64,
+    ttl: u64,
+) -> Result<(), Failed> {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(RAISE)
+        .arg(1)
+        .arg(restart_key(replica))
+        .arg(field)
+        .arg(start)
+        .arg(ttl);
+    link.query(Lane::Bulk, &eval).await
+}
+
+/// The replicas of `replicas` whose pins and saved index in Redis may predate a restart
+/// (`seen` past `deleted`), each with that start.
+pub(super) async fn stale(link: &Link, replicas: &[&str]) -> Result<HashMap<String, u64>, Failed> {
+    if replicas.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let mut pipe = redis::pipe();
+    for r in replicas {
+        pipe.cmd("HMGET")
+            .arg(restart_key(r))
+            .arg("seen")
+            .arg("deleted");
+    }
+    let states: Vec<(Option<String>, Option<String>)> = link.pipe(Lane::Bulk, &pipe).await?;
+    let number = |v: Option<String>| v.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    Ok(replicas
+        .iter()
+        .zip(states)
+        .filter_map(|(r, (seen, deleted))| {
+            let (seen, deleted) = (number(seen), number(deleted));
+            (seen > deleted).then(|| (r.to_string(), seen))
+        })
+        .collect())
+}
+
+/// Deletes what Redis keeps of the `stale` replicas (each with the start it is stale since),
+/// then records that in Redis. How many pins went.
+pub(super) async fn settle(
+    link: &Link,
+    stale: &HashMap<String, u64>,
+    ttl: u64,
+) -> Result<u64, Failed> {
+    let ids: Vec<&str> = stale.keys().map(String::as_str).collect();
+    let pins = forget(link, &ids).await?;
+    for (r, start) in stale {
+        raise_field(link, r, "deleted", *start, ttl).await?;
+    }
+    Ok(pins)
 }
 
 /// Deletes what Redis keeps of `replicas`' caches: their saved indexes, and the affinity pins
@@ -148,7 +164,7 @@ pub(super) async fn settle(
 /// an instance that adopts pins meanwhile, no wrong route. Pins of stored Responses ids stay:
 /// the balancer's store resends their history itself, and a replica's own store went with
 /// its process wherever the id is sent. How many pins went.
-async fn forget(link: &Link, replicas: &[Arc<str>]) -> Result<u64, Failed> {
+async fn forget(link: &Link, replicas: &[&str]) -> Result<u64, Failed> {
     let mut del = redis::cmd("DEL");
     for r in replicas {
         del.arg(index_key(r));
@@ -167,10 +183,10 @@ async fn forget(link: &Link, replicas: &[Arc<str>]) -> Result<u64, Failed> {
         let (next, keys): (u64, Vec<String>) = link.query(Lane::Bulk, &scan).await?;
         if !keys.is_empty() {
             let mut eval = redis::cmd("EVAL");
-            eval.arg(DELETE_PINS_TO).arg(keys.len()).arg(&keys);
-            for r in replicas {
-                eval.arg(&**r);
-            }
+            eval.arg(DELETE_PINS_TO)
+                .arg(keys.len())
+                .arg(&keys)
+                .arg(replicas);
             gone += link.query::<u64>(Lane::Bulk, &eval).await?;
         }
         cursor = next;
@@ -184,17 +200,17 @@ async fn forget(link: &Link, replicas: &[Arc<str>]) -> Result<u64, Failed> {
 mod tests {
     use super::*;
 
-    /// Restarts each replica counted, one call after another → what is pending: each restart
-    /// once, settled only by a deletion after its start, and a replica removed, or removed
-    /// and added again, is another.
+    /// Restarts each replica counted, one call after another → what waits to be raised: each
+    /// restart once, until raised at or after its start; a replica removed is forgotten, and
+    /// one added again under its id is another, in place of the first or after it.
     #[test]
-    fn each_restart_is_pending_until_settled_and_a_replica_gone_is_forgotten() {
+    fn each_restart_waits_to_be_raised_and_a_replica_added_again_is_another() {
         let reg = crate::fleet::registry::test_registry(&["a", "b"]);
         let fleet = reg.all();
         let replica = |name: &str| fleet.iter().find(|r| &*r.id == name).expect("replica");
-        let pending = |f: &Followed| {
+        let unraised = |f: &Followed| {
             let mut p: Vec<(String, u64)> = f
-                .pending()
+                .unraised
                 .iter()
                 .map(|(r, s)| (r.to_string(), *s))
                 .collect();
@@ -203,49 +219,41 @@ mod tests {
         };
         let mut f = Followed::default();
         f.follow(&fleet);
-        assert!(pending(&f).is_empty(), "no restart yet");
+        assert!(unraised(&f).is_empty(), "no restart yet");
         replica("a").started(1_000);
         replica("b").started(1_000);
         f.follow(&fleet);
-        assert!(pending(&f).is_empty(), "a first start is none");
+        assert!(unraised(&f).is_empty(), "a first start is none");
         replica("a").started(2_000);
         f.follow(&fleet);
         f.follow(&fleet);
-        assert_eq!(pending(&f), [("a".to_string(), 2_000)]);
-        assert!(f.is_pending("a") && !f.is_pending("b"));
-        f.settled("a", 1_500);
-        assert!(f.is_pending("a"), "deleted before its start: still stale");
+        assert_eq!(unraised(&f), [("a".to_string(), 2_000)]);
+        f.raised("a", 1_500);
+        assert_eq!(unraised(&f).len(), 1, "an older start raised: still waits");
         replica("a").started(3_000);
         replica("b").started(3_000);
         f.follow(&fleet);
-        f.settled("a", 2_000);
+        f.raised("a", 2_000);
         assert_eq!(
-            pending(&f),
+            unraised(&f),
             [("a".to_string(), 3_000), ("b".to_string(), 3_000)],
-            "restarted again: the older deletion does not settle it"
+            "restarted again: the older raise does not do"
         );
-        f.settled("a", 3_000);
-        f.settled("b", 4_000);
-        assert!(pending(&f).is_empty());
+        f.raised("a", 3_000);
+        f.raised("b", 4_000);
+        assert!(unraised(&f).is_empty());
 
-        // Removed: no longer followed. Added again under its id, it is another replica,
-        // whose first restart is one however many the first counted.
-        replica("b").started(5_000);
-        let only_a: Vec<Arc<Replica>> = vec![replica("a").clone()];
-        f.follow(&only_a);
-        assert!(pending(&f).is_empty() && f.seen.len() == 1);
-        let again = crate::fleet::registry::test_registry(&["a", "b"]);
-        let b2 = again
-            .all()
-            .iter()
-            .find(|r| &*r.id == "b")
-            .cloned()
-            .expect("b");
+        // Added again under its id, in place of the first (no call between): another
+        // replica, whose first restart is one however many the first counted.
+        let again = crate::fleet::registry::test_registry(&["b"]);
+        let b2 = again.all().first().cloned().expect("b");
         let with_b2 = vec![replica("a").clone(), b2.clone()];
-        f.follow(&with_b2);
         b2.started(1_000);
         b2.started(2_000);
         f.follow(&with_b2);
-        assert_eq!(pending(&f), [("b".to_string(), 2_000)]);
+        assert_eq!(unraised(&f), [("b".to_string(), 2_000)]);
+        // Removed: no longer followed.
+        f.follow(&[replica("a").clone()]);
+        assert!(unraised(&f).is_empty() && f.seen.len() == 1);
     }
 }

@@ -18,7 +18,7 @@ use super::records::records_every;
 use super::restarts::Followed;
 use super::wire::{decode, encode_load, sender};
 use super::write::{keep, BATCH};
-use super::{Change, Cluster, LoadReport, Message, Peers};
+use super::{Change, Cluster, LoadReport, Message, Peers, Table};
 use crate::conf::netpolicy::Networks;
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
@@ -96,12 +96,14 @@ impl ClusterSync {
         self.cluster.set_connected(true);
         // What was changed here while Redis was away: the first writer wins. When Redis fails
         // again meanwhile, what is not written yet is kept for the next time.
+        // Replicas that restarted and whose old pins Redis may still hold: pins to them queued
+        // meanwhile are not written (some name the lost cache), nor are theirs adopted.
+        let stale = self.stale().await?;
         let mut outage: Vec<Change> = std::mem::take(pending);
-        // Pins to a replica that restarted meanwhile: made before it, they name a lost cache.
-        let restarted = self.restarted();
-        outage.retain(
-            |c| !matches!(c, Change::Pin { replica, .. } if restarted.contains(&**replica)),
-        );
+        outage.retain(|c| {
+            !matches!(c, Change::Pin { table: Table::Affinity, replica, .. }
+                if stale.contains_key(&**replica))
+        });
         let mut written = 0;
         while written < outage.len() {
             let end = (written + BATCH).min(outage.len());
@@ -114,7 +116,7 @@ impl ClusterSync {
         // The drains and replica changes made here meanwhile: the newest writes (see the rule
         // in the module above), before what Redis holds is adopted.
         self.write_held().await?;
-        let adopted = self.bootstrap().await?;
+        let adopted = self.bootstrap(&stale).await?;
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         let mut known: HashSet<Arc<str>> =
@@ -200,7 +202,7 @@ impl ClusterSync {
                     self.registry.set_rank(peers.rank(&self.cluster.instance));
                     for r in self.registry.all().iter() {
                         if known.insert(r.id.clone()) {
-                            self.adopt(r, None).await?;
+                            self.adopt(r, None, None).await?;
                         }
                     }
                 }

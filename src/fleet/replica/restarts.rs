@@ -28,7 +28,8 @@ impl Replica {
             return false;
         }
         self.cache.restarted();
-        self.restarts.count.fetch_add(1, Ordering::Relaxed);
+        // Release: whoever reads the new count reads this start, or a later one.
+        self.restarts.count.fetch_add(1, Ordering::Release);
         true
     }
 
@@ -40,7 +41,7 @@ impl Replica {
 
     /// The restarts [`Replica::started`] found.
     pub fn restarts(&self) -> u64 {
-        self.restarts.count.load(Ordering::Relaxed)
+        self.restarts.count.load(Ordering::Acquire)
     }
 }
 
