@@ -16,7 +16,7 @@ use pingora_core::{Error, ErrorType};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 
-use super::outcome::strip_usage;
+use super::observe::strip_usage;
 use super::{Balancer, Ctx};
 use crate::fleet::replica::Replica;
 use crate::protocol::handover::{Start, StreamStart};

@@ -10,6 +10,7 @@ mod ctx;
 mod errors;
 mod exchange;
 pub mod failover;
+mod observe;
 mod outcome;
 mod pd;
 mod resume;
@@ -321,7 +322,7 @@ impl ProxyHttp for Balancer {
         // framed it by no longer holds.
         if resp.status.is_success()
             && ctx.route().is_some()
-            && outcome::read_answer(ctx, resp)
+            && observe::read_answer(ctx, resp)
             && ctx.usage_asked
             && resp.headers.contains_key("content-length")
         {
@@ -342,7 +343,7 @@ impl ProxyHttp for Balancer {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         self.observe_response(body.as_ref(), end_of_stream, ctx);
-        outcome::strip_usage(body, end_of_stream, ctx);
+        observe::strip_usage(body, end_of_stream, ctx);
         Ok(self.conversation_body(body, end_of_stream, ctx))
     }
 

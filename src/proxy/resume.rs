@@ -21,7 +21,7 @@ use super::attempt::Attempt;
 use super::errors::{failure_of, reason, Seen};
 use super::exchange::{first_token, unless_client_leaves, LegError};
 use super::failover::{status_fails_over, Failure};
-use super::outcome::is_sse;
+use super::observe::is_sse;
 use super::{Balancer, Ctx};
 use crate::fleet::replica::Replica;
 use crate::telemetry::metrics::METRICS;

@@ -10,7 +10,7 @@ use super::{Held, Plan, Started};
 use crate::cluster::Table;
 use crate::fleet::replica::Replica;
 use crate::proxy::attempt::{Attempt, Choice};
-use crate::proxy::outcome::read_answer;
+use crate::proxy::observe::read_answer;
 use crate::proxy::{Balancer, Ctx};
 use crate::routing::Route;
 use crate::telemetry::metrics::METRICS;

@@ -11,7 +11,7 @@ use super::{Background, Plan, Started};
 use crate::fleet::replica::{InFlight, Replica};
 use crate::protocol::handover;
 use crate::proxy::exchange::{first_token, read_all, release, LegError};
-use crate::proxy::outcome::is_sse;
+use crate::proxy::observe::is_sse;
 use crate::proxy::Balancer;
 use crate::telemetry::metrics::METRICS;
 
