@@ -22,6 +22,7 @@ mod admin;
 mod cluster;
 #[cfg(test)]
 mod doc_check;
+pub mod keys;
 mod mode;
 pub mod netpolicy;
 pub mod overload;
@@ -63,7 +64,7 @@ pub struct Config {
     /// Client keys (`Authorization: Bearer ...` or `x-api-key`), needed on every path but
     /// `public_paths`; empty: no check.
     /// From the conf, `api_keys_env` and `api_keys_file` (read again when it changes).
-    pub api_keys: Arc<crate::conf::secrets::KeyList>,
+    pub api_keys: Arc<crate::conf::keys::KeyList>,
     /// How often secret files (keys, tokens, passwords) are read again.
     pub secrets_reload_interval: Duration,
     /// Request headers larger than this in total get 431.

@@ -259,7 +259,7 @@ pub(super) fn validate(mut raw: RawSection) -> Result<Config, String> {
         idle_timeout: seconds("upstream.idle_timeout_seconds", u.idle_timeout_seconds)?,
         tls: upstream_tls(u)?,
     };
-    let api_keys = crate::conf::secrets::KeyList::new(
+    let api_keys = crate::conf::keys::KeyList::new(
         &raw.api_keys,
         raw.api_keys_env.as_deref(),
         raw.api_keys_file.as_deref(),
