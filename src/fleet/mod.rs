@@ -5,6 +5,7 @@
 
 pub mod affinity;
 pub mod blocks;
+pub mod chain;
 pub mod discovery;
 pub mod events;
 pub mod health;

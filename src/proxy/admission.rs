@@ -7,7 +7,7 @@ use pingora_proxy::Session;
 use super::answers::{self, Refusal};
 use super::{request, stored_key, Balancer, Ctx};
 use crate::cluster::Table;
-use crate::fleet::blocks::PromptTokens;
+use crate::fleet::chain::PromptTokens;
 use crate::overload::Admission;
 use crate::protocol::api::classify;
 use crate::protocol::body::{BodyLimits, BodyReplay};

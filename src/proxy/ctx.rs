@@ -29,7 +29,7 @@ pub struct Ctx {
     pub(super) info: Option<RequestInfo>,
     /// The prompt's token ids, when its model has a tokenizer and a replica of it publishes
     /// its KV events.
-    pub(super) tokens: Option<Arc<crate::fleet::blocks::PromptTokens>>,
+    pub(super) tokens: Option<Arc<crate::fleet::chain::PromptTokens>>,
     /// The session key from the configured session header.
     pub(super) session: Option<u64>,
     /// The replica that stores the response this request is about, and that response's id.

@@ -12,7 +12,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 use super::pending::Pending;
-use crate::fleet::blocks::{BlockIndex, PromptTokens};
+use crate::fleet::blocks::BlockIndex;
+use crate::fleet::chain::PromptTokens;
 use crate::fleet::index::{PrefixIndex, Recency, BYTES_PER_TOKEN};
 use crate::protocol::api::prompt::Link;
 use crate::protocol::api::Family;

@@ -41,7 +41,7 @@ use super::attempt::{Attempt, Choice};
 use super::exchange::LegError;
 use super::{answers, Balancer, Ctx};
 use crate::conf::Protocol;
-use crate::fleet::blocks::PromptTokens;
+use crate::fleet::chain::PromptTokens;
 use crate::fleet::pool::Leg;
 use crate::fleet::registry::Registry;
 use crate::fleet::replica::{HeldKv, InFlight, Prompt, QueuedPrefill, Replica};
