@@ -451,6 +451,11 @@ fn a_restarted_replicas_pins_and_saved_index_leave_redis() {
     );
     // Gone, or saved again since the restart: empty.
     assert_eq!(redis.cli(&["STRLEN", &index]).as_deref(), Some("0\n"));
+    // Settled in Redis: the restart seen is the one whose records went.
+    let state =
+        |field: &str| redis.cli(&["HGET", "inferlb:restarted:v1", &format!("{field}:{home}")]);
+    assert!(state("seen").is_some_and(|s| s.trim().parse::<u64>().is_ok()));
+    assert_eq!(state("seen"), state("deleted"));
 
     let two = costed(root.path(), "two", &[&a, &b], &redis, None);
     assert!(wait_until(Duration::from_secs(10), || bootstraps(&two) == 1));
@@ -502,4 +507,49 @@ fn an_instance_back_from_an_outage_adopts_no_pins_to_a_replica_that_restarted_me
     let (_, route) = turn(&one, &turns[0].0, 1);
     assert_eq!(route, "spread");
     assert_deleted(&one, &home);
+}
+
+/// Pins an instance queued while cut off from Redis, to a replica that restarted meanwhile,
+/// are not written when it is back, though another instance already deleted what Redis kept
+/// of that replica: they would name its lost cache for every instance that adopts them.
+#[test]
+fn pins_queued_in_an_outage_to_a_replica_that_restarted_meanwhile_are_not_written() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis = Redis::start(root.path());
+    let relay = Relay::start(redis.port);
+    let (mut a, mut b) = two_sims(root.path(), &[]);
+    let first = costed(root.path(), "a-first", &[&a, &b], &redis, None);
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    let cut = costed(root.path(), "b-cut", &[&a, &b], &redis, Some(url));
+    assert!(wait_until(Duration::from_secs(10), || bootstraps(&first)
+        == 1
+        && bootstraps(&cut) == 1));
+    let text = text_of("queued", 1500);
+    let (home, _) = turn(&cut, &text, 0);
+    assert!(wait_until(Duration::from_secs(5), || pins_to(
+        &redis, &home
+    ) > 0));
+
+    relay.cut();
+    assert!(wait_until(Duration::from_secs(10), || !connected(&cut)));
+    // Its next turn goes home, pinned: the pins it makes wait for Redis.
+    let (replica, route) = turn(&cut, &text, 1);
+    assert_eq!(
+        (replica.as_str(), route.as_str()),
+        (home.as_str(), "pinned")
+    );
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    assert_deleted(&first, &home);
+    assert_eq!(pins_to(&redis, &home), 0);
+    let said = format!("replica {home}: restarted");
+    let seen = wait_until(Duration::from_secs(5), || {
+        cut.proc.log_text().contains(&said)
+    });
+    assert!(seen, "{}", cut.proc.log_text());
+
+    relay.reopen();
+    assert!(wait_until(Duration::from_secs(15), || bootstraps(&cut) == 2));
+    assert_eq!(pins_to(&redis, &home), 0);
 }

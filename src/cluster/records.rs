@@ -107,11 +107,8 @@ impl ClusterSync {
     /// instance's restarts raised first), each with its start: their pins are neither
     /// adopted nor written from here, nor their saved index adopted.
     pub(super) async fn stale(&self) -> Result<HashMap<String, u64>, Failed> {
-        let fleet = self.registry.all();
-        let ttl = self.pin_ttl.as_secs().max(1);
-        restarts::raise(&self.link, &self.restarts, &fleet, ttl).await?;
-        let ids: Vec<&str> = fleet.iter().map(|r| &*r.id).collect();
-        restarts::stale(&self.link, &ids).await
+        restarts::raise(&self.link, &self.restarts, &self.registry.all()).await?;
+        Ok(restarts::states(&self.link).await?.stale)
     }
 
     /// Adopts what Redis holds: pins of this hash version (but the affinity pins to a
@@ -259,7 +256,10 @@ impl ClusterSync {
         if r.cache.index.size().0 == 0 {
             let stale = match stale {
                 Some(s) => s,
-                None => !restarts::stale(&self.link, &[&r.id]).await?.is_empty(),
+                None => restarts::states(&self.link)
+                    .await?
+                    .stale
+                    .contains_key(&*r.id),
             };
             if stale {
                 return Ok(());
@@ -305,12 +305,10 @@ pub(super) async fn records_every(
                 }
             }
             _ = restarts.tick() => {
+                // The saved index of a replica deleted is saved again once this instance's own
+                // index of it changes: emptied, once it reads the restart itself.
                 match forget_restarted(&registry, &link, &followed, ttl).await {
-                    Ok(deleted) => {
-                        for r in deleted {
-                            saved.remove(&*r);
-                        }
-                    }
+                    Ok(()) => {}
                     Err(e) if e.is_outage() => return e,
                     Err(e) => log::warn!("cluster: forgetting restarted replicas: {e}"),
                 }
@@ -320,32 +318,32 @@ pub(super) async fn records_every(
 }
 
 /// Raises the restarts this instance read; on rank 0, deletes what Redis keeps of every
-/// replica stale since a restart, and says so. The replicas whose records went.
+/// replica stale since a restart, and says so.
 async fn forget_restarted(
     registry: &Registry,
     link: &Link,
     followed: &Mutex<Followed>,
     ttl: u64,
-) -> Result<Vec<String>, Failed> {
-    let fleet = registry.all();
-    restarts::raise(link, followed, &fleet, ttl).await?;
+) -> Result<(), Failed> {
+    restarts::raise(link, followed, &registry.all()).await?;
     if registry.rank() != 0 {
-        return Ok(Vec::new());
+        return Ok(());
     }
-    let ids: Vec<&str> = fleet.iter().map(|r| &*r.id).collect();
-    let stale = restarts::stale(link, &ids).await?;
-    if stale.is_empty() {
-        return Ok(Vec::new());
+    let states = restarts::states(link).await?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let pins = restarts::settle(link, &states, now_ms.saturating_sub(ttl * 1000)).await?;
+    if !states.stale.is_empty() {
+        let mut names: Vec<String> = states.stale.into_keys().collect();
+        names.sort();
+        log::warn!(
+            "cluster: deleted from redis what it kept of restarted replica {}: saved index \
+             and {pins} pins",
+            names.join(", ")
+        );
     }
-    let pins = restarts::settle(link, &stale, ttl).await?;
-    let mut names: Vec<String> = stale.into_keys().collect();
-    names.sort();
-    log::warn!(
-        "cluster: deleted from redis what it kept of restarted replica {}: saved index and \
-         {pins} pins",
-        names.join(", ")
-    );
-    Ok(names)
+    Ok(())
 }
 
 /// Saves the index of each replica whose index changed since `saved` says.

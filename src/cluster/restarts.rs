@@ -4,10 +4,10 @@
 //! instance that starts or reconnects later would adopt the old pins and index from Redis and
 //! send those conversations back to a cold replica as if it held them.
 //!
-//! The state is Redis's, so that it outlives any one instance: `inferlb:restarted:v1:{replica}`
-//! is a hash of two process starts (Unix ms), each only ever raised, `seen` (the latest start
-//! any instance read as a restart) and `deleted` (the latest start after which the replica's
-//! pins and saved index went). Every instance raises `seen` when it reads a restart (held
+//! The state is Redis's, so that it outlives any one instance: the hash `inferlb:restarted:v1`
+//! holds two process starts (Unix ms) per replica that restarted, each only ever raised:
+//! `seen:{replica}` (the latest start any instance read as a restart) and `deleted:{replica}`
+//! (the latest start after which the replica's pins and saved index went). Every instance raises `seen` when it reads a restart (held
 //! here until Redis has it); the instance of rank 0 deletes what Redis keeps of each replica
 //! whose `seen` is past its `deleted`, then raises `deleted`; and every (re)connecting
 //! instance's bootstrap adopts neither the pins nor the saved index of such a replica. A
@@ -29,16 +29,14 @@ const DELETE_PINS_TO: &str = "local ids = {} for _, id in ipairs(ARGV) do ids[id
      if v and ids[v] then redis.call('DEL', k) n = n + 1 end end return n";
 
 /// Raises field `ARGV[1]` of hash `KEYS[1]` to `ARGV[2]` (a value that is not a number is
-/// replaced); the hash expires `ARGV[3]` seconds after its last write, with the pins it
-/// speaks of.
+/// replaced).
 const RAISE: &str = "local v = tonumber(redis.call('HGET', KEYS[1], ARGV[1])) \
      if not v or v < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end \
-     redis.call('EXPIRE', KEYS[1], ARGV[3]) return 1";
+     return 1";
 
-/// A replica's restart state: fields `seen` and `deleted`.
-fn restart_key(replica: &str) -> String {
-    format!("inferlb:restarted:v1:{replica}")
-}
+/// The replicas' restart states, one hash: field `seen:{replica}` and field
+/// `deleted:{replica}`.
+const STATES: &str = "inferlb:restarted:v1";
 
 /// The restarts this instance reads, until Redis has them.
 #[derive(Debug, Default)]
@@ -83,7 +81,6 @@ pub(super) async fn raise(
     link: &Link,
     followed: &Mutex<Followed>,
     fleet: &[Arc<Replica>],
-    ttl: u64,
 ) -> Result<(), Failed> {
     let unraised: Vec<(Arc<str>, u64)> = match followed.lock() {
         Ok(mut f) => {
@@ -93,7 +90,7 @@ pub(super) async fn raise(
         Err(_) => return Ok(()),
     };
     for (r, start) in unraised {
-        raise_field(link, &r, "seen", start, ttl).await?;
+        raise_field(link, "seen", &r, start).await?;
         if let Ok(mut f) = followed.lock() {
             f.raised(&r, start);
         }
@@ -101,59 +98,74 @@ pub(super) async fn raise(
     Ok(())
 }
 
-async fn raise_field(
-    link: &Link,
-    replica: &str,
-    field: &str,
-    start: u64,
-    ttl: u64,
-) -> Result<(), Failed> {
+async fn raise_field(link: &Link, field: &str, replica: &str, start: u64) -> Result<(), Failed> {
     let mut eval = redis::cmd("EVAL");
     eval.arg(RAISE)
         .arg(1)
-        .arg(restart_key(replica))
-        .arg(field)
-        .arg(start)
-        .arg(ttl);
-    link.query(Lane::Bulk, &eval).await
+        .arg(STATES)
+        .arg(format!("{field}:{replica}"))
+        .arg(start);
+    link.query(Lane::Control, &eval).await
 }
 
-/// The replicas of `replicas` whose pins and saved index in Redis may predate a restart
-/// (`seen` past `deleted`), each with that start.
-pub(super) async fn stale(link: &Link, replicas: &[&str]) -> Result<HashMap<String, u64>, Failed> {
-    if replicas.is_empty() {
-        return Ok(HashMap::new());
+/// The replicas' restart states as Redis holds them.
+#[derive(Debug, Default)]
+pub(super) struct States {
+    /// Replica → the start since which its pins and saved index in Redis may be stale
+    /// (`seen` past `deleted`), whether this instance knows the replica or not (added at
+    /// runtime, found by another's DNS).
+    pub(super) stale: HashMap<String, u64>,
+    /// Replicas settled (`seen` no later than `deleted`), with their `deleted` start: gone
+    /// from Redis once that is older than the pins it speaks of.
+    settled: Vec<(String, u64)>,
+}
+
+/// Reads the replicas' restart states (one hash, a pair of fields a replica that restarted).
+pub(super) async fn states(link: &Link) -> Result<States, Failed> {
+    let mut get = redis::cmd("HGETALL");
+    get.arg(STATES);
+    let fields: HashMap<String, String> = link.query(Lane::Control, &get).await?;
+    let number = |v: Option<&String>| v.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let mut states = States::default();
+    for (field, value) in &fields {
+        let Some(replica) = field.strip_prefix("seen:") else {
+            continue;
+        };
+        let (seen, deleted) = (
+            number(Some(value)),
+            number(fields.get(&format!("deleted:{replica}"))),
+        );
+        if seen > deleted {
+            states.stale.insert(replica.to_string(), seen);
+        } else {
+            states.settled.push((replica.to_string(), deleted));
+        }
     }
-    let mut pipe = redis::pipe();
-    for r in replicas {
-        pipe.cmd("HMGET")
-            .arg(restart_key(r))
-            .arg("seen")
-            .arg("deleted");
-    }
-    let states: Vec<(Option<String>, Option<String>)> = link.pipe(Lane::Bulk, &pipe).await?;
-    let number = |v: Option<String>| v.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    Ok(replicas
+    Ok(states)
+}
+
+/// Deletes what Redis keeps of the stale replicas of `states`, then records that in Redis; and
+/// forgets the states settled before `expired_ms` (Unix ms: their pins expired since). How many
+/// pins went.
+pub(super) async fn settle(link: &Link, states: &States, expired_ms: u64) -> Result<u64, Failed> {
+    let old: Vec<String> = states
+        .settled
         .iter()
-        .zip(states)
-        .filter_map(|(r, (seen, deleted))| {
-            let (seen, deleted) = (number(seen), number(deleted));
-            (seen > deleted).then(|| (r.to_string(), seen))
-        })
-        .collect())
-}
-
-/// Deletes what Redis keeps of the `stale` replicas (each with the start it is stale since),
-/// then records that in Redis. How many pins went.
-pub(super) async fn settle(
-    link: &Link,
-    stale: &HashMap<String, u64>,
-    ttl: u64,
-) -> Result<u64, Failed> {
-    let ids: Vec<&str> = stale.keys().map(String::as_str).collect();
+        .filter(|(_, deleted)| *deleted < expired_ms)
+        .flat_map(|(r, _)| [format!("seen:{r}"), format!("deleted:{r}")])
+        .collect();
+    if !old.is_empty() {
+        let mut del = redis::cmd("HDEL");
+        del.arg(STATES).arg(&old);
+        link.query::<()>(Lane::Control, &del).await?;
+    }
+    if states.stale.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<&str> = states.stale.keys().map(String::as_str).collect();
     let pins = forget(link, &ids).await?;
-    for (r, start) in stale {
-        raise_field(link, r, "deleted", *start, ttl).await?;
+    for (r, start) in &states.stale {
+        raise_field(link, "deleted", r, *start).await?;
     }
     Ok(pins)
 }

@@ -239,6 +239,8 @@ impl BackgroundService for ClusterSync {
         // one waits, from 250 ms to 2 s. The link's own outages have the link's backoff.
         let mut backoff = Duration::from_millis(250);
         let mut ended_on: Option<u64> = None;
+        // Each replica's restarts when Redis was last lost (none before the first session).
+        let mut restarts_at_outage: HashMap<Arc<str>, u64> = HashMap::new();
         loop {
             // Until the link is up, what is changed here is kept, bounded, to write then.
             let generation = loop {
@@ -262,6 +264,19 @@ impl BackgroundService for ClusterSync {
             } else {
                 backoff = Duration::from_millis(250);
             }
+            // Pins queued while Redis was away to a replica that restarted meanwhile: some
+            // name its lost cache.
+            let fleet = self.registry.all();
+            pending.retain(|c| match c {
+                Change::Pin {
+                    table: Table::Affinity,
+                    replica,
+                    ..
+                } => fleet.iter().find(|r| r.id == *replica).is_none_or(|r| {
+                    r.restarts() <= restarts_at_outage.get(replica).copied().unwrap_or(0)
+                }),
+                _ => true,
+            });
             match self
                 .session(
                     generation,
@@ -279,6 +294,12 @@ impl BackgroundService for ClusterSync {
                         log::warn!("cluster: {e}; starting over");
                     }
                     self.cluster.set_connected(false);
+                    restarts_at_outage = self
+                        .registry
+                        .all()
+                        .iter()
+                        .map(|r| (r.id.clone(), r.restarts()))
+                        .collect();
                     // Peers' load is unknown now: count only what is seen here.
                     self.apply_peers(&Peers::default());
                     ended_on = Some(generation);
