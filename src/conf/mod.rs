@@ -23,6 +23,7 @@ mod cluster;
 #[cfg(test)]
 mod doc_check;
 pub mod keys;
+mod kv_events;
 mod mode;
 pub mod netpolicy;
 pub mod overload;
@@ -35,9 +36,10 @@ pub mod tls;
 
 pub use admin::{read_token, AdminConf, Token, TokenSource};
 pub use cluster::ClusterConf;
+pub use kv_events::{KvEndpoints, KvEvents};
 pub use mode::Mode;
 pub use pd::{PdConf, Protocol, Role};
-pub use replica::{check_replica, split_address, Discover, KvEndpoints, KvEvents, ReplicaConf};
+pub use replica::{check_replica, split_address, Discover, ReplicaConf};
 use section::{validate, RawSection};
 
 /// Everything inferlb reads from its conf, validated.

@@ -1,5 +1,6 @@
 //! One replica's entry in the conf (or added through the admin API, or shared by another
-//! instance) and its checks: id, address and scheme, SNI, cache size, discovery.
+//! instance) and its checks: id, address and scheme, SNI, cache size, discovery, data-parallel
+//! ranks; its KV event endpoints are [`super::kv_events`]'.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -8,6 +9,7 @@ use std::sync::Arc;
 use inferlb_kvevents::endpoint_for_rank;
 use serde::Deserialize;
 
+use super::kv_events::{check_kv_events, endpoint_port, KV_EVENTS_FROM_SERVER_INFO};
 use crate::conf::pd::Role;
 use crate::conf::secrets::{Redacted, Secret};
 
@@ -99,46 +101,7 @@ pub struct ReplicaConf {
 /// deployments run a few hundred).
 pub const MAX_DATA_PARALLEL: u16 = 1024;
 
-/// `kv_events: server_info`: a replica's event endpoints are those its `GET /server_info`
-/// names (vLLM's, with `VLLM_SERVER_DEV_MODE=1`, or SGLang's).
-pub const KV_EVENTS_FROM_SERVER_INFO: &str = "server_info";
-
-/// A replica's KV event endpoints, checked.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvEndpoints {
-    pub publisher: String,
-    pub replay: Option<String>,
-}
-
-/// Where a replica's KV events are read.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KvEvents {
-    /// The endpoints the conf names.
-    At(KvEndpoints),
-    /// The endpoints the replica's `GET /server_info` names, for its rank
-    /// (`fleet::kv_events::server_info`).
-    ServerInfo,
-}
-
 impl ReplicaConf {
-    /// Where its KV events are read, when they are (checked by [`check_replica`]).
-    pub fn kv_events(&self) -> Option<KvEvents> {
-        let publisher = self.kv_events.clone()?;
-        Some(if publisher == KV_EVENTS_FROM_SERVER_INFO {
-            KvEvents::ServerInfo
-        } else {
-            KvEvents::At(KvEndpoints {
-                publisher,
-                replay: self.kv_events_replay.clone(),
-            })
-        })
-    }
-
-    /// Whether its event endpoints are read from its `/server_info`.
-    fn learns_kv_events(&self) -> bool {
-        self.kv_events.as_deref() == Some(KV_EVENTS_FROM_SERVER_INFO)
-    }
-
     /// The entry of one replica a discover entry found at `socket`: the entry's scheme and
     /// SNI (its DNS name), and its event ports on that replica's address.
     pub fn found_at(&self, id: String, socket: SocketAddr) -> ReplicaConf {
@@ -201,26 +164,6 @@ impl ReplicaConf {
     }
 }
 
-/// `tcp://host:port`, as ZMQ names a TCP endpoint.
-fn check_zmq_endpoint(e: &str) -> Result<(), String> {
-    let rest = e
-        .strip_prefix("tcp://")
-        .ok_or_else(|| format!("{e:?} is not tcp://host:port"))?;
-    let (host, port) = rest
-        .rsplit_once(':')
-        .ok_or_else(|| format!("{e:?} has no port"))?;
-    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
-    if host.is_empty() || host == "*" || !port_ok {
-        return Err(format!("{e:?} is not tcp://host:port"));
-    }
-    Ok(())
-}
-
-/// The port of a `tcp://host:port` endpoint.
-fn endpoint_port(e: &str) -> Option<u16> {
-    e.rsplit_once(':')?.1.parse().ok()
-}
-
 #[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Discover {
@@ -254,53 +197,7 @@ pub fn check_replica(r: &mut ReplicaConf, key: &str) -> Result<(), String> {
             ));
         }
     }
-    if r.learns_kv_events() {
-        let fixed = [
-            ("kv_events_replay", r.kv_events_replay.is_some()),
-            ("kv_events_port", r.kv_events_port.is_some()),
-            ("kv_events_replay_port", r.kv_events_replay_port.is_some()),
-        ];
-        if let Some((name, _)) = fixed.iter().find(|(_, set)| *set) {
-            return Err(format!(
-                "{key}.{name}: with kv_events: server_info the replica names its endpoints itself"
-            ));
-        }
-    } else if let Some(e) = &r.kv_events {
-        check_zmq_endpoint(e)
-            .map_err(|m| format!("{key}.kv_events: {m} (or server_info: read from the replica)"))?;
-        if r.discover.is_some() {
-            return Err(format!(
-                "{key}.kv_events: one publisher cannot be every replica a discover entry finds; give kv_events_port, or kv_events: server_info"
-            ));
-        }
-    }
-    if let Some(e) = &r.kv_events_replay {
-        check_zmq_endpoint(e).map_err(|m| format!("{key}.kv_events_replay: {m}"))?;
-        if r.kv_events.is_none() {
-            return Err(format!(
-                "{key}.kv_events_replay: a replay socket without kv_events, the publisher"
-            ));
-        }
-    }
-    for (name, port) in [
-        ("kv_events_port", r.kv_events_port),
-        ("kv_events_replay_port", r.kv_events_replay_port),
-    ] {
-        match port {
-            Some(0) => return Err(format!("{key}.{name}: 0 is not a port")),
-            Some(_) if r.discover.is_none() => {
-                return Err(format!(
-                    "{key}.{name}: only for a discover entry (one replica names its endpoint in kv_events)"
-                ))
-            }
-            _ => {}
-        }
-    }
-    if r.kv_events_replay_port.is_some() && r.kv_events_port.is_none() {
-        return Err(format!(
-            "{key}.kv_events_replay_port: a replay socket without kv_events_port, the publisher"
-        ));
-    }
+    check_kv_events(r, key)?;
     match (r.data_parallel_size, r.data_parallel_rank) {
         (Some(_), Some(_)) => {
             return Err(format!(
@@ -440,31 +337,6 @@ pub fn split_address(address: &str) -> Result<(bool, &str), String> {
 
 #[cfg(test)]
 mod tests {
-    /// Only `tcp://host:port` names a KV event endpoint: no other scheme, no wildcard host (a
-    /// bind address, not one to connect to), no port 0 or none.
-    #[test]
-    fn kv_event_endpoints_are_tcp_host_and_port() {
-        for ok in [
-            "tcp://127.0.0.1:5557",
-            "tcp://vllm-0.vllm:5557",
-            "tcp://[::1]:5557",
-        ] {
-            assert_eq!(super::check_zmq_endpoint(ok), Ok(()), "{ok}");
-        }
-        for bad in [
-            "127.0.0.1:5557",
-            "ipc:///tmp/kv",
-            "tcp://*:5557",
-            "tcp://:5557",
-            "tcp://host",
-            "tcp://host:0",
-            "tcp://host:99999",
-            "",
-        ] {
-            assert!(super::check_zmq_endpoint(bad).is_err(), "{bad}");
-        }
-    }
-
     fn entry(discover: bool, port: Option<u16>, replay: Option<u16>) -> super::ReplicaConf {
         super::ReplicaConf {
             id: "vllm".into(),
@@ -545,11 +417,11 @@ mod tests {
         for discover in [false, true] {
             let mut e = learning(discover);
             super::check_replica(&mut e, "replicas[0]").expect("valid");
-            assert_eq!(e.kv_events(), Some(super::KvEvents::ServerInfo));
+            assert_eq!(e.kv_events(), Some(crate::conf::KvEvents::ServerInfo));
         }
         let mut found = learning(true).found_at("f".into(), "10.0.0.7:8000".parse().unwrap());
         super::check_replica(&mut found, "replicas[0]").expect("valid");
-        assert_eq!(found.kv_events(), Some(super::KvEvents::ServerInfo));
+        assert_eq!(found.kv_events(), Some(crate::conf::KvEvents::ServerInfo));
         let dp = super::ReplicaConf {
             data_parallel_size: Some(2),
             ..learning(false)
@@ -562,8 +434,8 @@ mod tests {
         assert_eq!(
             ranks,
             [
-                (Some(0), Some(super::KvEvents::ServerInfo)),
-                (Some(1), Some(super::KvEvents::ServerInfo))
+                (Some(0), Some(crate::conf::KvEvents::ServerInfo)),
+                (Some(1), Some(crate::conf::KvEvents::ServerInfo))
             ]
         );
         for (e, name) in [
