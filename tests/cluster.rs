@@ -553,3 +553,59 @@ fn pins_queued_in_an_outage_to_a_replica_that_restarted_meanwhile_are_not_writte
     assert!(wait_until(Duration::from_secs(15), || bootstraps(&cut) == 2));
     assert_eq!(pins_to(&redis, &home), 0);
 }
+
+/// Rank 0 settles every restart Redis holds, of replicas it does not know too: their pins go
+/// (and no other), and a state settled longer ago than `pin_ttl_seconds` is forgotten, an
+/// orphan field among them.
+#[test]
+fn rank_0_settles_restarts_of_replicas_it_does_not_know_and_forgets_old_states() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis = Redis::start(root.path());
+    let (a, b) = two_sims(root.path(), &[]);
+    let dir = root.path().join("alone");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let conf = LbConf {
+        extra: format!(
+            "  cluster: {{redis_url: \"{}\", instance_id: \"alone\", pin_ttl_seconds: 30}}\n",
+            redis.url()
+        ),
+        ..test_conf()
+    };
+    let states = "inferlb:restarted:v1";
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let (recent, old) = (now_ms.to_string(), (now_ms - 60_000).to_string());
+    let set = |args: &[&str]| assert!(redis.cli(args).is_some(), "{args:?}");
+    set(&[
+        "HSET",
+        states,
+        "seen:elsewhere",
+        &recent,
+        "deleted:elsewhere",
+        &old,
+    ]);
+    set(&[
+        "HSET",
+        states,
+        "seen:settled",
+        &old,
+        "deleted:settled",
+        &old,
+    ]);
+    set(&["HSET", states, "deleted:orphan", &old]);
+    set(&["SET", "inferlb:v2:a:00000000000000e1", "elsewhere"]);
+    set(&["SET", "inferlb:v2:a:00000000000000a0", "gpu0"]);
+    let lb = Lb::start(&dir, &[&a, &b], conf);
+    assert_deleted(&lb, "elsewhere");
+    let field = |f: &str| redis.cli(&["HGET", states, f]).unwrap_or_default();
+    let forgotten = wait_until(Duration::from_secs(5), || {
+        field("seen:settled").trim().is_empty() && field("deleted:orphan").trim().is_empty()
+    });
+    assert!(forgotten, "{:?}", redis.cli(&["HGETALL", states]));
+    assert_eq!(field("deleted:elsewhere").trim(), recent, "settled, kept");
+    assert_eq!(
+        (pins_to(&redis, "elsewhere"), pins_to(&redis, "gpu0")),
+        (0, 1)
+    );
+}

@@ -34,6 +34,14 @@ const RAISE: &str = "local v = tonumber(redis.call('HGET', KEYS[1], ARGV[1])) \
      if not v or v < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end \
      return 1";
 
+/// Forgets the states of replicas `ARGV[2..]` settled (`seen` no later than `deleted`, or no
+/// `seen`) before `ARGV[1]`, each checked here, so a `seen` raised since stands.
+const PRUNE: &str = "local n = 0 for i = 2, #ARGV do local r = ARGV[i] \
+     local s = tonumber(redis.call('HGET', KEYS[1], 'seen:' .. r)) or 0 \
+     local d = tonumber(redis.call('HGET', KEYS[1], 'deleted:' .. r)) or 0 \
+     if s <= d and d < tonumber(ARGV[1]) then \
+     redis.call('HDEL', KEYS[1], 'seen:' .. r, 'deleted:' .. r) n = n + 1 end end return n";
+
 /// The replicas' restart states, one hash: field `seen:{replica}` and field
 /// `deleted:{replica}`.
 const STATES: &str = "inferlb:restarted:v1";
@@ -127,12 +135,13 @@ pub(super) async fn states(link: &Link) -> Result<States, Failed> {
     let fields: HashMap<String, String> = link.query(Lane::Control, &get).await?;
     let number = |v: Option<&String>| v.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     let mut states = States::default();
-    for (field, value) in &fields {
-        let Some(replica) = field.strip_prefix("seen:") else {
-            continue;
-        };
+    let replicas: HashSet<&str> = fields
+        .keys()
+        .filter_map(|f| f.strip_prefix("seen:").or(f.strip_prefix("deleted:")))
+        .collect();
+    for replica in replicas {
         let (seen, deleted) = (
-            number(Some(value)),
+            number(fields.get(&format!("seen:{replica}"))),
             number(fields.get(&format!("deleted:{replica}"))),
         );
         if seen > deleted {
@@ -148,16 +157,21 @@ pub(super) async fn states(link: &Link) -> Result<States, Failed> {
 /// forgets the states settled before `expired_ms` (Unix ms: their pins expired since). How many
 /// pins went.
 pub(super) async fn settle(link: &Link, states: &States, expired_ms: u64) -> Result<u64, Failed> {
-    let old: Vec<String> = states
+    let old: Vec<&str> = states
         .settled
         .iter()
         .filter(|(_, deleted)| *deleted < expired_ms)
-        .flat_map(|(r, _)| [format!("seen:{r}"), format!("deleted:{r}")])
+        .map(|(r, _)| r.as_str())
         .collect();
     if !old.is_empty() {
-        let mut del = redis::cmd("HDEL");
-        del.arg(STATES).arg(&old);
-        link.query::<()>(Lane::Control, &del).await?;
+        let mut prune = redis::cmd("EVAL");
+        prune
+            .arg(PRUNE)
+            .arg(1)
+            .arg(STATES)
+            .arg(expired_ms)
+            .arg(&old);
+        link.query::<()>(Lane::Control, &prune).await?;
     }
     if states.stale.is_empty() {
         return Ok(0);
