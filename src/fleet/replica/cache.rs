@@ -12,6 +12,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 use super::pending::Pending;
+use super::ratio::{slot, Ratio, MIN_RATIO_BYTES, MIN_RATIO_TOKENS, RATIO_MILLI};
 use crate::fleet::blocks::BlockIndex;
 use crate::fleet::chain::PromptTokens;
 use crate::fleet::index::{PrefixIndex, Recency, BYTES_PER_TOKEN};
@@ -29,55 +30,10 @@ pub const CHECK_BLOCK_TOKENS: u64 = 16;
 /// The least capacity an guessed replica's estimate shrinks to.
 pub const MIN_GUESSED_CACHE_TOKENS: u64 = 16_384;
 
-/// A prompt shorter than this (in bytes, or its replica's tokens) teaches no ratio of bytes to
-/// tokens: the template's own tokens would weigh too much in it.
-const MIN_RATIO_BYTES: u64 = 2048;
-const MIN_RATIO_TOKENS: u64 = 64;
-/// Bytes per token (in thousandths) a sample may show: outside, the body did not hold the
-/// whole prompt (a reference to a stored response) or was not text.
-const RATIO_MILLI: std::ops::RangeInclusive<u64> = 1000..=8000;
 /// The blocks a replica's block index holds at most, for a cache of `tokens`: four times the
 /// blocks of 16 tokens it holds (room for a CPU tier and smaller blocks).
 fn max_blocks(tokens: u64) -> usize {
     usize::try_from(tokens / CHECK_BLOCK_TOKENS * 4).unwrap_or(usize::MAX)
-}
-
-/// A mean of bytes per token (in thousandths) over about the last 8 samples.
-#[derive(Default)]
-struct Ratio {
-    milli: AtomicU64,
-    samples: AtomicU64,
-}
-
-impl Ratio {
-    /// Takes one more sample (within [`RATIO_MILLI`]) in: the new mean. Two answers at once may
-    /// lose one's sample, never average with a mean not yet written (0).
-    fn learn(&self, sample: u64) -> u64 {
-        let first = self.samples.fetch_add(1, Ordering::Relaxed) == 0;
-        let next = match self.milli.load(Ordering::Relaxed) {
-            0 => sample,
-            _ if first => sample,
-            mean => mean.saturating_mul(7).saturating_add(sample) / 8,
-        }
-        .clamp(*RATIO_MILLI.start(), *RATIO_MILLI.end());
-        self.milli.store(next, Ordering::Relaxed);
-        next
-    }
-
-    /// The mean, once a sample came.
-    fn get(&self) -> Option<u64> {
-        (self.samples.load(Ordering::Relaxed) > 0).then(|| self.milli.load(Ordering::Relaxed))
-    }
-}
-
-/// Each API family's place in [`CacheModel`]'s ratios.
-fn slot(family: Family) -> usize {
-    match family {
-        Family::Chat => 0,
-        Family::Completions => 1,
-        Family::Responses => 2,
-        Family::Messages => 3,
-    }
 }
 
 /// Evictions in a row that shrink an unsized replica's bound.

@@ -26,6 +26,7 @@ mod health;
 mod load;
 mod pending;
 mod progress;
+mod ratio;
 mod restarts;
 
 pub use cache::{
