@@ -7,11 +7,12 @@
 //! The state is Redis's, so that it outlives any one instance: the hash `inferlb:restarted:v1`
 //! holds two process starts (Unix ms) per replica that restarted, each only ever raised:
 //! `seen:{replica}` (the latest start any instance read as a restart) and `deleted:{replica}`
-//! (the latest start after which the replica's pins and saved index went). Every instance raises `seen` when it reads a restart (held
-//! here until Redis has it); the instance of rank 0 deletes what Redis keeps of each replica
-//! whose `seen` is past its `deleted`, then raises `deleted`; and every (re)connecting
-//! instance's bootstrap adopts neither the pins nor the saved index of such a replica. A
-//! deletion cut short (Redis away, the session over, rank 0 gone) is done by the next rank 0.
+//! (the latest start after which the replica's pins and saved index went). Every instance
+//! raises `seen` when it reads a restart (held here until Redis has it); the instance of rank
+//! 0 deletes what Redis keeps of each replica whose `seen` is past its `deleted`, then raises
+//! `deleted`; and every (re)connecting instance's bootstrap adopts neither the pins nor the
+//! saved index of such a replica. A deletion cut short (Redis away, the session over, rank 0
+//! gone) is done by the next rank 0.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
@@ -60,7 +61,7 @@ impl Followed {
     /// Follows `fleet`'s restarts: each one found since the last call waits to be raised.
     fn follow(&mut self, fleet: &[Arc<Replica>]) {
         for r in fleet {
-            // Its count before its start: a reader that sees the count sees that start.
+            // The count first: whoever reads a count reads its start, or a later one.
             let now = r.restarts();
             let before = match self.seen.get(&r.id) {
                 Some((w, n)) if w.ptr_eq(&Arc::downgrade(r)) => *n,
