@@ -279,8 +279,9 @@ impl ClusterSync {
 /// the recent links of each replica's index that changed since its last save; every
 /// [`RESTARTS_EVERY`], deletes what Redis keeps of the replicas that restarted
 /// ([`super::restarts`]; every instance follows the restarts). The first round waits until
-/// the others' load snapshots say who is rank 0. On the link's bulk lane, so a slow save
-/// never holds back pins, drains or load. Returns the error that stopped it.
+/// the others' load snapshots say who is rank 0. Saves and the pins' scan go on the link's
+/// bulk lane, so a slow one never holds back pins, drains or load; the restart states are
+/// small reads and writes on the control lane. Returns the error that stopped it.
 pub(super) async fn records_every(
     registry: Arc<Registry>,
     link: Arc<Link>,
