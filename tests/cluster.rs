@@ -509,6 +509,36 @@ fn an_instance_back_from_an_outage_adopts_no_pins_to_a_replica_that_restarted_me
     assert_deleted(&one, &home);
 }
 
+/// A replica that restarted while no instance ran (the only one was stopped, no other read the
+/// restart): Redis keeps the start the instances read, so an instance started afterwards finds
+/// the restart all the same. It adopts none of the replica's old pins (or drops them at its
+/// first read) and deletes them from Redis, and the conversation's next turn spreads.
+#[test]
+fn a_replica_restarted_while_no_instance_ran_loses_its_pins_all_the_same() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let redis = Redis::start(root.path());
+    let (mut a, mut b) = two_sims(root.path(), &[]);
+    let mut one = costed(root.path(), "one", &[&a, &b], &redis, None);
+    assert!(wait_until(Duration::from_secs(10), || connected(&one)));
+    let turns = first_turns(&one, &redis, 2);
+    let home = turns[0].1.clone();
+    let start = format!("inferlb:started:v1:{home}");
+    let kept = wait_until(Duration::from_secs(5), || redis.exists(&start));
+    assert!(kept, "{}", one.proc.log_text());
+    one.proc.stop();
+    let home_pins = pins_to(&redis, &home);
+    assert!(home_pins > 0);
+
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let two = costed(root.path(), "two", &[&a, &b], &redis, None);
+    assert_deleted(&two, &home);
+    assert_eq!(pins_to(&redis, &home), 0);
+    let (_, route) = turn(&two, &turns[0].0, 1);
+    assert_eq!(route, "spread");
+}
+
 /// Pins an instance queued while cut off from Redis, to a replica that restarted meanwhile,
 /// are not written when it is back, though another instance already deleted what Redis kept
 /// of that replica: they would name its lost cache for every instance that adopts them.

@@ -298,3 +298,63 @@ fn a_restart_between_health_checks_is_read_from_the_replicas_metrics() {
     let other = if a.id == home { &b.id } else { &a.id };
     assert_eq!((restarts(&home), restarts(other)), (1.0, 0.0), "{metrics}");
 }
+
+/// inferlb stopped, a replica restarted meanwhile, inferlb started again on the state file it
+/// left: the file says at which process start of each replica its pins were made, so the first
+/// read of the new start is a restart, and the conversation's next turn spreads rather than go
+/// back pinned to a cold replica.
+#[test]
+fn a_replica_restarted_while_inferlb_was_stopped_loses_the_pins_it_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut a, mut b, mut lb) = cluster(dir.path(), &[], conf());
+    let history = text_of("left history", 2000);
+    let messages = [("user", history.as_str())];
+    let (home, _, _) = routed_chat(&lb, &messages);
+    let next = |then: &'static str| {
+        [
+            ("user", history.as_str()),
+            ("assistant", "an answer"),
+            ("user", then),
+        ]
+    };
+    let (replica, route, _) = routed_chat(&lb, &next("so?"));
+    assert_eq!(
+        (replica.as_str(), route.as_str()),
+        (home.as_str(), "pinned")
+    );
+    // Saved every 2 s once the pins changed (a quick stop saves nothing more): the pin, and
+    // the start its replica's /metrics gave.
+    let path = dir.path().join("inferlb-affinity.json");
+    let saved = wait_until(std::time::Duration::from_secs(10), || {
+        let file = std::fs::read_to_string(&path).unwrap_or_default();
+        let state: serde_json::Value = serde_json::from_str(&file).unwrap_or_default();
+        let starts = state["starts"].as_array().cloned().unwrap_or_default();
+        let pins = state["entries"].as_array().map_or(0, Vec::len);
+        pins > 0
+            && starts
+                .iter()
+                .any(|s| s[0] == home.as_str() && s[1].as_u64() > Some(0))
+    });
+    assert!(
+        saved,
+        "{}",
+        std::fs::read_to_string(&path).unwrap_or_default()
+    );
+    lb.proc.stop();
+
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let lb = Lb::start(dir.path(), &[&a, &b], conf());
+    assert!(
+        lb.proc.log_text().contains("pins loaded from"),
+        "{}",
+        lb.proc.log_text()
+    );
+    let said = format!("replica {home}: restarted (its /metrics gives a later process start)");
+    let found = wait_until(std::time::Duration::from_secs(5), || {
+        lb.proc.log_text().contains(&said)
+    });
+    assert!(found, "{}", lb.proc.log_text());
+    assert_eq!(routed_chat(&lb, &next("and then?")).1, "spread");
+}

@@ -105,10 +105,37 @@ impl ClusterSync {
 
     /// The replicas that restarted while what Redis keeps of them may be older (this
     /// instance's restarts raised first), each with its start: their pins are neither
-    /// adopted nor written from here, nor their saved index adopted.
-    pub(super) async fn stale(&self) -> Result<HashMap<String, u64>, Failed> {
-        restarts::raise(&self.link, &self.restarts, &self.registry.all()).await?;
-        Ok(restarts::states(&self.link).await?.stale)
+    /// adopted nor written from here, nor their saved index adopted. And each replica's
+    /// restart count before that was raised: one that moves past it later, before the
+    /// bootstrap is over, was not raised in time ([`ClusterSync::unadopt_restarted`]).
+    pub(super) async fn stale(
+        &self,
+    ) -> Result<(HashMap<String, u64>, Vec<(Arc<Replica>, u64)>), Failed> {
+        let fleet = self.registry.all();
+        restarts::compare_starts(&self.link, &self.restarts, &fleet, &self.affinity).await?;
+        let counts = fleet.iter().map(|r| (r.clone(), r.restarts())).collect();
+        let ttl = self.pin_ttl.as_secs().max(1);
+        restarts::raise(&self.link, &self.restarts, &fleet, ttl).await?;
+        Ok((restarts::states(&self.link).await?.stale, counts))
+    }
+
+    /// Drops what the bootstrap adopted of each replica whose restart was read while it ran
+    /// (`counts`: each one's restart count before): its pins and saved index are of the
+    /// process before. Often the first read after [`restarts::compare_starts`] took Redis's
+    /// start as the first.
+    pub(super) fn unadopt_restarted(&self, counts: &[(Arc<Replica>, u64)]) {
+        for (r, before) in counts {
+            if r.restarts() > *before {
+                let pins = self.affinity.forget_replica(&r.id);
+                // The estimate only: the block index is the new process's events' since.
+                r.cache.index.clear();
+                log::info!(
+                    "cluster: replica {} restarted while this instance adopted what redis \
+                     keeps: {pins} pins to it and its saved index dropped",
+                    r.id
+                );
+            }
+        }
     }
 
     /// Adopts what Redis holds: pins of this hash version (but the affinity pins to a
@@ -326,7 +353,7 @@ async fn forget_restarted(
     followed: &Mutex<Followed>,
     ttl: u64,
 ) -> Result<(), Failed> {
-    restarts::raise(link, followed, &registry.all()).await?;
+    restarts::raise(link, followed, &registry.all(), ttl).await?;
     if registry.rank() != 0 {
         return Ok(());
     }

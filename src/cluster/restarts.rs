@@ -13,15 +13,22 @@
 //! `deleted`; and every (re)connecting instance's bootstrap adopts neither the pins nor the
 //! saved index of such a replica. A deletion cut short (Redis away, the session over, rank 0
 //! gone) is done by the next rank 0.
+//!
+//! A restart no instance followed (it happened while none ran) is found from the starts read:
+//! every instance raises the key `inferlb:started:v1:{replica}` to the start it reads, and one
+//! that (re)connects compares its own with it ([`compare_starts`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 
 use super::records::index_key;
 use super::Table;
+use crate::fleet::affinity::AffinityTable;
+use crate::fleet::poll::plausible_start;
 use crate::fleet::replica::Replica;
 use crate::link::{Failed, Lane, Link};
 use crate::protocol::api::prompt::HASH_VERSION;
+use crate::telemetry::metrics::METRICS;
 
 /// Deletes each key of `KEYS` whose value is one of `ARGV` (replica ids); how many went. A
 /// pin another instance moved to another replica meanwhile stands.
@@ -47,6 +54,25 @@ const PRUNE: &str = "local n = 0 for i = 2, #ARGV do local r = ARGV[i] \
 /// `deleted:{replica}`.
 const STATES: &str = "inferlb:restarted:v1";
 
+/// A replica's latest process start any instance read (Unix ms), only ever raised. An
+/// instance that starts, or comes back, compares it with its own read, so a restart that
+/// happened while no instance followed the replica is found all the same.
+fn start_key(replica: &str) -> String {
+    format!("inferlb:started:v1:{replica}")
+}
+
+/// Raises key `KEYS[1]` to `ARGV[1]` (a value that is not a number is replaced), and keeps it
+/// `ARGV[2]` seconds from now.
+const RAISE_START: &str = "local v = tonumber(redis.call('GET', KEYS[1])) \
+     if not v or v < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end \
+     redis.call('EXPIRE', KEYS[1], ARGV[2]) return 1";
+
+/// At most how many rounds of [`raise`] (a second each) a start written stands before it is
+/// written again (at most `pin_ttl` seconds, too). Its key lives twice `pin_ttl`, so it
+/// outlives every pin to the replica: they expire `pin_ttl` after their last write, by an
+/// instance that knows the replica and so writes the key too.
+const START_REFRESH_ROUNDS: u64 = 3600;
+
 /// The restarts this instance reads, until Redis has them.
 #[derive(Debug, Default)]
 pub struct Followed {
@@ -55,6 +81,10 @@ pub struct Followed {
     seen: HashMap<Arc<str>, (Weak<Replica>, u64)>,
     /// Replica → its latest start read as a restart, not yet raised in Redis.
     unraised: HashMap<Arc<str>, u64>,
+    /// Replica → the start last written to its key, and the round it was written in.
+    written: HashMap<Arc<str>, (u64, u64)>,
+    /// The calls of [`raise`] so far.
+    round: u64,
 }
 
 impl Followed {
@@ -75,6 +105,34 @@ impl Followed {
         let ids: HashSet<&Arc<str>> = fleet.iter().map(|r| &r.id).collect();
         self.seen.retain(|id, _| ids.contains(id));
         self.unraised.retain(|id, _| ids.contains(id));
+        self.written.retain(|id, _| ids.contains(id));
+        self.round += 1;
+    }
+
+    /// The starts of `fleet` to write to their keys: each one read, when it moved since it was
+    /// last written, or was written `refresh` rounds ago.
+    fn starts_due(&self, fleet: &[Arc<Replica>], refresh: u64) -> Vec<(Arc<str>, u64)> {
+        fleet
+            .iter()
+            .map(|r| (r, r.started_ms()))
+            .filter(|(r, start)| {
+                *start > 0
+                    && self.written.get(&r.id).is_none_or(|(w, round)| {
+                        w != start || self.round.saturating_sub(*round) >= refresh
+                    })
+            })
+            .map(|(r, start)| (r.id.clone(), start))
+            .collect()
+    }
+
+    /// Redis keeps `kept` as `replica`'s start: some instance read it, and raised `seen` for
+    /// it if it was a restart; a restart read here at or before it is not raised again (its
+    /// pair may be settled and forgotten since, and raising it again would delete the pins
+    /// made since, which are good).
+    fn known(&mut self, replica: &str, kept: u64) {
+        if self.unraised.get(replica).is_some_and(|s| *s <= kept) {
+            self.unraised.remove(replica);
+        }
     }
 
     /// `replica`'s restart at `start` is in Redis: raised, unless it restarted again since.
@@ -85,16 +143,21 @@ impl Followed {
     }
 }
 
-/// Raises `seen` in Redis for each restart of `fleet` this instance read since.
+/// Raises `seen` in Redis for each restart of `fleet` this instance read since, and each
+/// replica's start key to the start read here (`ttl`: the pins' time to live, in seconds).
 pub(super) async fn raise(
     link: &Link,
     followed: &Mutex<Followed>,
     fleet: &[Arc<Replica>],
+    ttl: u64,
 ) -> Result<(), Failed> {
-    let unraised: Vec<(Arc<str>, u64)> = match followed.lock() {
+    let (unraised, starts) = match followed.lock() {
         Ok(mut f) => {
             f.follow(fleet);
-            f.unraised.iter().map(|(r, s)| (r.clone(), *s)).collect()
+            let unraised: Vec<(Arc<str>, u64)> =
+                f.unraised.iter().map(|(r, s)| (r.clone(), *s)).collect();
+            let refresh = ttl.clamp(1, START_REFRESH_ROUNDS);
+            (unraised, f.starts_due(fleet, refresh))
         }
         Err(_) => return Ok(()),
     };
@@ -103,6 +166,84 @@ pub(super) async fn raise(
         if let Ok(mut f) = followed.lock() {
             f.raised(&r, start);
         }
+    }
+    for (r, start) in starts {
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(RAISE_START)
+            .arg(1)
+            .arg(start_key(&r))
+            .arg(start)
+            .arg(ttl.saturating_mul(2));
+        link.query::<()>(Lane::Control, &eval).await?;
+        if let Ok(mut f) = followed.lock() {
+            let round = f.round;
+            f.written.insert(r, (start, round));
+        }
+    }
+    Ok(())
+}
+
+/// At a session's start, each replica's start as Redis keeps it against this instance's own:
+/// - not read here yet: taken as the first read ([`Replica::seed_start`]), so that a later
+///   start read next counts as a restart, one no instance followed, and drops what was adopted
+///   of the replica then;
+/// - read here later than any instance wrote: a restart no instance followed (this one read
+///   it first): `seen` is raised for it, so what Redis keeps of the replica is neither adopted
+///   nor kept;
+/// - known here earlier than Redis keeps (a start from the state file, or read before an
+///   outage): the replica restarted since, and another instance followed that. It is counted
+///   here, its pins here dropped, and not raised again.
+///
+/// Every start is written again afterwards (Redis may have lost them).
+pub(super) async fn compare_starts(
+    link: &Link,
+    followed: &Mutex<Followed>,
+    fleet: &[Arc<Replica>],
+    affinity: &AffinityTable,
+) -> Result<(), Failed> {
+    if fleet.is_empty() {
+        return Ok(());
+    }
+    let mut get = redis::cmd("MGET");
+    for r in fleet {
+        get.arg(start_key(&r.id));
+    }
+    let kept: Vec<Option<String>> = link.query(Lane::Control, &get).await?;
+    let kept: Vec<(&Arc<Replica>, u64)> = fleet
+        .iter()
+        .zip(kept)
+        .filter_map(|(r, k)| Some((r, k?.parse::<u64>().ok()?)))
+        .filter(|(_, k)| plausible_start(*k))
+        .collect();
+    for (r, kept) in &kept {
+        if r.seed_start(*kept) {
+            continue;
+        }
+        let mine = r.started_ms();
+        if mine > *kept {
+            log::warn!(
+                "replica {}: restarted while no instance followed it (redis keeps an earlier \
+                 process start than its /metrics gives): what redis keeps of it is not adopted",
+                r.id
+            );
+            raise_field(link, "seen", &r.id, mine).await?;
+        } else if mine < *kept && r.started(*kept) {
+            let pins = affinity.forget_replica(&r.id);
+            METRICS.restarts.with_label_values(&[&r.id]).inc();
+            log::warn!(
+                "replica {}: restarted since this instance last read it (redis keeps a later \
+                 process start): its cache is empty, and so is inferlb's view of it; {pins} \
+                 pins to it dropped",
+                r.id
+            );
+        }
+    }
+    if let Ok(mut f) = followed.lock() {
+        f.follow(fleet);
+        for (r, kept) in &kept {
+            f.known(&r.id, *kept);
+        }
+        f.written.clear();
     }
     Ok(())
 }
@@ -266,7 +407,11 @@ mod tests {
             [("a".to_string(), 3_000), ("b".to_string(), 3_000)],
             "restarted again: the older raise does not do"
         );
-        f.raised("a", 3_000);
+        // Redis keeps an earlier start of a: not known there yet; its own, or a later one:
+        // another instance read it, and raised it if it was a restart.
+        f.known("a", 2_999);
+        assert_eq!(unraised(&f).len(), 2);
+        f.known("a", 3_000);
         f.raised("b", 4_000);
         assert!(unraised(&f).is_empty());
 

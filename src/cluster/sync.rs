@@ -98,7 +98,7 @@ impl ClusterSync {
         // again meanwhile, what is not written yet is kept for the next time.
         // Replicas that restarted and whose old pins Redis may still hold: pins to them queued
         // meanwhile are not written (some name the lost cache), nor are theirs adopted.
-        let stale = self.stale().await?;
+        let (stale, counts) = self.stale().await?;
         let mut outage: Vec<Change> = std::mem::take(pending);
         outage.retain(|c| {
             !matches!(c, Change::Pin { table: Table::Affinity, replica, .. }
@@ -117,6 +117,7 @@ impl ClusterSync {
         // in the module above), before what Redis holds is adopted.
         self.write_held().await?;
         let adopted = self.bootstrap(&stale).await?;
+        self.unadopt_restarted(&counts);
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         let mut known: HashSet<Arc<str>> =

@@ -14,6 +14,7 @@
 //!
 //! Not a database: losing the file costs each conversation one cold prefill, nothing more.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use pingora_core::services::background::BackgroundService;
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::affinity::AffinityTable;
+use crate::fleet::poll::plausible_start;
 use crate::fleet::registry::Registry;
 use crate::protocol::api::prompt::HASH_VERSION;
 
@@ -45,6 +47,10 @@ struct Snapshot {
     /// (hash of a stored response id, replica id): ids do not depend on the prompt hash.
     #[serde(default)]
     stored: Vec<(u64, String)>,
+    /// (replica id, its latest process start the writer read, Unix ms): a replica that
+    /// restarted since lost what the writer's pins to it name. Absent in older files.
+    #[serde(default)]
+    starts: Vec<(String, u64)>,
 }
 
 fn first_version() -> u32 {
@@ -114,8 +120,13 @@ impl StateKeeper {
         let resolve = |id: &str| self.registry.get(id).map(|r| r.id.clone());
         let stored = snapshot.stored.iter().map(|(h, id)| (*h, id.as_str()));
         let mut learnt = self.stored.merge(stored, resolve);
+        let restarted = self.restarted_since(&snapshot.starts);
         if snapshot.version == HASH_VERSION {
-            let entries = snapshot.entries.iter().map(|(h, id)| (*h, id.as_str()));
+            let entries = snapshot
+                .entries
+                .iter()
+                .filter(|(_, id)| !restarted.contains(id.as_str()))
+                .map(|(h, id)| (*h, id.as_str()));
             learnt += self.affinity.merge(entries, resolve);
         } else if !self.other_version_seen.swap(true, Ordering::Relaxed) {
             log::warn!(
@@ -128,6 +139,26 @@ impl StateKeeper {
         learnt
     }
 
+    /// The replicas of `starts` (as a file's writer read them) that this process read a
+    /// later start of: restarted since, so the writer's pins to them name a lost cache. A
+    /// replica this process has not read yet takes the writer's start as its first, so that
+    /// its first read here finds a restart that happened while no process followed it (an
+    /// upgrade, or inferlb and the replica restarted together), and drops the pins then.
+    /// Stored Responses ids are not concerned: the balancer's store resends their history.
+    fn restarted_since<'s>(&self, starts: &'s [(String, u64)]) -> HashSet<&'s str> {
+        starts
+            .iter()
+            .filter(|(id, start)| {
+                plausible_start(*start)
+                    && self
+                        .registry
+                        .get(id)
+                        .is_some_and(|r| !r.seed_start(*start) && r.started_ms() > *start)
+            })
+            .map(|(id, _)| id.as_str())
+            .collect()
+    }
+
     /// Writes the table atomically (a reader never sees half a file).
     pub fn save(&self) -> std::io::Result<()> {
         let owned = |entries: Vec<(u64, Arc<str>)>| {
@@ -136,12 +167,23 @@ impl StateKeeper {
                 .map(|(h, id)| (h, id.to_string()))
                 .collect()
         };
+        // The starts before the pins: a restart read in between is saved with the pins made
+        // since (the next process drops them, one cold turn each), not old pins beside the new
+        // start (the next process would keep them).
+        let starts = self
+            .registry
+            .all()
+            .iter()
+            .map(|r| (r.id.to_string(), r.started_ms()))
+            .filter(|(_, start)| *start > 0)
+            .collect();
         let snapshot = Snapshot {
             version: HASH_VERSION,
             pid: std::process::id(),
             writer: Some(process_nonce()),
             entries: owned(self.affinity.snapshot()),
             stored: owned(self.stored.snapshot()),
+            starts,
         };
         let tmp = self
             .path
@@ -297,6 +339,46 @@ mod tests {
             assert_eq!(k.load(), 1, "{file}");
             assert_eq!(k.affinity.served_by(7).as_deref(), Some("gpu0"));
         }
+    }
+
+    /// A replica that restarted since the file's writer read its start: the writer's pins to
+    /// it are not merged. One not read here yet takes the writer's start as its first, so its
+    /// first read here finds the restart (and the poll drops the pins then); the start saved
+    /// is the latest read.
+    #[test]
+    fn pins_to_a_replica_that_restarted_since_the_file_are_not_merged() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        let file = |start: u64| {
+            let v = serde_json::json!({"version": HASH_VERSION, "entries": [[7, "gpu0"]],
+                "stored": [[9, "gpu0"]], "starts": [["gpu0", start], ["gone", 1]]});
+            std::fs::write(&path, v.to_string()).expect("write");
+        };
+        // Not read here yet: merged, and the writer's start taken.
+        file(1_000);
+        let k = keeper(path.clone());
+        assert_eq!(k.load(), 2);
+        let gpu0 = k.registry.get("gpu0").expect("gpu0");
+        assert_eq!(gpu0.started_ms(), 1_000);
+        assert!(gpu0.started(2_000), "the first read here is a restart");
+        // Read here later than the writer did: its pins are not merged, its stored ids are.
+        let k = keeper(path.clone());
+        let gpu0 = k.registry.get("gpu0").expect("gpu0");
+        gpu0.started(2_000);
+        assert_eq!(k.load(), 1);
+        assert_eq!(k.affinity.served_by(7), None);
+        assert_eq!(k.stored.served_by(9).as_deref(), Some("gpu0"));
+        // The same start, or the writer's later: merged.
+        for start in [2_000, 3_000] {
+            file(start);
+            let k = keeper(path.clone());
+            k.registry.get("gpu0").expect("gpu0").started(2_000);
+            assert_eq!(k.load(), 2, "{start}");
+        }
+        k.save().expect("save");
+        let saved: Snapshot =
+            serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+        assert_eq!(saved.starts, vec![("gpu0".to_string(), 2_000)]);
     }
 
     /// During an upgrade both processes write the file and read each other's: each skips its

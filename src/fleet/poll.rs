@@ -38,6 +38,13 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// Whether `ms` (Unix ms) can be a process start: not later than [`MAX_CLOCK_AHEAD_MS`] ahead
+/// of this host's clock. One in the future (a wrong clock, or garbage) would hide every later
+/// restart, read here or kept elsewhere (the state file, Redis) alike.
+pub fn plausible_start(ms: u64) -> bool {
+    ms > 0 && ms <= now_ms().saturating_add(MAX_CLOCK_AHEAD_MS)
+}
+
 /// What a vLLM `/metrics` page says about load and cache size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Reported {
@@ -179,11 +186,9 @@ impl LoadReader {
                 r.cache.resized();
             }
         }
-        // A start in the future (a wrong clock, or garbage) would hide every later restart.
-        let latest = now_ms().saturating_add(MAX_CLOCK_AHEAD_MS);
         let started = reported
             .and_then(|x| x.started_ms)
-            .filter(|ms| *ms <= latest);
+            .filter(|ms| plausible_start(*ms));
         if let Some(ms) = started {
             if r.started(ms) {
                 let pins = self.affinity.forget_replica(&r.id);

@@ -33,8 +33,21 @@ impl Replica {
         true
     }
 
-    /// The latest process start its `/metrics` gave, in milliseconds since the Unix epoch
-    /// (0: none yet).
+    /// A start another process read (the one before this one, through the state file, or
+    /// another instance, through Redis), taken as this process's first read when it has none
+    /// yet: a later start read next is then a restart, one that happened while no process
+    /// here followed the replica. Whether it was taken.
+    pub fn seed_start(&self, ms: u64) -> bool {
+        ms > 0
+            && self
+                .restarts
+                .started_ms
+                .compare_exchange(0, ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// The latest process start its `/metrics` gave (or [`Replica::seed_start`] took), in
+    /// milliseconds since the Unix epoch (0: none yet).
     pub fn started_ms(&self) -> u64 {
         self.restarts.started_ms.load(Ordering::Relaxed)
     }
@@ -89,6 +102,25 @@ mod tests {
             let restarts = want.iter().filter(|r| **r).count() as u64;
             assert_eq!(r.restarts(), restarts, "{starts:?}");
         }
+    }
+
+    /// A start read elsewhere is taken only as the first: the next read later than it is a
+    /// restart; once a start was read here, it is not taken (a later one is for the poll to
+    /// find, as a restart).
+    #[test]
+    fn a_seeded_start_is_taken_only_as_the_first() {
+        let reg = crate::fleet::registry::test_registry(&["seeded-a", "seeded-b"]);
+        let fleet = reg.all();
+        let (a, b) = (&fleet[0], &fleet[1]);
+        assert!(!a.seed_start(0), "no start is none");
+        assert!(a.seed_start(1_000));
+        assert!(!a.seed_start(2_000), "taken once");
+        assert!(!a.started(1_000));
+        assert!(a.started(3_000), "later than the seed: a restart");
+        assert_eq!(a.restarts(), 1);
+        assert!(!b.started(5_000));
+        assert!(!b.seed_start(9_000), "read here already");
+        assert_eq!((b.started_ms(), b.restarts()), (5_000, 0));
     }
 
     /// With KV events, the emptied block index is not live until the new stream is read.
