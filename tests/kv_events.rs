@@ -159,12 +159,14 @@ fn a_publisher_that_is_not_there_is_gone_and_routing_goes_on() {
 
 /// A replica restarted between two health checks says nothing on a stream that died with it;
 /// its publisher, asked once the stream is silent, no longer has the last batch applied (its
-/// sequence began again from 0): the estimate is cleared within seconds. Its `/metrics` does
-/// not tell its process's start here, which would tell the restart first (the next test).
+/// sequence began again from 0): the estimate is cleared within seconds. Its `/metrics` tells
+/// neither its process's start nor its prompt tokens counter here, either of which would tell
+/// the restart first (the next test).
 #[test]
 fn a_publisher_that_restarted_clears_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut sim, lb) = publishing(dir.path(), true, &["--no-start-time"]);
+    let flags = ["--no-start-time", "--no-prompt-counter"];
+    let (mut sim, lb) = publishing(dir.path(), true, &flags);
     let said = "replica gpu0: its KV event publisher restarted; its estimate is cleared";
     restarted_and_predicted_cold(&mut sim, &lb, said, 2.0);
 }

@@ -174,12 +174,13 @@ fn each_replicas_cache_size_and_load_are_read_from_its_metrics() {
 /// The replicas' own word corrects the estimate. A stream that does not ask for its usage is
 /// sent asking, and its client gets no usage event; each answer's cached count is set beside
 /// the prediction in the metrics; and a replica that restarted between two health checks
-/// (its cache lost), on a server whose `/metrics` does not tell its process's start, is found
-/// wrong once, then right again.
+/// (its cache lost), on a server whose `/metrics` tells neither its process's start nor its
+/// prompt tokens counter, is found wrong once, then right again.
 #[test]
 fn the_replicas_usage_checks_and_corrects_the_estimate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut a, mut b, lb) = cluster(dir.path(), &["--no-start-time"], conf());
+    let flags = ["--no-start-time", "--no-prompt-counter"];
+    let (mut a, mut b, lb) = cluster(dir.path(), &flags, conf());
     let history = text_of("usage history", 8000);
     let messages = [("user", history.as_str())];
     let r = http()
@@ -352,6 +353,41 @@ fn a_replica_restarted_while_inferlb_was_stopped_loses_the_pins_it_left() {
         lb.proc.log_text()
     );
     let said = format!("replica {home}: restarted (its /metrics gives a later process start)");
+    let found = wait_until(std::time::Duration::from_secs(5), || {
+        lb.proc.log_text().contains(&said)
+    });
+    assert!(found, "{}", lb.proc.log_text());
+    assert_eq!(routed_chat(&lb, &next("and then?")).1, "spread");
+}
+
+/// A server that gives no process start (llama.cpp, SGLang, vLLM with several API servers):
+/// its restart is read from its prompt tokens counter going back, with the same effect: the
+/// estimate empties, the pins go, and the conversation's next turn spreads.
+#[test]
+fn a_restart_of_a_server_without_a_start_is_read_from_its_counter() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut a, mut b, lb) = cluster(dir.path(), &["--no-start-time"], conf());
+    let history = text_of("counted history", 2000);
+    let messages = [("user", history.as_str())];
+    let (home, _, _) = routed_chat(&lb, &messages);
+    let next = |then: &'static str| {
+        [
+            ("user", history.as_str()),
+            ("assistant", "an answer"),
+            ("user", then),
+        ]
+    };
+    let (replica, route, _) = routed_chat(&lb, &next("so?"));
+    assert_eq!(
+        (replica.as_str(), route.as_str()),
+        (home.as_str(), "pinned")
+    );
+    // Its counter is read past zero before the restart.
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let sim = if a.id == home { &mut a } else { &mut b };
+    sim.restart(&[]);
+    sim.assert_healthy();
+    let said = format!("replica {home}: restarted (its /metrics counts fewer prompt tokens)");
     let found = wait_until(std::time::Duration::from_secs(5), || {
         lb.proc.log_text().contains(&said)
     });

@@ -60,6 +60,10 @@ pub(crate) struct Args {
     /// (Prometheus' multiprocess mode) or llama.cpp do: a restart is not told there.
     #[arg(long)]
     pub(crate) no_start_time: bool,
+    /// Leave the counters a restart sets back (`vllm:prompt_tokens_total`) out of `/metrics`
+    /// too: with `--no-start-time`, the page tells no restart at all.
+    #[arg(long)]
+    pub(crate) no_prompt_counter: bool,
     /// Slow start: refuse connections for this many seconds (a vLLM process loading).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) refuse_for: f64,

@@ -115,7 +115,10 @@ pub(crate) fn metrics_of(sims: &[App]) -> Response {
         ),
     ];
     let mut body = String::new();
-    for (name, kind, help, value) in series {
+    let hidden = |name: &str| {
+        name == "vllm:prompt_tokens_total" && sims.first().is_some_and(|s| s.args.no_prompt_counter)
+    };
+    for (name, kind, help, value) in series.into_iter().filter(|s| !hidden(s.0)) {
         body.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
         for sim in sims {
             let model = sim.models().first().cloned().unwrap_or_default();

@@ -112,7 +112,7 @@ impl ClusterSync {
         &self,
     ) -> Result<(HashMap<String, u64>, Vec<(Arc<Replica>, u64)>), Failed> {
         let fleet = self.registry.all();
-        restarts::compare_starts(&self.link, &self.restarts, &fleet, &self.affinity).await?;
+        restarts::compare_starts(&self.link, &self.restarts, &fleet, &self.affinity, false).await?;
         let counts = fleet.iter().map(|r| (r.clone(), r.restarts())).collect();
         let ttl = self.pin_ttl.as_secs().max(1);
         restarts::raise(&self.link, &self.restarts, &fleet, ttl).await?;
@@ -122,8 +122,12 @@ impl ClusterSync {
     /// Drops what the bootstrap adopted of each replica whose restart was read while it ran
     /// (`counts`: each one's restart count before): its pins and saved index are of the
     /// process before. Often the first read after [`restarts::compare_starts`] took Redis's
-    /// start as the first.
-    pub(super) fn unadopt_restarted(&self, counts: &[(Arc<Replica>, u64)]) {
+    /// start as the first. Then compares the starts of the replicas the bootstrap added (added
+    /// at runtime by another instance), as the others' were before.
+    pub(super) async fn unadopt_restarted(
+        &self,
+        counts: &[(Arc<Replica>, u64)],
+    ) -> Result<(), Failed> {
         for (r, before) in counts {
             if r.restarts() > *before {
                 let pins = self.affinity.forget_replica(&r.id);
@@ -136,6 +140,14 @@ impl ClusterSync {
                 );
             }
         }
+        let added: Vec<Arc<Replica>> = self
+            .registry
+            .all()
+            .iter()
+            .filter(|r| !counts.iter().any(|(c, _)| Arc::ptr_eq(c, r)))
+            .cloned()
+            .collect();
+        restarts::compare_starts(&self.link, &self.restarts, &added, &self.affinity, true).await
     }
 
     /// Adopts what Redis holds: pins of this hash version (but the affinity pins to a

@@ -20,6 +20,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use super::records::index_key;
 use super::Table;
@@ -67,58 +68,69 @@ const RAISE_START: &str = "local v = tonumber(redis.call('GET', KEYS[1])) \
      if not v or v < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end \
      redis.call('EXPIRE', KEYS[1], ARGV[2]) return 1";
 
-/// At most how many rounds of [`raise`] (a second each) a start written stands before it is
-/// written again (at most `pin_ttl` seconds, too). Its key lives twice `pin_ttl`, so it
-/// outlives every pin to the replica: they expire `pin_ttl` after their last write, by an
-/// instance that knows the replica and so writes the key too.
-const START_REFRESH_ROUNDS: u64 = 3600;
+/// How long a start written stands before it is written again, at most (and at most half
+/// `pin_ttl`). Its key lives twice `pin_ttl`, so it outlives every pin to the replica: they
+/// expire `pin_ttl` after their last write, by an instance that knows the replica and so
+/// writes the key too.
+const START_REFRESH: Duration = Duration::from_secs(3600);
 
 /// The restarts this instance reads, until Redis has them.
 #[derive(Debug, Default)]
 pub struct Followed {
-    /// Each replica's restart count as last seen, for that replica (one removed and added
-    /// again under its id is another, whose count starts at 0).
-    seen: HashMap<Arc<str>, (Weak<Replica>, u64)>,
+    /// Each replica's restart count and start as last seen, for that replica (one removed and
+    /// added again under its id is another, whose count starts at 0).
+    seen: HashMap<Arc<str>, (Weak<Replica>, u64, u64)>,
     /// Replica → its latest start read as a restart, not yet raised in Redis.
     unraised: HashMap<Arc<str>, u64>,
-    /// Replica → the start last written to its key, and the round it was written in.
-    written: HashMap<Arc<str>, (u64, u64)>,
-    /// The calls of [`raise`] so far.
-    round: u64,
+    /// Replica → the start last written to its key, and when.
+    written: HashMap<Arc<str>, (u64, Instant)>,
 }
 
 impl Followed {
-    /// Follows `fleet`'s restarts: each one found since the last call waits to be raised.
+    /// Follows `fleet`'s restarts: each one found since the last call, at a later start,
+    /// waits to be raised. (One read from a counter has no start to raise: each instance
+    /// reads it itself.)
     fn follow(&mut self, fleet: &[Arc<Replica>]) {
         for r in fleet {
-            // The count first: whoever reads a count reads its start, or a later one.
-            let now = r.restarts();
-            let before = match self.seen.get(&r.id) {
-                Some((w, n)) if w.ptr_eq(&Arc::downgrade(r)) => *n,
-                _ => 0,
-            };
-            if now > before {
-                self.unraised.insert(r.id.clone(), r.started_ms());
-            }
-            self.seen.insert(r.id.clone(), (Arc::downgrade(r), now));
+            self.note(r);
         }
         let ids: HashSet<&Arc<str>> = fleet.iter().map(|r| &r.id).collect();
         self.seen.retain(|id, _| ids.contains(id));
         self.unraised.retain(|id, _| ids.contains(id));
         self.written.retain(|id, _| ids.contains(id));
-        self.round += 1;
     }
 
-    /// The starts of `fleet` to write to their keys: each one read, when it moved since it was
-    /// last written, or was written `refresh` rounds ago.
-    fn starts_due(&self, fleet: &[Arc<Replica>], refresh: u64) -> Vec<(Arc<str>, u64)> {
+    /// Follows one replica's restarts (see [`Followed::follow`]).
+    fn note(&mut self, r: &Arc<Replica>) {
+        // The count first: whoever reads a count reads its start, or a later one.
+        let now = r.restarts();
+        let start = r.started_ms();
+        let (count, was) = match self.seen.get(&r.id) {
+            Some((w, n, s)) if w.ptr_eq(&Arc::downgrade(r)) => (*n, *s),
+            _ => (0, 0),
+        };
+        if now > count && start > was {
+            self.unraised.insert(r.id.clone(), start);
+        }
+        self.seen
+            .insert(r.id.clone(), (Arc::downgrade(r), now, start));
+    }
+
+    /// The starts of `fleet` to write to their keys, at `now`: each one known, when it moved
+    /// since it was last written, or was written `refresh` ago.
+    fn starts_due(
+        &self,
+        fleet: &[Arc<Replica>],
+        now: Instant,
+        refresh: Duration,
+    ) -> Vec<(Arc<str>, u64)> {
         fleet
             .iter()
             .map(|r| (r, r.started_ms()))
             .filter(|(r, start)| {
                 *start > 0
-                    && self.written.get(&r.id).is_none_or(|(w, round)| {
-                        w != start || self.round.saturating_sub(*round) >= refresh
+                    && self.written.get(&r.id).is_none_or(|(w, at)| {
+                        w != start || now.saturating_duration_since(*at) >= refresh
                     })
             })
             .map(|(r, start)| (r.id.clone(), start))
@@ -129,7 +141,12 @@ impl Followed {
     /// it if it was a restart; a restart read here at or before it is not raised again (its
     /// pair may be settled and forgotten since, and raising it again would delete the pins
     /// made since, which are good).
+    /// Unless this instance wrote it: a start can be written here between its read and
+    /// its restart's count, before the restart waits to be raised.
     fn known(&mut self, replica: &str, kept: u64) {
+        if self.written.get(replica).is_some_and(|(w, _)| *w == kept) {
+            return;
+        }
         if self.unraised.get(replica).is_some_and(|s| *s <= kept) {
             self.unraised.remove(replica);
         }
@@ -156,8 +173,9 @@ pub(super) async fn raise(
             f.follow(fleet);
             let unraised: Vec<(Arc<str>, u64)> =
                 f.unraised.iter().map(|(r, s)| (r.clone(), *s)).collect();
-            let refresh = ttl.clamp(1, START_REFRESH_ROUNDS);
-            (unraised, f.starts_due(fleet, refresh))
+            let refresh =
+                START_REFRESH.min(Duration::from_secs(ttl / 2).max(Duration::from_secs(1)));
+            (unraised, f.starts_due(fleet, Instant::now(), refresh))
         }
         Err(_) => return Ok(()),
     };
@@ -176,30 +194,32 @@ pub(super) async fn raise(
             .arg(ttl.saturating_mul(2));
         link.query::<()>(Lane::Control, &eval).await?;
         if let Ok(mut f) = followed.lock() {
-            let round = f.round;
-            f.written.insert(r, (start, round));
+            f.written.insert(r, (start, Instant::now()));
         }
     }
     Ok(())
 }
 
-/// At a session's start, each replica's start as Redis keeps it against this instance's own:
+/// At a session's start, or when a replica becomes known later (`adopted`: what Redis keeps
+/// of it was adopted already), each replica's start as Redis keeps it against this
+/// instance's own:
 /// - not read here yet: taken as the first read ([`Replica::seed_start`]), so that a later
 ///   start read next counts as a restart, one no instance followed, and drops what was adopted
 ///   of the replica then;
 /// - read here later than any instance wrote: a restart no instance followed (this one read
 ///   it first): `seen` is raised for it, so what Redis keeps of the replica is neither adopted
-///   nor kept;
+///   nor kept (what was adopted already goes: its pins and estimate here);
 /// - known here earlier than Redis keeps (a start from the state file, or read before an
 ///   outage): the replica restarted since, and another instance followed that. It is counted
 ///   here, its pins here dropped, and not raised again.
 ///
-/// Every start is written again afterwards (Redis may have lost them).
+/// Their starts are written again afterwards (Redis may have lost them).
 pub(super) async fn compare_starts(
     link: &Link,
     followed: &Mutex<Followed>,
     fleet: &[Arc<Replica>],
     affinity: &AffinityTable,
+    adopted: bool,
 ) -> Result<(), Failed> {
     if fleet.is_empty() {
         return Ok(());
@@ -227,6 +247,10 @@ pub(super) async fn compare_starts(
                 r.id
             );
             raise_field(link, "seen", &r.id, mine).await?;
+            if adopted {
+                affinity.forget_replica(&r.id);
+                r.cache.index.clear();
+            }
         } else if mine < *kept && r.started(*kept) {
             let pins = affinity.forget_replica(&r.id);
             METRICS.restarts.with_label_values(&[&r.id]).inc();
@@ -239,11 +263,13 @@ pub(super) async fn compare_starts(
         }
     }
     if let Ok(mut f) = followed.lock() {
-        f.follow(fleet);
+        for r in fleet {
+            f.note(r);
+            f.written.remove(&r.id);
+        }
         for (r, kept) in &kept {
             f.known(&r.id, *kept);
         }
-        f.written.clear();
     }
     Ok(())
 }
@@ -427,5 +453,44 @@ mod tests {
         // Removed: no longer followed.
         f.follow(&[replica("a").clone()]);
         assert!(unraised(&f).is_empty() && f.seen.len() == 1);
+    }
+
+    /// A restart read from a counter has no start to raise; a start Redis keeps is known
+    /// there, unless this instance wrote it itself (it may have, before the restart's count).
+    #[test]
+    fn a_counted_restart_is_not_raised_and_a_start_written_here_is_not_known_there() {
+        let reg = crate::fleet::registry::test_registry(&["c", "d"]);
+        let fleet = reg.all();
+        let (c, d) = (&fleet[0], &fleet[1]);
+        let mut f = Followed::default();
+        c.counted(100);
+        d.started(1_000);
+        f.follow(&fleet);
+        assert!(c.counted(5), "a restart");
+        f.follow(&fleet);
+        assert!(f.unraised.is_empty(), "no start to raise");
+
+        d.started(2_000);
+        f.follow(&fleet);
+        let now = Instant::now();
+        let due = f.starts_due(&fleet, now, START_REFRESH);
+        assert_eq!(due, [(d.id.clone(), 2_000)]);
+        f.written.insert(d.id.clone(), (2_000, now));
+        assert!(f.starts_due(&fleet, now, START_REFRESH).is_empty());
+        let later = now + START_REFRESH;
+        assert_eq!(
+            f.starts_due(&fleet, later, START_REFRESH).len(),
+            1,
+            "refreshed"
+        );
+        f.known("d", 2_000);
+        assert_eq!(
+            f.unraised.get("d"),
+            Some(&2_000),
+            "written here: still to raise"
+        );
+        f.written.clear();
+        f.known("d", 2_000);
+        assert!(f.unraised.is_empty(), "another instance's: known there");
     }
 }

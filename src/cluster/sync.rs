@@ -15,7 +15,7 @@ use pingora_core::services::background::BackgroundService;
 use tokio::sync::{mpsc, watch};
 
 use super::records::records_every;
-use super::restarts::Followed;
+use super::restarts::{self, Followed};
 use super::wire::{decode, encode_load, sender};
 use super::write::{keep, BATCH};
 use super::{Change, Cluster, LoadReport, Message, Peers, Table};
@@ -117,7 +117,7 @@ impl ClusterSync {
         // in the module above), before what Redis holds is adopted.
         self.write_held().await?;
         let adopted = self.bootstrap(&stale).await?;
-        self.unadopt_restarted(&counts);
+        self.unadopt_restarted(&counts).await?;
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         let mut known: HashSet<Arc<str>> =
@@ -203,6 +203,14 @@ impl ClusterSync {
                     self.registry.set_rank(peers.rank(&self.cluster.instance));
                     for r in self.registry.all().iter() {
                         if known.insert(r.id.clone()) {
+                            restarts::compare_starts(
+                                &self.link,
+                                &self.restarts,
+                                std::slice::from_ref(r),
+                                &self.affinity,
+                                true,
+                            )
+                            .await?;
                             self.adopt(r, None, None).await?;
                         }
                     }

@@ -60,9 +60,13 @@ pub struct Reported {
     /// (`process_start_time_seconds`, which Python's Prometheus client exports unless it runs
     /// in multiprocess mode): a later one than before means it restarted.
     pub started_ms: Option<u64>,
+    /// The prompt tokens it served since its process started (`vllm:prompt_tokens_total`,
+    /// SGLang's and llama.cpp's alike), summed over its series: where it gives no start, a
+    /// count below the one before means it restarted.
+    pub prompt_tokens_total: Option<u64>,
 }
 
-/// Reads the Prometheus text of a vLLM replica (SGLang's names too); `None` when it has
+/// Reads the Prometheus text of a vLLM replica (SGLang's and llama.cpp's names too); `None` when it has
 /// neither a waiting nor a running gauge, or a load sample that is not a number of requests
 /// (NaN, infinite, negative). Samples of several models add up, to [`MAX_REQUESTS`] at most;
 /// the cache size is at most [`MAX_CACHE_TOKENS`].
@@ -89,11 +93,15 @@ pub fn parse_rank(text: &str, rank: Option<u16>) -> Option<Reported> {
         let raw = value;
         let value = || requests(raw);
         match name {
-            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+            "vllm:num_requests_waiting"
+            | "sglang:num_queue_reqs"
+            | "llamacpp:requests_deferred" => {
                 r.waiting = (r.waiting + value()?).min(MAX_REQUESTS);
                 waiting = true;
             }
-            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+            "vllm:num_requests_running"
+            | "sglang:num_running_reqs"
+            | "llamacpp:requests_processing" => {
                 r.running = (r.running + value()?).min(MAX_REQUESTS);
                 running = true;
             }
@@ -104,6 +112,20 @@ pub fn parse_rank(text: &str, rank: Option<u16>) -> Option<Reported> {
                     // Several engines (data parallel) or an old name beside the new one: the
                     // fullest, never a sum that reads a half-full replica as full.
                     r.kv_usage_ppm = Some(r.kv_usage_ppm.unwrap_or(0).max(ppm));
+                }
+            }
+            "vllm:prompt_tokens_total"
+            | "sglang:prompt_tokens_total"
+            | "llamacpp:prompt_tokens_total" => {
+                // A count that is not one (NaN, negative) is left out; `as` saturates.
+                if let Some(v) = raw
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v >= 0.0)
+                {
+                    let total = r.prompt_tokens_total.unwrap_or(0);
+                    r.prompt_tokens_total = Some(total.saturating_add(v as u64));
                 }
             }
             "process_start_time_seconds" => {
@@ -189,15 +211,19 @@ impl LoadReader {
         let started = reported
             .and_then(|x| x.started_ms)
             .filter(|ms| plausible_start(*ms));
-        if let Some(ms) = started {
-            if r.started(ms) {
-                let pins = self.affinity.forget_replica(&r.id);
-                log::warn!(
-                    "replica {}: restarted (its /metrics gives a later process start): its cache is empty, and so is inferlb's view of it; {pins} pins to it dropped",
-                    r.id
-                );
-                METRICS.restarts.with_label_values(&[&r.id]).inc();
-            }
+        // By its start where it gives one; else by its prompt tokens counter going back.
+        let restarted = match (started, reported.and_then(|x| x.prompt_tokens_total)) {
+            (Some(ms), _) => r.started(ms).then_some("gives a later process start"),
+            (None, Some(total)) => r.counted(total).then_some("counts fewer prompt tokens"),
+            (None, None) => None,
+        };
+        if let Some(how) = restarted {
+            let pins = self.affinity.forget_replica(&r.id);
+            log::warn!(
+                "replica {}: restarted (its /metrics {how}): its cache is empty, and so is inferlb's view of it; {pins} pins to it dropped",
+                r.id
+            );
+            METRICS.restarts.with_label_values(&[&r.id]).inc();
         }
         let ok = reported.is_some();
         if r.note_metrics_read(ok) {
@@ -267,6 +293,8 @@ vllm:num_requests_waiting{engine="0",model_name="n"} 1.0
 vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="12500"} 1.0
 vllm:prefix_cache_hits_total{model_name="m"} 1.2e6
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1500.0
+vllm:prompt_tokens_total{engine="0",model_name="n"} 500.0
 # HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
 # TYPE process_start_time_seconds gauge
 process_start_time_seconds 1.74262400557e+09
@@ -279,8 +307,32 @@ process_start_time_seconds 1.74262400557e+09
                 cache_tokens: Some(200_000),
                 kv_usage_ppm: Some(250_000),
                 started_ms: Some(1_742_624_005_570),
+                prompt_tokens_total: Some(2_000),
             })
         );
+    }
+
+    /// llama.cpp's page (`--metrics`): its deferred and processing requests are the load, its
+    /// prompt tokens counter tells restarts; it gives no start and no cache size.
+    #[test]
+    fn a_llama_cpp_page_gives_the_load_and_the_prompt_tokens_counter() {
+        let page = "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n\
+# TYPE llamacpp:prompt_tokens_total counter\n\
+llamacpp:prompt_tokens_total 33065\n\
+llamacpp:prompt_seconds_total 235.743\n\
+llamacpp:requests_processing 2\n\
+llamacpp:requests_deferred 5\n";
+        assert_eq!(
+            parse(page),
+            Some(Reported {
+                waiting: 5,
+                running: 2,
+                prompt_tokens_total: Some(33_065),
+                ..Reported::default()
+            })
+        );
+        let odd = "llamacpp:requests_processing 1\nllamacpp:prompt_tokens_total NaN\n";
+        assert_eq!(parse(odd).and_then(|r| r.prompt_tokens_total), None);
     }
 
     /// A data-parallel server's page (vLLM labels each engine's samples): each rank reads
@@ -306,6 +358,7 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
                 cache_tokens: Some(32_000),
                 kv_usage_ppm: Some(500_000),
                 started_ms: None,
+                prompt_tokens_total: None,
             }
         );
         assert_eq!(
@@ -316,6 +369,7 @@ vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0
                 cache_tokens: Some(16_000),
                 kv_usage_ppm: Some(125_000),
                 started_ms: None,
+                prompt_tokens_total: None,
             }
         );
         assert_eq!(rank(10).running, 50);

@@ -1,17 +1,35 @@
-//! A replica's process restarts, as its `/metrics` tells them (`process_start_time_seconds`,
-//! read by [`crate::fleet::poll`]): the latest start it gave, and the restarts found from it.
-//! A restart empties its cache model; the KV event subscriber, seeing the count move, begins
-//! its stream anew.
+//! A replica's process restarts, as its `/metrics` tells them (read by
+//! [`crate::fleet::poll`]): by `process_start_time_seconds`, the latest start it gave; or, on
+//! a server that does not give its start (llama.cpp, SGLang, vLLM with several API servers),
+//! by its prompt tokens counter going back. A restart empties its cache model; the KV event
+//! subscriber, seeing the count move, begins its stream anew.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use super::Replica;
+
+/// Reads after a counter went back within which a read at or above where it was means two
+/// servers taking turns behind one address, not a restart: 2 s of polls at 0.25 s.
+const TURNS_WITHIN: u32 = 8;
 
 #[derive(Debug, Default)]
 pub(super) struct Restarts {
     /// The latest start given, in milliseconds since the Unix epoch (0: none yet).
     started_ms: AtomicU64,
     count: AtomicU64,
+    counter: Mutex<Counter>,
+}
+
+/// A server's prompt tokens counter, as read one poll after another.
+#[derive(Debug, Default)]
+struct Counter {
+    last: Option<u64>,
+    /// Where it was before it last went back, and the reads since.
+    fell_from: Option<(u64, u32)>,
+    /// It came back to where it was: several servers answer on the address, and their
+    /// counters tell nothing of restarts.
+    turns: bool,
 }
 
 impl Replica {
@@ -31,6 +49,45 @@ impl Replica {
         // Release: whoever reads the new count reads this start, or a later one.
         self.restarts.count.fetch_add(1, Ordering::Release);
         true
+    }
+
+    /// Its `/metrics`, which gives no process start, counts `total` prompt tokens served. Below
+    /// the count read before, the server restarted (a counter only goes back to zero with its
+    /// process): as [`Replica::started`], its cache model forgets it all, and the restart is
+    /// counted. Unless it comes back to where it was within [`TURNS_WITHIN`] reads: then
+    /// several servers take turns on the address, and counters are not read for restarts
+    /// again (the one emptied estimate is the cost, as with starts). The first read is none.
+    /// Whether it restarted.
+    pub fn counted(&self, total: u64) -> bool {
+        let Ok(mut c) = self.restarts.counter.lock() else {
+            return false;
+        };
+        if c.turns {
+            return false;
+        }
+        let last = c.last.replace(total);
+        if let Some((from, reads)) = c.fell_from {
+            if total >= from {
+                c.turns = true;
+                log::warn!(
+                    "replica {}: its prompt tokens counter went back and came back: several \
+                     servers answer on its address, so no restart is read from it",
+                    self.id
+                );
+                return false;
+            }
+            c.fell_from = (reads + 1 < TURNS_WITHIN).then_some((from, reads + 1));
+        }
+        match last {
+            Some(last) if total < last => {
+                c.fell_from = Some((last, 0));
+                drop(c);
+                self.cache.restarted();
+                self.restarts.count.fetch_add(1, Ordering::Release);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// A start another process read (the one before this one, through the state file, or
@@ -101,6 +158,46 @@ mod tests {
             assert_eq!(&got, want, "{starts:?}");
             let restarts = want.iter().filter(|r| **r).count() as u64;
             assert_eq!(r.restarts(), restarts, "{starts:?}");
+        }
+    }
+
+    /// (the prompt tokens counter, one read after another) → whether each read is a restart:
+    /// a counter that goes back is one, unless it comes back to where it was within a few
+    /// reads (servers taking turns on the address), after which none is read from it.
+    #[test]
+    fn a_counter_that_goes_back_is_a_restart_unless_it_comes_back() {
+        let table: &[(&[u64], &[bool])] = &[
+            (&[0, 0, 5, 5], &[false, false, false, false]),
+            (&[100, 200, 10, 20, 30], &[false, false, true, false, false]),
+            // Two restarts, the second after the turns window.
+            (
+                &[100, 5, 6, 7, 8, 9, 10, 11, 12, 13, 2],
+                &[
+                    false, true, false, false, false, false, false, false, false, false, true,
+                ],
+            ),
+            // Back at 100 after the window: a restarted server that served as much again.
+            (
+                &[100, 5, 6, 7, 8, 9, 10, 11, 12, 13, 100, 3],
+                &[
+                    false, true, false, false, false, false, false, false, false, false, false,
+                    true,
+                ],
+            ),
+            // Two servers behind one address: one false restart, then nothing.
+            (
+                &[1_000, 50, 1_001, 51, 1_002, 52],
+                &[false, true, false, false, false, false],
+            ),
+        ];
+        for (totals, want) in table {
+            let reg = crate::fleet::registry::test_registry(&["counted"]);
+            let fleet = reg.all();
+            let r = fleet.first().expect("a replica");
+            let got: Vec<bool> = totals.iter().map(|t| r.counted(*t)).collect();
+            assert_eq!(&got, want, "{totals:?}");
+            let restarts = want.iter().filter(|r| **r).count() as u64;
+            assert_eq!((r.restarts(), r.started_ms()), (restarts, 0), "{totals:?}");
         }
     }
 
