@@ -300,6 +300,25 @@ fn a_restart_between_health_checks_is_read_from_the_replicas_metrics() {
     assert_eq!((restarts(&home), restarts(other)), (1.0, 0.0), "{metrics}");
 }
 
+/// A conversation of a 2k-token first turn through `lb`, and its second turn, pinned to the
+/// replica that served the first: (that replica, the first turn).
+fn pinned_history(lb: &Lb, seed: &str) -> (String, String) {
+    let history = text_of(seed, 2000);
+    let (home, _, _) = routed_chat(lb, &[("user", history.as_str())]);
+    let (replica, route, _) = routed_chat(lb, &next_turn(&history));
+    assert_eq!((replica, route.as_str()), (home.clone(), "pinned"));
+    (home, history)
+}
+
+/// The turn after `history`'s answer.
+fn next_turn(history: &str) -> [(&str, &str); 3] {
+    [
+        ("user", history),
+        ("assistant", "an answer"),
+        ("user", "and then?"),
+    ]
+}
+
 /// inferlb stopped, a replica restarted meanwhile, inferlb started again on the state file it
 /// left: the file says at which process start of each replica its pins were made, so the first
 /// read of the new start is a restart, and the conversation's next turn spreads rather than go
@@ -308,21 +327,7 @@ fn a_restart_between_health_checks_is_read_from_the_replicas_metrics() {
 fn a_replica_restarted_while_inferlb_was_stopped_loses_the_pins_it_left() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut a, mut b, mut lb) = cluster(dir.path(), &[], conf());
-    let history = text_of("left history", 2000);
-    let messages = [("user", history.as_str())];
-    let (home, _, _) = routed_chat(&lb, &messages);
-    let next = |then: &'static str| {
-        [
-            ("user", history.as_str()),
-            ("assistant", "an answer"),
-            ("user", then),
-        ]
-    };
-    let (replica, route, _) = routed_chat(&lb, &next("so?"));
-    assert_eq!(
-        (replica.as_str(), route.as_str()),
-        (home.as_str(), "pinned")
-    );
+    let (home, history) = pinned_history(&lb, "left history");
     // Saved every 2 s once the pins changed (a quick stop saves nothing more): the pin, and
     // the start its replica's /metrics gave.
     let path = dir.path().join("inferlb-affinity.json");
@@ -357,7 +362,7 @@ fn a_replica_restarted_while_inferlb_was_stopped_loses_the_pins_it_left() {
         lb.proc.log_text().contains(&said)
     });
     assert!(found, "{}", lb.proc.log_text());
-    assert_eq!(routed_chat(&lb, &next("and then?")).1, "spread");
+    assert_eq!(routed_chat(&lb, &next_turn(&history)).1, "spread");
 }
 
 /// A server that gives no process start (llama.cpp, SGLang, vLLM with several API servers):
@@ -367,21 +372,7 @@ fn a_replica_restarted_while_inferlb_was_stopped_loses_the_pins_it_left() {
 fn a_restart_of_a_server_without_a_start_is_read_from_its_counter() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut a, mut b, lb) = cluster(dir.path(), &["--no-start-time"], conf());
-    let history = text_of("counted history", 2000);
-    let messages = [("user", history.as_str())];
-    let (home, _, _) = routed_chat(&lb, &messages);
-    let next = |then: &'static str| {
-        [
-            ("user", history.as_str()),
-            ("assistant", "an answer"),
-            ("user", then),
-        ]
-    };
-    let (replica, route, _) = routed_chat(&lb, &next("so?"));
-    assert_eq!(
-        (replica.as_str(), route.as_str()),
-        (home.as_str(), "pinned")
-    );
+    let (home, history) = pinned_history(&lb, "counted history");
     // Its counter is read past zero before the restart.
     std::thread::sleep(std::time::Duration::from_millis(600));
     let sim = if a.id == home { &mut a } else { &mut b };
@@ -392,5 +383,5 @@ fn a_restart_of_a_server_without_a_start_is_read_from_its_counter() {
         lb.proc.log_text().contains(&said)
     });
     assert!(found, "{}", lb.proc.log_text());
-    assert_eq!(routed_chat(&lb, &next("and then?")).1, "spread");
+    assert_eq!(routed_chat(&lb, &next_turn(&history)).1, "spread");
 }
