@@ -363,9 +363,22 @@ fn missed(r: &Replica, seq: &mut Sequence) {
 }
 
 /// Logs and counts a change of a stream's state, once; nothing once the replica left the
-/// registry (its series went with it).
+/// registry (its series went with it). The replica's freshness follows the state even when
+/// the state holds: the poll marks a restarted replica's emptied index partial behind the
+/// stream's back, and a stream that found the restart itself first reads on whole.
 fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>, to: StreamState) {
-    if *state == Some(to) || replica.strong_count() == 0 {
+    let fresh = match to {
+        StreamState::Live => Freshness::Live,
+        StreamState::Partial => Freshness::Partial,
+        StreamState::Gone => Freshness::Gone,
+    };
+    if *state == Some(to) {
+        if let Some(r) = replica.upgrade().filter(|r| r.cache.freshness() != fresh) {
+            r.cache.set_freshness(fresh);
+        }
+        return;
+    }
+    if replica.strong_count() == 0 {
         return;
     }
     let from = state.map_or("none", StreamState::as_str);
@@ -381,11 +394,31 @@ fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>
         .with_label_values(&[id])
         .set(to as i64);
     if let Some(r) = replica.upgrade() {
-        r.cache.set_freshness(match to {
-            StreamState::Live => Freshness::Live,
-            StreamState::Partial => Freshness::Partial,
-            StreamState::Gone => Freshness::Gone,
-        });
+        r.cache.set_freshness(fresh);
     }
     *state = Some(to);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The poll found a restart the stream had found first, and marked the index partial
+    /// behind it: the stream, reading on whole, makes it live again without a state change.
+    #[test]
+    fn a_stream_that_stays_live_keeps_its_replica_live() {
+        let conf = "inferlb:\n  replicas:\n    - {id: gpu0, address: \"127.0.0.1:1\", \
+                    kv_events: \"tcp://127.0.0.1:2\"}\n";
+        let l = crate::conf::parse(conf, None).expect("conf");
+        let reg = crate::fleet::registry::Registry::new(&l.inferlb.replicas, &l.inferlb.upstream);
+        let r = reg.all().first().cloned().expect("gpu0");
+        let weak = Arc::downgrade(&r);
+        let mut state = None;
+        transition(&weak, "gpu0", &mut state, StreamState::Live);
+        assert_eq!(r.cache.freshness(), Freshness::Live);
+        r.cache.restarted();
+        assert_eq!(r.cache.freshness(), Freshness::Partial);
+        transition(&weak, "gpu0", &mut state, StreamState::Live);
+        assert_eq!(r.cache.freshness(), Freshness::Live);
+    }
 }
