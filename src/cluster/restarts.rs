@@ -77,17 +77,20 @@ const START_REFRESH: Duration = Duration::from_secs(3600);
 /// The restarts this instance reads, until Redis has them.
 #[derive(Debug, Default)]
 pub struct Followed {
-    /// Each replica's restart count and start as last seen, for that replica (one removed and
-    /// added again under its id is another, whose count starts at 0).
-    seen: HashMap<Arc<str>, (Weak<Replica>, u64, u64)>,
+    /// Each replica's restarts read from a start, as last seen, for that replica (one removed
+    /// and added again under its id is another, whose count starts at 0).
+    seen: HashMap<Arc<str>, (Weak<Replica>, u64)>,
     /// Replica → its latest start read as a restart, not yet raised in Redis.
     unraised: HashMap<Arc<str>, u64>,
     /// Replica → the start last written to its key, and when.
     written: HashMap<Arc<str>, (u64, Instant)>,
+    /// The replicas whose start was compared with Redis's ([`compare_starts`]): only theirs
+    /// are written, lest a first read written first hide a restart no instance followed.
+    compared: HashSet<Arc<str>>,
 }
 
 impl Followed {
-    /// Follows `fleet`'s restarts: each one found since the last call, at a later start,
+    /// Follows `fleet`'s restarts: each one found from a later start since the last call
     /// waits to be raised. (One read from a counter has no start to raise: each instance
     /// reads it itself.)
     fn follow(&mut self, fleet: &[Arc<Replica>]) {
@@ -98,22 +101,21 @@ impl Followed {
         self.seen.retain(|id, _| ids.contains(id));
         self.unraised.retain(|id, _| ids.contains(id));
         self.written.retain(|id, _| ids.contains(id));
+        self.compared.retain(|id| ids.contains(id));
     }
 
     /// Follows one replica's restarts (see [`Followed::follow`]).
     fn note(&mut self, r: &Arc<Replica>) {
         // The count first: whoever reads a count reads its start, or a later one.
-        let now = r.restarts();
-        let start = r.started_ms();
-        let (count, was) = match self.seen.get(&r.id) {
-            Some((w, n, s)) if w.ptr_eq(&Arc::downgrade(r)) => (*n, *s),
-            _ => (0, 0),
+        let now = r.restarts_by_start();
+        let before = match self.seen.get(&r.id) {
+            Some((w, n)) if w.ptr_eq(&Arc::downgrade(r)) => *n,
+            _ => 0,
         };
-        if now > count && start > was {
-            self.unraised.insert(r.id.clone(), start);
+        if now > before {
+            self.unraised.insert(r.id.clone(), r.started_ms());
         }
-        self.seen
-            .insert(r.id.clone(), (Arc::downgrade(r), now, start));
+        self.seen.insert(r.id.clone(), (Arc::downgrade(r), now));
     }
 
     /// The starts of `fleet` to write to their keys, at `now`: each one known, when it moved
@@ -129,6 +131,7 @@ impl Followed {
             .map(|r| (r, r.started_ms()))
             .filter(|(r, start)| {
                 *start > 0
+                    && self.compared.contains(&r.id)
                     && self.written.get(&r.id).is_none_or(|(w, at)| {
                         w != start || now.saturating_duration_since(*at) >= refresh
                     })
@@ -265,10 +268,13 @@ pub(super) async fn compare_starts(
     if let Ok(mut f) = followed.lock() {
         for r in fleet {
             f.note(r);
-            f.written.remove(&r.id);
         }
         for (r, kept) in &kept {
             f.known(&r.id, *kept);
+        }
+        for r in fleet {
+            f.written.remove(&r.id);
+            f.compared.insert(r.id.clone());
         }
     }
     Ok(())
@@ -473,6 +479,11 @@ mod tests {
         d.started(2_000);
         f.follow(&fleet);
         let now = Instant::now();
+        assert!(
+            f.starts_due(&fleet, now, START_REFRESH).is_empty(),
+            "not compared yet"
+        );
+        f.compared.insert(d.id.clone());
         let due = f.starts_due(&fleet, now, START_REFRESH);
         assert_eq!(due, [(d.id.clone(), 2_000)]);
         f.written.insert(d.id.clone(), (2_000, now));

@@ -117,11 +117,13 @@ impl ClusterSync {
         // in the module above), before what Redis holds is adopted.
         self.write_held().await?;
         let adopted = self.bootstrap(&stale).await?;
+        // Those known now are compared (below) and adopted (above); one found from here on,
+        // at its first load snapshot.
+        let mut known: HashSet<Arc<str>> =
+            self.registry.all().iter().map(|r| r.id.clone()).collect();
         self.unadopt_restarted(&counts).await?;
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
-        let mut known: HashSet<Arc<str>> =
-            self.registry.all().iter().map(|r| r.id.clone()).collect();
         // The others' load, followed for as long as this session lasts; this instance's, as
         // last published.
         let mut peers = Peers::default();

@@ -78,7 +78,7 @@ pub fn parse(text: &str) -> Option<Reported> {
 /// `engine="{rank}"` (vLLM labels each engine's), and those labelled with no engine.
 pub fn parse_rank(text: &str, rank: Option<u16>) -> Option<Reported> {
     let mut r = Reported::default();
-    let (mut waiting, mut running) = (false, false);
+    let (mut waiting, mut running, mut bad_total) = (false, false, false);
     let rank = rank.map(|k| k.to_string());
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else {
@@ -117,15 +117,19 @@ pub fn parse_rank(text: &str, rank: Option<u16>) -> Option<Reported> {
             "vllm:prompt_tokens_total"
             | "sglang:prompt_tokens_total"
             | "llamacpp:prompt_tokens_total" => {
-                // A count that is not one (NaN, negative) is left out; `as` saturates.
-                if let Some(v) = raw
+                // A count that is not one (NaN, negative) spoils the sum: none this read, lest
+                // a sum without it read as a counter gone back. `as` saturates.
+                match raw
                     .trim()
                     .parse::<f64>()
                     .ok()
                     .filter(|v| v.is_finite() && *v >= 0.0)
                 {
-                    let total = r.prompt_tokens_total.unwrap_or(0);
-                    r.prompt_tokens_total = Some(total.saturating_add(v as u64));
+                    Some(v) if !bad_total => {
+                        let total = r.prompt_tokens_total.unwrap_or(0);
+                        r.prompt_tokens_total = Some(total.saturating_add(v as u64));
+                    }
+                    _ => bad_total = true,
                 }
             }
             "process_start_time_seconds" => {
@@ -145,6 +149,9 @@ pub fn parse_rank(text: &str, rank: Option<u16>) -> Option<Reported> {
             }
             _ => {}
         }
+    }
+    if bad_total {
+        r.prompt_tokens_total = None;
     }
     (waiting || running).then_some(r)
 }
@@ -331,8 +338,20 @@ llamacpp:requests_deferred 5\n";
                 ..Reported::default()
             })
         );
-        let odd = "llamacpp:requests_processing 1\nllamacpp:prompt_tokens_total NaN\n";
-        assert_eq!(parse(odd).and_then(|r| r.prompt_tokens_total), None);
+        // One series that is not a count spoils the sum, before or after the others.
+        for odd in [
+            "llamacpp:requests_processing 1\nllamacpp:prompt_tokens_total NaN\n",
+            "vllm:num_requests_running 1\nvllm:prompt_tokens_total{model_name=\"a\"} 9\n\
+             vllm:prompt_tokens_total{model_name=\"b\"} -1\n",
+            "vllm:num_requests_running 1\nvllm:prompt_tokens_total{model_name=\"b\"} x\n\
+             vllm:prompt_tokens_total{model_name=\"a\"} 9\n",
+        ] {
+            assert_eq!(
+                parse(odd).and_then(|r| r.prompt_tokens_total),
+                None,
+                "{odd}"
+            );
+        }
     }
 
     /// A data-parallel server's page (vLLM labels each engine's samples): each rank reads

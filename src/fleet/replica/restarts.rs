@@ -18,6 +18,8 @@ pub(super) struct Restarts {
     /// The latest start given, in milliseconds since the Unix epoch (0: none yet).
     started_ms: AtomicU64,
     count: AtomicU64,
+    /// The restarts read from a later start (of `count`).
+    by_start: AtomicU64,
     counter: Mutex<Counter>,
 }
 
@@ -27,6 +29,8 @@ struct Counter {
     last: Option<u64>,
     /// Where it was before it last went back, and the reads since.
     fell_from: Option<(u64, u32)>,
+    /// Where it went back to, the last time.
+    fell_to: Option<u64>,
     /// It came back to where it was: several servers answer on the address, and their
     /// counters tell nothing of restarts.
     turns: bool,
@@ -46,18 +50,26 @@ impl Replica {
             return false;
         }
         self.cache.restarted();
-        // Release: whoever reads the new count reads this start, or a later one.
+        // Release: whoever reads a new count reads this start, or a later one.
+        self.restarts.by_start.fetch_add(1, Ordering::Release);
         self.restarts.count.fetch_add(1, Ordering::Release);
         true
+    }
+
+    /// The restarts [`Replica::started`] found (of [`Replica::restarts`]): those with a start
+    /// to tell other instances.
+    pub fn restarts_by_start(&self) -> u64 {
+        self.restarts.by_start.load(Ordering::Acquire)
     }
 
     /// Its `/metrics`, which gives no process start, counts `total` prompt tokens served. Below
     /// the count read before, the server restarted (a counter only goes back to zero with its
     /// process): as [`Replica::started`], its cache model forgets it all, and the restart is
-    /// counted. Unless it comes back to where it was within [`TURNS_WITHIN`] reads: then
-    /// several servers take turns on the address, and counters are not read for restarts
-    /// again (the one emptied estimate is the cost, as with starts). The first read is none.
-    /// Whether it restarted.
+    /// counted. Unless it comes back to where it was within [`TURNS_WITHIN`] reads, or goes
+    /// back to where it went back to last time or above (a restarted counter starts again
+    /// from zero): then several servers take turns on the address, and counters are not read
+    /// for restarts again (the one emptied estimate is the cost, as with starts). The first
+    /// read is none. Whether it restarted.
     pub fn counted(&self, total: u64) -> bool {
         let Ok(mut c) = self.restarts.counter.lock() else {
             return false;
@@ -79,8 +91,18 @@ impl Replica {
             c.fell_from = (reads + 1 < TURNS_WITHIN).then_some((from, reads + 1));
         }
         match last {
+            Some(last) if total < last && c.fell_to.is_some_and(|to| total >= to) => {
+                c.turns = true;
+                log::warn!(
+                    "replica {}: its prompt tokens counter went back to no lower than the last \
+                     time: several servers answer on its address, so no restart is read from it",
+                    self.id
+                );
+                false
+            }
             Some(last) if total < last => {
                 c.fell_from = Some((last, 0));
+                c.fell_to = Some(total);
                 drop(c);
                 self.cache.restarted();
                 self.restarts.count.fetch_add(1, Ordering::Release);
@@ -188,6 +210,17 @@ mod tests {
             (
                 &[1_000, 50, 1_001, 51, 1_002, 52],
                 &[false, true, false, false, false, false],
+            ),
+            // Two servers, the poll staying on each for a while (kept-alive connections):
+            // the second fall lands above the first.
+            (
+                &[
+                    1_000, 50, 60, 70, 80, 90, 100, 110, 120, 130, 1_200, 1_300, 140, 150,
+                ],
+                &[
+                    false, true, false, false, false, false, false, false, false, false, false,
+                    false, false, false,
+                ],
             ),
         ];
         for (totals, want) in table {
