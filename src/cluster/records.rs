@@ -122,11 +122,12 @@ impl ClusterSync {
     /// Drops what the bootstrap adopted of each replica whose restart was read while it ran
     /// (`counts`: each one's restart count before): its pins and saved index are of the
     /// process before. Often the first read after [`restarts::compare_starts`] took Redis's
-    /// start as the first. Then compares the starts of the replicas the bootstrap added (added
-    /// at runtime by another instance), as the others' were before.
+    /// start as the first. Then compares the starts of the replicas of `fleet` the bootstrap
+    /// added (added at runtime by another instance), as the others' were before.
     pub(super) async fn unadopt_restarted(
         &self,
         counts: &[(Arc<Replica>, u64)],
+        fleet: &[Arc<Replica>],
     ) -> Result<(), Failed> {
         for (r, before) in counts {
             if r.restarts() > *before {
@@ -140,9 +141,7 @@ impl ClusterSync {
                 );
             }
         }
-        let added: Vec<Arc<Replica>> = self
-            .registry
-            .all()
+        let added: Vec<Arc<Replica>> = fleet
             .iter()
             .filter(|r| !counts.iter().any(|(c, _)| Arc::ptr_eq(c, r)))
             .cloned()

@@ -86,7 +86,7 @@ pub struct Followed {
     written: HashMap<Arc<str>, (u64, Instant)>,
     /// The replicas whose start was compared with Redis's ([`compare_starts`]): only theirs
     /// are written, lest a first read written first hide a restart no instance followed.
-    compared: HashSet<Arc<str>>,
+    compared: HashMap<Arc<str>, Weak<Replica>>,
 }
 
 impl Followed {
@@ -101,7 +101,7 @@ impl Followed {
         self.seen.retain(|id, _| ids.contains(id));
         self.unraised.retain(|id, _| ids.contains(id));
         self.written.retain(|id, _| ids.contains(id));
-        self.compared.retain(|id| ids.contains(id));
+        self.compared.retain(|id, _| ids.contains(id));
     }
 
     /// Follows one replica's restarts (see [`Followed::follow`]).
@@ -131,7 +131,10 @@ impl Followed {
             .map(|r| (r, r.started_ms()))
             .filter(|(r, start)| {
                 *start > 0
-                    && self.compared.contains(&r.id)
+                    && self
+                        .compared
+                        .get(&r.id)
+                        .is_some_and(|w| w.ptr_eq(&Arc::downgrade(r)))
                     && self.written.get(&r.id).is_none_or(|(w, at)| {
                         w != start || now.saturating_duration_since(*at) >= refresh
                     })
@@ -274,7 +277,7 @@ pub(super) async fn compare_starts(
         }
         for r in fleet {
             f.written.remove(&r.id);
-            f.compared.insert(r.id.clone());
+            f.compared.insert(r.id.clone(), Arc::downgrade(r));
         }
     }
     Ok(())
@@ -483,7 +486,7 @@ mod tests {
             f.starts_due(&fleet, now, START_REFRESH).is_empty(),
             "not compared yet"
         );
-        f.compared.insert(d.id.clone());
+        f.compared.insert(d.id.clone(), Arc::downgrade(d));
         let due = f.starts_due(&fleet, now, START_REFRESH);
         assert_eq!(due, [(d.id.clone(), 2_000)]);
         f.written.insert(d.id.clone(), (2_000, now));

@@ -5,8 +5,8 @@
 //! and the deletion of what Redis keeps of a restarted replica. Nothing here is on the
 //! request path.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -22,6 +22,7 @@ use super::{Change, Cluster, LoadReport, Message, Peers, Table};
 use crate::conf::netpolicy::Networks;
 use crate::fleet::affinity::AffinityTable;
 use crate::fleet::registry::Registry;
+use crate::fleet::replica::Replica;
 use crate::link::{Channel, Failed, Link, Status};
 
 /// How often each instance publishes a snapshot of its load (changes go out as they happen),
@@ -117,11 +118,14 @@ impl ClusterSync {
         // in the module above), before what Redis holds is adopted.
         self.write_held().await?;
         let adopted = self.bootstrap(&stale).await?;
-        // Those known now are compared (below) and adopted (above); one found from here on,
-        // at its first load snapshot.
-        let mut known: HashSet<Arc<str>> =
-            self.registry.all().iter().map(|r| r.id.clone()).collect();
-        self.unadopt_restarted(&counts).await?;
+        // Those known now are compared (below) and adopted (above); one found from here on
+        // (or removed and added again under its id), at its next load snapshot.
+        let fleet = self.registry.all();
+        let mut known: HashMap<Arc<str>, Weak<Replica>> = fleet
+            .iter()
+            .map(|r| (r.id.clone(), Arc::downgrade(r)))
+            .collect();
+        self.unadopt_restarted(&counts, &fleet).await?;
         self.cluster.set_bootstrapped();
         log::info!("cluster: {adopted} pins adopted from redis");
         // The others' load, followed for as long as this session lasts; this instance's, as
@@ -204,7 +208,8 @@ impl ClusterSync {
                     }
                     self.registry.set_rank(peers.rank(&self.cluster.instance));
                     for r in self.registry.all().iter() {
-                        if known.insert(r.id.clone()) {
+                        let seen = known.insert(r.id.clone(), Arc::downgrade(r));
+                        if !seen.is_some_and(|w| w.ptr_eq(&Arc::downgrade(r))) {
                             restarts::compare_starts(
                                 &self.link,
                                 &self.restarts,

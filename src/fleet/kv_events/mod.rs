@@ -134,6 +134,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             renewed(&r, &mut restarts, &mut seq);
             catch_up(&r, ep.replay.as_deref(), &mut seq).await;
             transition(&replica, &id, &mut state, seq.state());
+            resync(&r, state, restarts);
         }
         // Since the last batch came; and where the stream stood when a probe last found its
         // publisher ahead of it.
@@ -227,6 +228,7 @@ async fn subscribe(replica: Weak<Replica>, source: KvEvents) {
             seq.applied(s, batch.ts);
             count_batch(&r, "batches");
             transition(&replica, &id, &mut state, seq.state());
+            resync(&r, state, restarts);
         }
         tokio::time::sleep(IDLE_CHECK).await;
     }
@@ -363,22 +365,10 @@ fn missed(r: &Replica, seq: &mut Sequence) {
 }
 
 /// Logs and counts a change of a stream's state, once; nothing once the replica left the
-/// registry (its series went with it). The replica's freshness follows the state even when
-/// the state holds: the poll marks a restarted replica's emptied index partial behind the
-/// stream's back, and a stream that found the restart itself first reads on whole.
+/// registry (its series went with it).
 fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>, to: StreamState) {
-    let fresh = match to {
-        StreamState::Live => Freshness::Live,
-        StreamState::Partial => Freshness::Partial,
-        StreamState::Gone => Freshness::Gone,
-    };
-    if *state == Some(to) {
-        if let Some(r) = replica.upgrade().filter(|r| r.cache.freshness() != fresh) {
-            r.cache.set_freshness(fresh);
-        }
-        return;
-    }
-    if replica.strong_count() == 0 {
+    let fresh = freshness(to);
+    if *state == Some(to) || replica.strong_count() == 0 {
         return;
     }
     let from = state.map_or("none", StreamState::as_str);
@@ -397,6 +387,28 @@ fn transition(replica: &Weak<Replica>, id: &str, state: &mut Option<StreamState>
         r.cache.set_freshness(fresh);
     }
     *state = Some(to);
+}
+
+fn freshness(state: StreamState) -> Freshness {
+    match state {
+        StreamState::Live => Freshness::Live,
+        StreamState::Partial => Freshness::Partial,
+        StreamState::Gone => Freshness::Gone,
+    }
+}
+
+/// The replica's freshness as the stream's `state` says, where the two parted while the state
+/// held: the poll marks a restarted replica's emptied index partial behind the stream's back,
+/// and a stream that found the restart itself first reads on whole. Only once the stream
+/// followed every restart the poll read (`restarts`), lest the index the poll just emptied
+/// read live before the stream begins anew.
+fn resync(r: &Replica, state: Option<StreamState>, restarts: u64) {
+    if let Some(state) = state {
+        let fresh = freshness(state);
+        if r.cache.freshness() != fresh && r.restarts() == restarts {
+            r.cache.set_freshness(fresh);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -419,6 +431,11 @@ mod tests {
         r.cache.restarted();
         assert_eq!(r.cache.freshness(), Freshness::Partial);
         transition(&weak, "gpu0", &mut state, StreamState::Live);
+        resync(&r, state, r.restarts());
         assert_eq!(r.cache.freshness(), Freshness::Live);
+        // A restart the stream has not followed yet: the emptied index stays partial.
+        r.cache.restarted();
+        resync(&r, state, r.restarts().wrapping_sub(1));
+        assert_eq!(r.cache.freshness(), Freshness::Partial);
     }
 }

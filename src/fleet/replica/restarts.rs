@@ -27,10 +27,13 @@ pub(super) struct Restarts {
 #[derive(Debug, Default)]
 struct Counter {
     last: Option<u64>,
-    /// Where it was before it last went back, and the reads since.
+    /// Where it was before it last went back, and the reads since, for [`TURNS_WITHIN`].
     fell_from: Option<(u64, u32)>,
-    /// Where it went back to, the last time.
-    fell_to: Option<u64>,
+    /// Where it was before it last went back, for as long as it has not come back there.
+    high: Option<u64>,
+    /// Its last read before it came back there: another server's count, if another server
+    /// took the first fall's place.
+    other: Option<u64>,
     /// It came back to where it was: several servers answer on the address, and their
     /// counters tell nothing of restarts.
     turns: bool,
@@ -65,11 +68,12 @@ impl Replica {
     /// Its `/metrics`, which gives no process start, counts `total` prompt tokens served. Below
     /// the count read before, the server restarted (a counter only goes back to zero with its
     /// process): as [`Replica::started`], its cache model forgets it all, and the restart is
-    /// counted. Unless it comes back to where it was within [`TURNS_WITHIN`] reads, or goes
-    /// back to where it went back to last time or above (a restarted counter starts again
-    /// from zero): then several servers take turns on the address, and counters are not read
-    /// for restarts again (the one emptied estimate is the cost, as with starts). The first
-    /// read is none. Whether it restarted.
+    /// counted. Unless it comes back to where it was within [`TURNS_WITHIN`] reads, or, having
+    /// come back there later, goes back to no lower than its last read before that (another
+    /// server's count, which went on; a restarted counter starts again from zero): then
+    /// several servers take turns on the address, and counters are not read for restarts
+    /// again (the one emptied estimate is the cost, as with starts). The first read is none.
+    /// Whether it restarted.
     pub fn counted(&self, total: u64) -> bool {
         let Ok(mut c) = self.restarts.counter.lock() else {
             return false;
@@ -90,19 +94,28 @@ impl Replica {
             }
             c.fell_from = (reads + 1 < TURNS_WITHIN).then_some((from, reads + 1));
         }
+        if let (Some(high), Some(last)) = (c.high, last) {
+            if total >= high && last < high {
+                c.high = None;
+                c.other = Some(last);
+            }
+        }
         match last {
-            Some(last) if total < last && c.fell_to.is_some_and(|to| total >= to) => {
+            // Back where the other count was, or past it: that server went on counting.
+            Some(last) if total < last && c.other.is_some_and(|o| o > 0 && total >= o) => {
                 c.turns = true;
                 log::warn!(
-                    "replica {}: its prompt tokens counter went back to no lower than the last \
-                     time: several servers answer on its address, so no restart is read from it",
+                    "replica {}: its prompt tokens counter went back to another count it gave \
+                     before, or past it: several servers answer on its address, so no restart \
+                     is read from it",
                     self.id
                 );
                 false
             }
             Some(last) if total < last => {
                 c.fell_from = Some((last, 0));
-                c.fell_to = Some(total);
+                c.high = Some(last);
+                c.other = None;
                 drop(c);
                 self.cache.restarted();
                 self.restarts.count.fetch_add(1, Ordering::Release);
@@ -211,8 +224,16 @@ mod tests {
                 &[1_000, 50, 1_001, 51, 1_002, 52],
                 &[false, true, false, false, false, false],
             ),
+            // A restarted counter's first read is often 0: the next restart is one too.
+            (
+                &[100, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0],
+                &[
+                    false, true, false, false, false, false, false, false, false, false, false,
+                    true,
+                ],
+            ),
             // Two servers, the poll staying on each for a while (kept-alive connections):
-            // the second fall lands above the first.
+            // the second fall lands above the other's last count.
             (
                 &[
                     1_000, 50, 60, 70, 80, 90, 100, 110, 120, 130, 1_200, 1_300, 140, 150,
