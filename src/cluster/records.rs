@@ -131,9 +131,7 @@ impl ClusterSync {
     ) -> Result<(), Failed> {
         for (r, before) in counts {
             if r.restarts() > *before {
-                let pins = self.affinity.forget_replica(&r.id);
-                // The estimate only: the block index is the new process's events' since.
-                r.cache.index.clear();
+                let pins = restarts::unadopt(&self.affinity, r);
                 log::info!(
                     "cluster: replica {} restarted while this instance adopted what redis \
                      keeps: {pins} pins to it and its saved index dropped",

@@ -25,11 +25,10 @@ use std::time::{Duration, Instant};
 use super::records::index_key;
 use super::Table;
 use crate::fleet::affinity::AffinityTable;
-use crate::fleet::poll::plausible_start;
+use crate::fleet::poll::{dropped_on_restart, plausible_start};
 use crate::fleet::replica::Replica;
 use crate::link::{Failed, Lane, Link};
 use crate::protocol::api::prompt::HASH_VERSION;
-use crate::telemetry::metrics::METRICS;
 
 /// Deletes each key of `KEYS` whose value is one of `ARGV` (replica ids); how many went. A
 /// pin another instance moved to another replica meanwhile stands.
@@ -254,18 +253,11 @@ pub(super) async fn compare_starts(
             );
             raise_field(link, "seen", &r.id, mine).await?;
             if adopted {
-                affinity.forget_replica(&r.id);
-                r.cache.index.clear();
+                unadopt(affinity, r);
             }
         } else if mine < *kept && r.started(*kept) {
-            let pins = affinity.forget_replica(&r.id);
-            METRICS.restarts.with_label_values(&[&r.id]).inc();
-            log::warn!(
-                "replica {}: restarted since this instance last read it (redis keeps a later \
-                 process start): its cache is empty, and so is inferlb's view of it; {pins} \
-                 pins to it dropped",
-                r.id
-            );
+            let why = "since this instance last read it: redis keeps a later process start";
+            dropped_on_restart(affinity, r, why);
         }
     }
     if let Ok(mut f) = followed.lock() {
@@ -281,6 +273,14 @@ pub(super) async fn compare_starts(
         }
     }
     Ok(())
+}
+
+/// Drops what was adopted from Redis of `r`, which restarted since: its pins here, and its
+/// estimate (the block index is the new process's events' since). How many pins went.
+pub(super) fn unadopt(affinity: &AffinityTable, r: &Replica) -> usize {
+    let pins = affinity.forget_replica(&r.id);
+    r.cache.index.clear();
+    pins
 }
 
 async fn raise_field(link: &Link, field: &str, replica: &str, start: u64) -> Result<(), Failed> {

@@ -45,6 +45,18 @@ pub fn plausible_start(ms: u64) -> bool {
     ms > 0 && ms <= now_ms().saturating_add(MAX_CLOCK_AHEAD_MS)
 }
 
+/// A restart of `r` was counted (`why`, for the log): its pins go with its cache, said once and
+/// counted. Whoever counts a restart calls this: the poll, or the cluster's comparison with
+/// the start Redis keeps.
+pub fn dropped_on_restart(affinity: &AffinityTable, r: &Replica, why: &str) {
+    let pins = affinity.forget_replica(&r.id);
+    log::warn!(
+        "replica {}: restarted ({why}): its cache is empty, and so is inferlb's view of it; {pins} pins to it dropped",
+        r.id
+    );
+    METRICS.restarts.with_label_values(&[&r.id]).inc();
+}
+
 /// What a vLLM `/metrics` page says about load and cache size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Reported {
@@ -225,12 +237,7 @@ impl LoadReader {
             (None, None) => None,
         };
         if let Some(how) = restarted {
-            let pins = self.affinity.forget_replica(&r.id);
-            log::warn!(
-                "replica {}: restarted (its /metrics {how}): its cache is empty, and so is inferlb's view of it; {pins} pins to it dropped",
-                r.id
-            );
-            METRICS.restarts.with_label_values(&[&r.id]).inc();
+            dropped_on_restart(&self.affinity, r, &format!("its /metrics {how}"));
         }
         let ok = reported.is_some();
         if r.note_metrics_read(ok) {
